@@ -1,0 +1,50 @@
+"""Causal (optionally sliding-window) attention behind one dispatch point.
+
+`attend(q, k, v, window=w, implementation=...)` with q: (batch, seq, heads, head_dim) and k, v:
+(batch, seq, kv_heads, head_dim), kv_heads dividing heads (grouped-query attention). A query at
+position i sees keys j with i - w < j <= i: itself and the previous w-1 tokens (window=None:
+every earlier token).
+
+* `xla`   — the reference: explicit scores, mask and float32 softmax; runs everywhere.
+* `cudnn` — `jax.nn.dot_product_attention(..., implementation="cudnn")` with cuDNN's left-only
+  `local_window_size`; NVIDIA GPUs, bf16/fp16 only (checked when the config is validated).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def sliding_window_mask(seq_len: int, window: int | None) -> jax.Array:
+    """Boolean (seq_len, seq_len) mask: True where query i may attend to key j."""
+    i = jnp.arange(seq_len)[:, None]
+    j = jnp.arange(seq_len)[None, :]
+    mask = j <= i
+    if window is not None:
+        mask &= i - j < window
+    return mask
+
+
+def attend(q, k, v, *, window: int | None, implementation: str = "xla"):
+    if implementation == "xla":
+        return _attend_xla(q, k, v, window)
+    if implementation == "cudnn":
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="cudnn")
+    raise ValueError(f"unknown attention implementation {implementation!r}")
+
+
+def _attend_xla(q, k, v, window):
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    # Group query heads by the kv head they share instead of repeating k and v in memory.
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
+    scores = scores * (head_dim ** -0.5)
+    scores = jnp.where(sliding_window_mask(seq, window), scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(batch, seq, heads, head_dim)

@@ -1,0 +1,328 @@
+"""Typed run configuration: YAML file + dotted `key=value` overrides, validated up front.
+
+One frozen dataclass per section. Every user mistake becomes a `ConfigError` whose message is
+one line naming the key and the fix; entry points print it and exit non-zero *before* JAX
+compiles anything. Checks that need the runtime (device count, platform) live in
+`check_runtime`, called once the backend is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import glob
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message is one line with the fix."""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh (dp, pp, tp). tp is innermost (one host's NVLink domain), then pp, then dp."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cpu_devices: int = 8  # simulated XLA host devices when running on the CPU
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder-only transformer shape and numerics."""
+
+    layers: int = 4
+    d_model: int = 128
+    heads: int = 4
+    kv_heads: int = 4  # grouped-query attention when < heads
+    mlp_ratio: float = 4.0
+    vocab: int = 256
+    seq_len: int = 128
+    block: Literal["parallel", "serial"] = "parallel"
+    window: Optional[int] = None  # sliding window: token sees itself + previous window-1; None = causal
+    attention: Literal["xla", "cudnn", "pallas"] = "xla"
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    @property
+    def mlp_dim(self) -> int:
+        return int(round(self.d_model * self.mlp_ratio))
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split and how communication is overlapped."""
+
+    tp_overlap: Literal["none", "collective_matmul", "xla"] = "none"
+    sequence_parallel: bool = False
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    pp_virtual: int = 1
+    microbatches: int = 1  # gradient-accumulation steps per global batch (pipeline microbatches when pp>1)
+    zero1: bool = False  # shard optimizer state over dp (ZeRO-1)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimizer, learning-rate schedule (linear warmup + cosine decay) and clipping."""
+
+    name: Literal["lamb", "adamw"] = "lamb"
+    lr: float = 3e-3
+    warmup: int = 10
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    weight_decay: float = 0.01  # masked off norms and biases
+    clip: Optional[float] = 1.0  # global-norm clipping; None disables
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-6
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop length, batch, seed and reporting cadence."""
+
+    steps: int = 200
+    global_batch: int = 16  # sequences per step, across all data-parallel replicas
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 50  # validation loss every N steps (0 = only at the end)
+    eval_batches: int = 2
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where tokens come from. `stdlib`: this Python's own standard-library sources, byte-level."""
+
+    source: Literal["stdlib", "files", "tokens"] = "stdlib"
+    path: Optional[str] = None  # files: a glob of text files; tokens: a flat binary token file
+    token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
+    val_fraction: float = 0.05  # share of sequences held out for validation
+
+
+@dataclass(frozen=True)
+class Config:
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny_cpu.yaml")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Read YAML (`path`, default configs/tiny_cpu.yaml), apply `a.b=value` overrides, validate."""
+    path = path or DEFAULT_CONFIG_PATH
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; pass an existing --config")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. mesh.dp=2")
+        *sections, leaf = key.split(".")
+        node = raw
+        for s in sections:
+            node = node.setdefault(s, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {s!r} is not a section")
+        node[leaf] = yaml.safe_load(value) if value != "" else None
+    cfg = from_dict(raw)
+    validate(cfg)
+    return cfg
+
+
+def from_dict(raw: dict) -> Config:
+    """Build a Config from nested dicts, rejecting unknown keys and wrong types."""
+    sections = {}
+    for f in dataclasses.fields(Config):
+        sections[f.name] = f.type
+    for name in raw:
+        if name not in sections:
+            raise ConfigError(f"unknown config section {name!r}{_suggest(name, sections)}")
+    built = {}
+    for f in dataclasses.fields(Config):
+        cls = typing.get_type_hints(Config)[f.name]
+        values = raw.get(f.name) or {}
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {f.name!r} must be a mapping of keys")
+        built[f.name] = _build_section(f.name, cls, values)
+    return Config(**built)
+
+
+def _build_section(section: str, cls: type, values: dict):
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, hints, prefix=section + '.')}")
+        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, hint, value):
+    """Check `value` against the annotated type; only lossless conversions are applied."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(name, args[0], value)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    raise TypeError(f"unsupported config annotation {hint} for {name}")
+
+
+def _suggest(key: str, candidates, prefix: str = "") -> str:
+    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.5)
+    return f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys: {', '.join(candidates)}"
+
+
+def save_config(cfg: Config, path: str) -> None:
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def validate(cfg: Config) -> None:
+    """Static checks that need neither devices nor JAX. Raises ConfigError on the first problem."""
+    m, mo, p, o, t, d = cfg.mesh, cfg.model, cfg.parallel, cfg.optim, cfg.train, cfg.data
+
+    def require(ok: bool, msg: str):
+        if not ok:
+            raise ConfigError(msg)
+
+    for key in ("dp", "pp", "tp", "cpu_devices"):
+        require(getattr(m, key) >= 1, f"mesh.{key}={getattr(m, key)} must be >= 1")
+    for key in ("layers", "d_model", "heads", "kv_heads", "seq_len", "vocab"):
+        require(getattr(mo, key) > 0, f"model.{key}={getattr(mo, key)} must be > 0")
+    require(mo.mlp_ratio > 0, f"model.mlp_ratio={mo.mlp_ratio} must be > 0")
+    require(mo.window is None or mo.window >= 1,
+            f"model.window={mo.window} must be >= 1 (or null for full causal attention)")
+    require(mo.d_model % mo.heads == 0, f"model.d_model={mo.d_model} must be divisible by model.heads={mo.heads}")
+    require(mo.heads % mo.kv_heads == 0,
+            f"model.heads={mo.heads} must be divisible by model.kv_heads={mo.kv_heads} (grouped-query attention)")
+    require(mo.heads % m.tp == 0, f"model.heads={mo.heads} must be divisible by mesh.tp={m.tp}")
+    require(mo.kv_heads % m.tp == 0, f"model.kv_heads={mo.kv_heads} must be divisible by mesh.tp={m.tp}")
+    require(mo.mlp_dim % m.tp == 0,
+            f"MLP width d_model*mlp_ratio={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
+    require(mo.layers % m.pp == 0, f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp}")
+    require(mo.attention != "pallas",
+            "model.attention=pallas is not implemented yet (fused kernels issue); use xla or cudnn")
+
+    require(m.pp == 1, f"mesh.pp={m.pp}: pipeline parallelism is not supported yet; set mesh.pp=1")
+    require(p.tp_overlap == "none",
+            f"parallel.tp_overlap={p.tp_overlap} is not supported yet; set parallel.tp_overlap=none")
+    require(not p.sequence_parallel,
+            "parallel.sequence_parallel=true is not supported yet; set parallel.sequence_parallel=false")
+    require(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be >= 1")
+    require(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
+
+    require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
+    require(o.warmup >= 0, f"optim.warmup={o.warmup} must be >= 0")
+    require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
+    require(o.clip is None or o.clip > 0, f"optim.clip={o.clip} must be > 0 (or null to disable)")
+
+    require(t.steps >= 1, f"train.steps={t.steps} must be >= 1")
+    require(t.global_batch >= 1, f"train.global_batch={t.global_batch} must be >= 1")
+    require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
+    require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
+    require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1")
+    per_step = m.dp * p.microbatches
+    require(t.global_batch % per_step == 0,
+            f"train.global_batch={t.global_batch} must be divisible by mesh.dp*parallel.microbatches="
+            f"{m.dp}*{p.microbatches}={per_step}")
+
+    require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    if d.source == "stdlib":
+        require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
+    elif d.source == "files":
+        require(d.path is not None, "data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
+        matches = sorted(glob.glob(d.path, recursive=True))
+        require(bool(matches), f"data.path={d.path!r} matches no files; pass a glob of readable text files")
+        unreadable = [f for f in matches if not os.access(f, os.R_OK) or not os.path.isfile(f)]
+        require(not unreadable, f"data.path: {unreadable[0]!r} is not a readable file")
+        require(mo.vocab >= 256, f"data.source=files is byte-level: model.vocab={mo.vocab} must be >= 256")
+    else:
+        require(d.path is not None, "data.source=tokens needs data.path=FILE (a flat uint16/uint32 token file)")
+        require(os.path.isfile(d.path) and os.access(d.path, os.R_OK),
+                f"data.path={d.path!r} is not a readable file; pass a flat {d.token_dtype} token file")
+
+
+def check_runtime(cfg: Config, platform: str, device_count: int) -> None:
+    """Checks that need the backend: device count and platform-specific features."""
+    m = cfg.mesh
+    product = m.dp * m.pp * m.tp
+    if platform == "cpu":
+        if product != m.cpu_devices:
+            raise ConfigError(
+                f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but mesh.cpu_devices={m.cpu_devices}; "
+                f"make them equal (e.g. mesh.cpu_devices={product})")
+        if m.cpu_devices > device_count:
+            raise ConfigError(
+                f"mesh.cpu_devices={m.cpu_devices} but this process has only {device_count} CPU devices; "
+                "set mesh.cpu_devices before JAX starts (fresh process)")
+    elif product != device_count:
+        raise ConfigError(
+            f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but {device_count} {platform} devices are "
+            "visible; choose mesh sizes whose product is the device count")
+    if cfg.model.attention == "cudnn":
+        if platform != "gpu":
+            raise ConfigError(f"model.attention=cudnn needs an NVIDIA GPU (platform is {platform}); use model.attention=xla")
+        if cfg.model.dtype != "bfloat16":
+            raise ConfigError("model.attention=cudnn needs model.dtype=bfloat16")
+        if cfg.model.head_dim % 8 or cfg.model.head_dim > 256:
+            raise ConfigError(f"model.attention=cudnn needs head_dim (d_model/heads={cfg.model.head_dim}) "
+                              "a multiple of 8 and <= 256")

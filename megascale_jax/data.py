@@ -1,0 +1,191 @@
+"""Token data: load a corpus, pack it into fixed-length sequences, hand each process its rows.
+
+Design:
+* One flat 1-D token array per run. `data.source=stdlib` (default) is this Python's own
+  standard-library `.py` sources as bytes — real text on every machine, no download;
+  `files` is a glob of text files, also byte-level; `tokens` is a flat uint16/uint32 file,
+  memory-mapped so a huge corpus is never read whole.
+* Packing: sequence i is the window `tokens[i*L : i*L + L + 1]` (inputs = first L tokens,
+  targets = last L). Windows do not overlap except for that one shared boundary token.
+* Split: the last ceil(val_fraction * n) sequences are validation, the rest train — two
+  contiguous blocks, so no validation text hides inside a training sequence.
+* Order depends on the seed alone, never on the mesh: training walks an endless stream of
+  per-epoch permutations, step k takes stream positions [k*B, (k+1)*B); validation walks its
+  sequences in order, cycling. A batch is a list of global sequence indices.
+* Each process materialises only the rows its devices hold and assembles the global
+  `jax.Array` with `jax.make_array_from_process_local_data`.
+* User mistakes (missing/empty inputs, tokens >= vocab, too little data) raise `DataError`:
+  one line naming the key or file and the fix.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import sysconfig
+from typing import Literal
+
+import jax
+import numpy as np
+
+from megascale_jax.config import Config
+
+_SCAN_CHUNK = 1 << 24  # tokens checked against the vocabulary at a time (bounded memory)
+
+
+class DataError(ValueError):
+    """A user-facing data mistake; the message is one line naming the key/file and the fix."""
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_tokens(cfg: Config) -> np.ndarray:
+    """The whole corpus as a 1-D token array (a read-only memmap for `data.source=tokens`)."""
+    d = cfg.data
+    if d.source == "stdlib":
+        stdlib = sysconfig.get_paths()["stdlib"]
+        paths = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+        where = f"data.source=stdlib ({stdlib})"
+        tokens = _read_bytes(paths, where)
+    elif d.source == "files":
+        if d.path is None:
+            raise DataError("data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
+        paths = sorted(glob.glob(d.path, recursive=True))
+        where = f"data.path={d.path!r}"
+        tokens = _read_bytes(paths, where)
+    else:
+        tokens = _map_token_file(d.path, d.token_dtype)
+        where = f"data.path={d.path!r}"
+    _check_vocab(tokens, cfg.model.vocab, where)
+    return tokens
+
+
+def _read_bytes(paths: list[str], where: str) -> np.ndarray:
+    """Byte-level tokens: the files' bytes joined by b"\\n", as uint16."""
+    if not paths:
+        raise DataError(f"{where} matches no files; pass a glob of readable text files")
+    contents = []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                contents.append(f.read())
+        except OSError as e:
+            raise DataError(f"{where}: cannot read {path!r} ({e.strerror}); pass readable text files")
+    data = b"\n".join(contents)
+    if not any(contents):
+        raise DataError(f"{where}: all {len(paths)} matched files are empty; pass non-empty text files")
+    return np.frombuffer(data, dtype=np.uint8).astype(np.uint16)
+
+
+def _map_token_file(path: str | None, dtype: str) -> np.ndarray:
+    """Memory-map a flat binary token file without reading it."""
+    if path is None:
+        raise DataError("data.source=tokens needs data.path=FILE (a flat uint16/uint32 token file)")
+    if not os.path.isfile(path):
+        raise DataError(f"data.path={path!r} is not a file; pass a flat {dtype} token file")
+    size, itemsize = os.path.getsize(path), np.dtype(dtype).itemsize
+    if size == 0:
+        raise DataError(f"data.path={path!r} is empty; pass a non-empty flat {dtype} token file")
+    if size % itemsize:
+        raise DataError(f"data.path={path!r} has {size} bytes, not a multiple of {itemsize}; "
+                        f"is data.token_dtype={dtype} the dtype it was written with?")
+    return np.memmap(path, dtype=dtype, mode="r")
+
+
+def _check_vocab(tokens: np.ndarray, vocab: int, where: str) -> None:
+    """Every token must be < model.vocab; scanned in chunks so a memmap is never loaded whole."""
+    top = max(int(tokens[i:i + _SCAN_CHUNK].max()) for i in range(0, len(tokens), _SCAN_CHUNK))
+    if top >= vocab:
+        raise DataError(f"{where} contains token {top} but model.vocab={vocab}; "
+                        f"set model.vocab>={top + 1} or re-tokenize the data")
+
+
+# ----------------------------------------------------------------------------- packing and order
+
+
+def split_sizes(n_sequences: int, val_fraction: float) -> tuple[int, int]:
+    """(train, val) sequence counts: the last ceil(val_fraction * n) sequences are validation."""
+    n_val = math.ceil(round(val_fraction * n_sequences, 9))  # round: 0.1 * 30 is 3.0000000000000004
+    return n_sequences - n_val, n_val
+
+
+class SequenceBatches:
+    """Global batches of packed sequences for one split; a pure function of (seed, step)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, split: Literal["train", "val"],
+                 val_fraction: float, seed: int, global_batch: int):
+        if seed < 0:
+            raise DataError(f"train.seed={seed} must be >= 0")
+        self.tokens, self.seq_len, self.split = tokens, seq_len, split
+        self.seed, self.global_batch = seed, global_batch
+        self._orders: dict[int, np.ndarray] = {}
+        n = max(len(tokens) - 1, 0) // seq_len
+        self.n_train, self.n_val = split_sizes(n, val_fraction)
+        if self.n_train < global_batch or self.n_val < 1:
+            raise DataError(
+                f"{len(tokens)} tokens pack into {n} sequences of model.seq_len={seq_len} "
+                f"({self.n_train} train, {self.n_val} validation) but train.global_batch={global_batch} "
+                f"needs at least {_tokens_needed(seq_len, global_batch, val_fraction)} tokens; "
+                "lower model.seq_len or train.global_batch, or add data")
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokens: np.ndarray, split: Literal["train", "val"]) -> SequenceBatches:
+        return cls(tokens, cfg.model.seq_len, split, cfg.data.val_fraction, cfg.train.seed,
+                   cfg.train.global_batch)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Training order of one epoch; the previous epoch's is kept, as a batch may span both."""
+        if epoch not in self._orders:
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
+        return self._orders[epoch]
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sequence indices (into the whole packed corpus) of step `step`'s global batch."""
+        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
+        if self.split == "val":
+            return self.n_train + positions % self.n_val
+        epochs, offsets = np.divmod(positions, self.n_train)
+        return np.concatenate([self._epoch_order(int(e))[offsets[epochs == e]] for e in np.unique(epochs)])
+
+    def rows(self, step: int, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of step `step`'s global batch: int32, shape (stop-start, seq_len+1)."""
+        first = self.global_indices(step)[start:stop] * self.seq_len
+        return np.asarray(self.tokens[first[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
+
+
+def _tokens_needed(seq_len: int, global_batch: int, val_fraction: float) -> int:
+    """Fewest tokens giving `global_batch` train sequences and at least one validation sequence."""
+    n = global_batch + 1
+    while split_sizes(n, val_fraction)[0] < global_batch:
+        n += 1
+    return n * seq_len + 1
+
+
+# ----------------------------------------------------------------------------- device placement
+
+
+def process_row_range(sharding: jax.sharding.Sharding, global_shape: tuple[int, int]) -> tuple[int, int]:
+    """[start, stop) of the batch rows held by this process's devices (one contiguous block)."""
+    batch, width = global_shape
+    covered = set()
+    for index in sharding.addressable_devices_indices_map(global_shape).values():
+        rows, cols = index
+        if cols.indices(width) != (0, width, 1):
+            raise ValueError(f"batch sharding must not split the sequence dimension, got {sharding}")
+        covered.update(range(*rows.indices(batch)))
+    start, stop = min(covered), max(covered) + 1
+    if len(covered) != stop - start:
+        raise ValueError(f"this process's batch rows {sorted(covered)} are not contiguous under {sharding}; "
+                         "order mesh devices so each process holds one block of dp")
+    return start, stop
+
+
+def make_global_batch(batches: SequenceBatches, step: int, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Step `step`'s (global_batch, seq_len+1) int32 batch, built from this process's rows only."""
+    global_shape = (batches.global_batch, batches.seq_len + 1)
+    start, stop = process_row_range(sharding, global_shape)
+    local = batches.rows(step, start, stop)
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)

@@ -1,0 +1,219 @@
+"""Parameter count, model FLOPs per token, device peak FLOP/s, MFU and a per-device memory estimate.
+
+FLOPs convention (Megatron-LM's, as in Narayanan et al. 2021 and the MegaScale paper):
+* A matmul with an (m, n) weight costs 2·m·n FLOPs per token in the forward pass. Every weight
+  matrix counts: attention q/k/v/o, MLP w1/w2 and the LM head (d × V). The embedding is a
+  lookup and costs 0. Biases, norms, activations and the softmax are ignored (lower order).
+* Attention scores (q·kᵀ) and values (p·v) cost 2·2·heads·head_dim·ctx per token and layer,
+  where ctx = min(window, seq_len) keys per query (window=None → seq_len). Like Megatron we
+  count the full ctx keys for every query — no halving for the causal mask.
+* Training = forward + backward = 3 × forward; no activation recomputation is counted, so
+  MFU measures useful model work, not the hardware's.
+With kv_heads = heads and mlp_ratio = 4 the training FLOPs per token equal Megatron's
+72·l·d²·(1 + s/(6d) + V/(12·l·d)) (its per-iteration formula divided by batch × seq_len).
+
+`python -m megascale_jax.flops --config configs/gpt_175b.yaml mesh.dp=8 mesh.pp=8 mesh.tp=8`
+prints these numbers for a config and a (possibly hypothetical) mesh, without JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterable, Optional, Sequence
+
+import yaml
+
+from megascale_jax.config import Config, ConfigError, ModelConfig, from_dict
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer layer (the model stacks `layers` of them)."""
+    d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
+    norm = 2 * d if m.norm == "layernorm" else d  # scale (+ bias)
+    norms = 1 if m.block == "parallel" else 2  # the parallel block shares one norm
+    attention = (d * h * hd + h * hd) + 2 * (d * k * hd + k * hd) + (h * hd * d + d)  # q, k+v, o
+    mlp = (d * f + f) + (f * d + d)
+    return norms * norm + attention + mlp
+
+
+def param_count(model_cfg: ModelConfig) -> int:
+    """All parameters: untied embedding and LM head, `layers` blocks, final norm."""
+    m = model_cfg
+    final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
+    return m.vocab * m.d_model + m.layers * _layer_params(m) + final_norm + m.d_model * m.vocab
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def forward_flops_per_token(model_cfg: ModelConfig) -> int:
+    """Forward-pass FLOPs per token (see the module docstring for what is counted)."""
+    m = model_cfg
+    d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
+    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d * f  # q, k+v, o, w1+w2
+    ctx = m.seq_len if m.window is None else min(m.window, m.seq_len)
+    layer_attention = 2 * 2 * h * hd * ctx  # q·kᵀ and p·v over ctx keys, no causal halving
+    lm_head = 2 * d * m.vocab
+    return m.layers * (2 * layer_matmul_weights + layer_attention) + lm_head
+
+
+def model_flops_per_token(model_cfg: ModelConfig) -> int:
+    """Training (forward + backward) model FLOPs per token = 3 × forward."""
+    return 3 * forward_flops_per_token(model_cfg)
+
+
+# ----------------------------------------------------------------------------- peak and MFU
+
+# bf16 dense (no sparsity) tensor-core peaks from NVIDIA's datasheets. Matched as lower-case
+# substrings of `device.device_kind`, most specific first ("h100 pcie" before "h100";
+# "h200" also matches GH200, whose GPU is the H100/H200 SXM part).
+_PEAK_BF16_DENSE = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h200 nvl", 835e12),
+    ("h100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    ("h200", 989e12),
+    ("a100", 312e12),  # SXM and PCIe alike
+)
+
+
+def peak_flops(device) -> Optional[float]:
+    """Peak bf16 dense FLOP/s of a jax device (or a device_kind string); None if unknown (CPU...)."""
+    kind = (device if isinstance(device, str) else getattr(device, "device_kind", "")).lower()
+    for pattern, peak in _PEAK_BF16_DENSE:
+        if pattern in kind:
+            return peak
+    return None  # never guess: an MFU against a made-up peak is worse than none
+
+
+def mfu(tokens_per_s: float, model_cfg: ModelConfig, devices: Iterable) -> Optional[float]:
+    """Model FLOPs utilisation over `devices`, or None when any device's peak is unknown."""
+    peaks = [peak_flops(dev) for dev in devices]
+    if not peaks or any(p is None for p in peaks):
+        return None
+    return tokens_per_s * model_flops_per_token(model_cfg) / sum(peaks)
+
+
+# ----------------------------------------------------------------------------- memory
+
+# Activation values kept per token and d_model per layer for backward (Korthikanti et al. 2022,
+# "Reducing Activation Recomputation", Table 2: 10 + 24/tp bytes at 16 bits, i.e. 5 + 12/tp
+# values; the 24/tp part lives inside tensor-parallel regions).
+ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12
+# model.attention=xla materialises (heads, seq, seq) scores and probabilities: 2 values each.
+XLA_SCORE_VALUES = 2
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def memory_estimate(cfg: Config) -> dict:
+    """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
+    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
+    assume no rematerialisation; pipeline stage 0 keeps min(pp, microbatches) microbatches in flight
+    (all of them for gpipe); the fp32 logits of one microbatch are added for the last stage."""
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
+    embed, head = m.vocab * m.d_model, m.d_model * m.vocab + final_norm
+    edge = embed + head if mesh.pp == 1 else max(embed, head)  # first stage: embed; last: head
+    params = (m.layers // mesh.pp * _layer_params(m) + edge) / mesh.tp
+    optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
+
+    micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
+    tokens = micro_seqs * m.seq_len
+    per_layer = tokens * m.d_model * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / mesh.tp)
+    if m.attention == "xla":
+        per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
+    if mesh.pp == 1:
+        in_flight = 1
+    else:
+        in_flight = par.microbatches if par.pp_schedule == "gpipe" else min(mesh.pp, par.microbatches)
+    activations = in_flight * m.layers // mesh.pp * per_layer * _DTYPE_BYTES[m.dtype]
+    activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
+    parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
+             "activations": activations}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def read_config(path: str, overrides: Sequence[str] = ()) -> Config:
+    """YAML + dotted overrides → Config, with only the shape checks the arithmetic needs.
+
+    Unlike `config.load_config` this accepts meshes the trainer cannot run yet (mesh.pp > 1),
+    so that planning a 175B run works; key names and types are still checked by `from_dict`."""
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; pass an existing --config")
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        *sections, leaf = key.split(".")
+        if not sep or not sections or not leaf:
+            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. mesh.dp=2")
+        node = raw
+        for s in sections:
+            node = node.setdefault(s, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {s!r} is not a section")
+        node[leaf] = yaml.safe_load(value) if value != "" else None
+    cfg = from_dict(raw)
+    m, mesh, per_step = cfg.model, cfg.mesh, cfg.mesh.dp * cfg.parallel.microbatches
+    checks = [
+        (min(mesh.dp, mesh.pp, mesh.tp, cfg.parallel.microbatches) >= 1,
+         "mesh.dp, mesh.pp, mesh.tp and parallel.microbatches must be >= 1"),
+        (min(m.layers, m.d_model, m.heads, m.kv_heads, m.vocab, m.seq_len) >= 1, "model sizes must be >= 1"),
+        (m.window is None or m.window >= 1, f"model.window={m.window} must be >= 1 (or null)"),
+        (m.d_model % m.heads == 0, f"model.d_model={m.d_model} must be divisible by model.heads={m.heads}"),
+        (m.heads % m.kv_heads == 0, f"model.heads={m.heads} must be divisible by model.kv_heads={m.kv_heads}"),
+        (m.kv_heads % mesh.tp == 0 and m.mlp_dim % mesh.tp == 0,
+         f"model.kv_heads={m.kv_heads} and the MLP width {m.mlp_dim} must be divisible by mesh.tp={mesh.tp}"),
+        (m.layers % mesh.pp == 0, f"model.layers={m.layers} must be divisible by mesh.pp={mesh.pp}"),
+        (cfg.train.global_batch % per_step == 0,
+         f"train.global_batch={cfg.train.global_batch} must be divisible by mesh.dp*parallel.microbatches={per_step}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+    return cfg
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
+    parser.add_argument("--target-mfu", type=float, default=0.5, help="MFU assumed for the step-time line")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")
+    args = parser.parse_args(argv)
+    try:
+        cfg = read_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    m, mesh = cfg.model, cfg.mesh
+    n_devices = mesh.dp * mesh.pp * mesh.tp
+    params, per_token = param_count(m), model_flops_per_token(m)
+    step_flops = per_token * cfg.train.global_batch * m.seq_len
+    h100 = peak_flops("NVIDIA H100 80GB HBM3")
+    print(f"parameters:           {params:,} ({params / 1e9:.2f}B)")
+    print(f"FLOPs/token (train):  {per_token:.4g}  (forward {forward_flops_per_token(m):.4g}, window={m.window})")
+    print(f"FLOPs/step (train):   {step_flops:.4g}  (global_batch {cfg.train.global_batch} x seq_len {m.seq_len})")
+    print(f"step time at {args.target_mfu:.0%} MFU on {n_devices} x H100 SXM ({h100 / 1e12:.0f} TFLOP/s bf16): "
+          f"{step_flops / (args.target_mfu * h100 * n_devices):.3g} s")
+    print(f"memory per device (rough), mesh dp={mesh.dp} pp={mesh.pp} tp={mesh.tp}, "
+          f"microbatches={cfg.parallel.microbatches}, zero1={cfg.parallel.zero1}:")
+    for part, nbytes in memory_estimate(cfg).items():
+        print(f"  {part:<12} {nbytes / 2**30:10.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

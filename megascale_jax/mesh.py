@@ -1,0 +1,40 @@
+"""The (dp, pp, tp) device mesh.
+
+Device order follows MegaScale's placement: tp is the innermost axis, so a tensor-parallel group
+is made of consecutive devices of one host (NVLink), then pp, then dp across hosts. We build the
+`Mesh` from an explicitly ordered device list instead of `jax.make_mesh`, whose topology-aware
+reordering could split a tp group across hosts.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh
+
+from megascale_jax.config import MeshConfig
+
+AXES = ("dp", "pp", "tp")
+
+
+def use_cpu_devices(count: int) -> None:
+    """Ask XLA for `count` simulated CPU devices. Must run before the JAX backend starts."""
+    jax.config.update("jax_num_cpu_devices", count)
+
+
+def mesh_devices(cfg: MeshConfig) -> list:
+    """The devices the mesh uses, host-major and in id order within a host."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if jax.default_backend() == "cpu":
+        devices = devices[: cfg.cpu_devices]
+    return devices
+
+
+def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
+    """A classic GSPMD mesh (`AxisType.Auto`): shardings are constraints XLA propagates."""
+    devices = mesh_devices(cfg) if devices is None else list(devices)
+    shape = (cfg.dp, cfg.pp, cfg.tp)
+    if len(devices) != int(np.prod(shape)):
+        raise ValueError(f"mesh {shape} needs {int(np.prod(shape))} devices, got {len(devices)}")
+    grid = np.array(devices, dtype=object).reshape(shape)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -1,0 +1,76 @@
+"""Optimizers: LAMB (MegaScale's choice for large batches) and AdamW, built from optax parts.
+
+Both share: global-norm clipping, linear warmup + cosine decay, and weight decay applied only to
+matrices (projections, embedding, LM head) — never to norms or biases.
+
+LAMB is optax's own composition (`scale_by_adam` → `add_decayed_weights` → trust ratio →
+learning rate) with one change: the trust ratio ||w|| / ||update|| is computed **per layer**.
+Our layers are stacked on a leading `layers` axis for `nn.scan`; optax's `scale_by_trust_ratio`
+would take one norm over all layers at once, which is not LAMB's layer-wise adaptation.
+
+Under `jax.jit` with sharded parameters and state the norms are global (XLA inserts the
+reductions), so ZeRO-1-sharded state gives exactly the unsharded update.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from megascale_jax.config import OptimConfig
+
+# Leaf names of parameters that are matrices (weight decay applies to these).
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "embed", "head"})
+
+
+def _leaf_name(path) -> str:
+    return str(getattr(path[-1], "key", path[-1]))
+
+
+def _is_stacked(path) -> bool:
+    """True for parameters under the scanned `layers` collection (leading axis = layer)."""
+    return any(getattr(k, "key", None) == "layers" for k in path)
+
+
+def decay_mask(params):
+    return jax.tree_util.tree_map_with_path(lambda p, _: _leaf_name(p) in DECAYED, params)
+
+
+def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    decay_steps = max(total_steps, cfg.warmup + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
+        decay_steps=decay_steps, end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def scale_by_layerwise_trust_ratio(min_norm: float = 0.0) -> optax.GradientTransformation:
+    """LAMB's trust ratio with one ratio per layer for stacked (scanned) parameters."""
+
+    def update_fn(updates, state, params):
+        def ratio(path, u, p):
+            axes = tuple(range(1, u.ndim)) if _is_stacked(path) and u.ndim > 1 else None
+            p_norm = jnp.sqrt(jnp.sum(jnp.square(p), axis=axes, keepdims=axes is not None))
+            u_norm = jnp.sqrt(jnp.sum(jnp.square(u), axis=axes, keepdims=axes is not None))
+            # As in optax: ratio 1 where either norm is zero (e.g. freshly zero-initialised biases).
+            trust = jnp.where((p_norm > min_norm) & (u_norm > min_norm), p_norm / u_norm, 1.0)
+            return u * trust.astype(u.dtype)
+
+        return jax.tree_util.tree_map_with_path(ratio, updates, params), state
+
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    schedule = learning_rate_schedule(cfg, total_steps)
+    clip = optax.clip_by_global_norm(cfg.clip) if cfg.clip is not None else optax.identity()
+    if cfg.name == "adamw":
+        return optax.chain(clip, optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                             weight_decay=cfg.weight_decay, mask=decay_mask))
+    return optax.chain(
+        clip,
+        optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
+        optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
+        scale_by_layerwise_trust_ratio(),
+        optax.scale_by_learning_rate(schedule),
+    )

@@ -1,0 +1,285 @@
+"""`python -m megascale_jax.train [--config YAML] [--run-dir DIR] [section.key=value ...]`
+
+The whole training loop, top to bottom: validate the config and the data (nothing is compiled
+before both pass), build the (dp, pp, tp) mesh, initialise sharded parameters and optimizer
+state, compile one update step with donated state and explicit out shardings, then loop — data,
+step, metrics — writing `RUN_DIR/config.yaml` and one `metrics.jsonl` record per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megascale_jax import data, flops, sharding
+from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
+from megascale_jax.mesh import make_mesh, use_cpu_devices
+from megascale_jax.model import Transformer, loss_fn
+from megascale_jax.optim import learning_rate_schedule, make_optimizer
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf."""
+
+
+# ============================================================================ state and steps
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # number of updates applied so far
+    params: Any
+    opt_state: Any
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything compiled for one config on one mesh."""
+
+    cfg: Config
+    mesh: Mesh
+    model: Transformer
+    state_shardings: TrainState
+    batch_sharding: NamedSharding
+    init: Callable[[], TrainState]
+    train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
+    eval_loss: Callable[[Any, jax.Array], jax.Array]
+
+
+def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
+    model = Transformer(cfg.model)
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
+    schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
+    replicated = sharding.replicated(mesh)
+    dummy = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+
+    # Shapes and logical axes come from an abstract init; nothing is allocated here.
+    boxed = jax.eval_shape(model.init, jax.random.key(0), dummy)["params"]
+    param_shardings = sharding.param_shardings(boxed, mesh)
+    abstract_params = nn.unbox(boxed)
+    moment_shardings = param_shardings
+    if cfg.parallel.zero1:
+        moment_shardings = jax.tree.map(
+            lambda s, x: sharding.zero1_sharding(s, x.shape, mesh), param_shardings, abstract_params)
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract_params), moment_shardings,
+        transform_non_params=lambda _: replicated)
+    state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+    def init() -> TrainState:
+        # threefry is partitionable, so values depend on the seed only, never on the shardings.
+        params = nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"]
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    def grads_and_loss(params, batch):
+        m = cfg.parallel.microbatches
+        if m == 1:
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
+            return loss, grads
+        # Microbatch j takes rows j, j+m, j+2m, ...: every dp shard holds a whole number of rows
+        # of every microbatch, so the split is local (no communication).
+        micro = batch.reshape(batch.shape[0] // m, m, -1).swapaxes(0, 1)
+        micro = jax.lax.with_sharding_constraint(micro, NamedSharding(mesh, P(None, "dp", None)))
+
+        def accumulate(carry, mb):
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, mb))(params)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
+        return loss / m, jax.tree.map(lambda g: g / m, grads)
+
+    def train_step(state: TrainState, batch):
+        loss, grads = grads_and_loss(state.params, batch)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    metric_shardings = {"loss": replicated, "grad_norm": replicated, "lr": replicated}
+    batch_sharding = sharding.batch_sharding(mesh)
+    return Trainer(
+        cfg=cfg, mesh=mesh, model=model, state_shardings=state_shardings, batch_sharding=batch_sharding,
+        init=_with_rules(mesh, jax.jit(init, out_shardings=state_shardings)),
+        train_step=_with_rules(mesh, jax.jit(
+            train_step, in_shardings=(state_shardings, batch_sharding),
+            out_shardings=(state_shardings, metric_shardings), donate_argnums=0)),
+        eval_loss=_with_rules(mesh, jax.jit(
+            lambda params, batch: loss_fn(model, params, batch),
+            in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)),
+    )
+
+
+def _with_rules(mesh: Mesh, fn):
+    """Trace and run `fn` with the mesh and the logical-axis rules in scope."""
+
+    def wrapped(*args):
+        with jax.set_mesh(mesh), sharding.axis_rules():
+            return fn(*args)
+
+    wrapped.lower = lambda *args: _lower_with_rules(mesh, fn, *args)
+    return wrapped
+
+
+def _lower_with_rules(mesh, fn, *args):
+    with jax.set_mesh(mesh), sharding.axis_rules():
+        return fn.lower(*args)
+
+
+# ============================================================================ the loop
+
+
+def evaluate(trainer: Trainer, params, batches: data.SequenceBatches, count: int) -> float:
+    losses = [trainer.eval_loss(params, data.make_global_batch(batches, i, trainer.batch_sharding))
+              for i in range(count)]
+    return float(jnp.mean(jnp.stack(losses)))
+
+
+def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
+    """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl."""
+    from tqdm import tqdm
+
+    mesh = make_mesh(cfg.mesh)
+    trainer = build_trainer(cfg, mesh)
+    train_batches = data.SequenceBatches(tokens, cfg, split="train")
+    val_batches = data.SequenceBatches(tokens, cfg, split="val")
+    is_main = jax.process_index() == 0
+    log = tqdm.write if is_main else (lambda *_: None)
+
+    t0 = time.perf_counter()
+    state = trainer.init()
+    first = data.make_global_batch(train_batches, 0, trainer.batch_sharding)
+    trainer.train_step.lower(state, first).compile()
+    log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
+        f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
+        f"initialised and compiled in {time.perf_counter() - t0:.1f}s")
+
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    records: list[dict] = []
+    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+    bar = tqdm(total=cfg.train.steps, disable=not is_main, unit="step", dynamic_ncols=True)
+
+    def finish(step: int, metrics, data_wait: float, val_loss, last_time: float) -> float:
+        """Fetch one step's metrics (this blocks on that step only), check and record them."""
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+            raise TrainingDiverged(
+                f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: training diverged; "
+                f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip")
+        step_time = now - last_time
+        record = {"step": step, **values, "step_time_s": step_time,
+                  "tokens_per_s": tokens_per_step / step_time,
+                  "mfu": flops.mfu(tokens_per_step / step_time, cfg.model, mesh.devices.flat),
+                  "data_wait_s": data_wait}
+        if val_loss is not None:
+            record["val_loss"] = val_loss
+        records.append(record)
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        bar.update(1)
+        bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if step % cfg.train.log_every == 0 or "val_loss" in record:
+            val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            log(f"step {step:5d} loss {values['loss']:.4f}{val} grad_norm {values['grad_norm']:.3f} "
+                f"lr {values['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+        return now
+
+    # Metrics of step k are fetched after step k+1 has been dispatched, so the host never
+    # leaves the devices idle while it logs.
+    pending = None
+    last_time = time.perf_counter()
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            t_data = time.perf_counter()
+            batch = first if step == 1 else data.make_global_batch(train_batches, step - 1, trainer.batch_sharding)
+            data_wait = time.perf_counter() - t_data
+            state, metrics = trainer.train_step(state, batch)
+            val_loss = None
+            if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                val_loss = evaluate(trainer, state.params, val_batches, cfg.train.eval_batches)
+            if pending:
+                last_time = finish(*pending, last_time)
+            pending = (step, metrics, data_wait, val_loss)
+        finish(*pending, last_time)
+    finally:
+        bar.close()
+        if metrics_file:
+            metrics_file.close()
+    return records
+
+
+# ============================================================================ command line
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.train", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
+    parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for multi-host runs")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
+    return parser.parse_args(argv)
+
+
+def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None) -> str:
+    if run_dir is None:
+        name = os.path.splitext(os.path.basename(config_path or "tiny_cpu"))[0]
+        run_dir = os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl); pass a new --run-dir")
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        save_config(cfg, os.path.join(run_dir, "config.yaml"))
+    except OSError as e:
+        raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
+    return run_dir
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        try:
+            use_cpu_devices(cfg.mesh.cpu_devices)
+        except RuntimeError:
+            pass  # backend already started (called in-process); check_runtime reports a mismatch
+        if args.coordinator:
+            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+        check_runtime(cfg, jax.default_backend(), jax.device_count())
+        tokens = data.load_tokens(cfg)
+        data.SequenceBatches(tokens, cfg, split="train"), data.SequenceBatches(tokens, cfg, split="val")
+        run_dir = args.run_dir
+        if jax.process_index() == 0:
+            run_dir = prepare_run_dir(args.run_dir, cfg, args.config)
+    except (ConfigError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg, run_dir, tokens)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    if jax.process_index() == 0:
+        print(f"run directory: {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
