@@ -129,8 +129,12 @@ DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Read YAML (`path`, default configs/tiny_cpu.yaml), apply `a.b=value` overrides, validate."""
+def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = (), *,
+                planning: bool = False) -> Config:
+    """Read YAML (`path`, default configs/tiny_cpu.yaml), apply `a.b=value` overrides, validate.
+
+    `planning=True` checks only what sizing arithmetic needs (`python -m megascale_jax.flops`
+    plans meshes the trainer cannot run yet and needs no data)."""
     path = path or DEFAULT_CONFIG_PATH
     try:
         with open(path) as f:
@@ -143,7 +147,7 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
         raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key:
+        if not sep or "." not in key or not all(key.split(".")):
             raise ConfigError(f"override {item!r} must look like section.key=value, e.g. mesh.dp=2")
         *sections, leaf = key.split(".")
         node = raw
@@ -153,7 +157,7 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
                 raise ConfigError(f"override {item!r}: {s!r} is not a section")
         node[leaf] = yaml.safe_load(value) if value != "" else None
     cfg = from_dict(raw)
-    validate(cfg)
+    validate(cfg, planning=planning)
     return cfg
 
 
@@ -235,8 +239,10 @@ def save_config(cfg: Config, path: str) -> None:
 # ----------------------------------------------------------------------------- validation
 
 
-def validate(cfg: Config) -> None:
-    """Static checks that need neither devices nor JAX. Raises ConfigError on the first problem."""
+def validate(cfg: Config, planning: bool = False) -> None:
+    """Static checks that need neither devices nor JAX. Raises ConfigError on the first problem.
+
+    `planning=True` stops after the shape arithmetic: no feature-support or data checks."""
     m, mo, p, o, t, d = cfg.mesh, cfg.model, cfg.parallel, cfg.optim, cfg.train, cfg.data
 
     def require(ok: bool, msg: str):
@@ -258,14 +264,6 @@ def validate(cfg: Config) -> None:
     require(mo.mlp_dim % m.tp == 0,
             f"MLP width d_model*mlp_ratio={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
     require(mo.layers % m.pp == 0, f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp}")
-    require(mo.attention != "pallas",
-            "model.attention=pallas is not implemented yet (fused kernels issue); use xla or cudnn")
-
-    require(m.pp == 1, f"mesh.pp={m.pp}: pipeline parallelism is not supported yet; set mesh.pp=1")
-    require(p.tp_overlap == "none",
-            f"parallel.tp_overlap={p.tp_overlap} is not supported yet; set parallel.tp_overlap=none")
-    require(not p.sequence_parallel,
-            "parallel.sequence_parallel=true is not supported yet; set parallel.sequence_parallel=false")
     require(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be >= 1")
     require(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
 
@@ -280,19 +278,30 @@ def validate(cfg: Config) -> None:
     require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
     require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
     require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1")
+    require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     per_step = m.dp * p.microbatches
     require(t.global_batch % per_step == 0,
             f"train.global_batch={t.global_batch} must be divisible by mesh.dp*parallel.microbatches="
             f"{m.dp}*{p.microbatches}={per_step}")
+    if planning:
+        return
+
+    require(mo.attention != "pallas",
+            "model.attention=pallas is not implemented yet (fused kernels issue); use xla or cudnn")
+    require(m.pp == 1, f"mesh.pp={m.pp}: pipeline parallelism is not supported yet; set mesh.pp=1")
+    require(p.tp_overlap == "none",
+            f"parallel.tp_overlap={p.tp_overlap} is not supported yet; set parallel.tp_overlap=none")
+    require(not p.sequence_parallel,
+            "parallel.sequence_parallel=true is not supported yet; set parallel.sequence_parallel=false")
 
     require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
     if d.source == "stdlib":
         require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
     elif d.source == "files":
         require(d.path is not None, "data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
-        matches = sorted(glob.glob(d.path, recursive=True))
+        matches = [f for f in glob.glob(d.path, recursive=True) if os.path.isfile(f)]
         require(bool(matches), f"data.path={d.path!r} matches no files; pass a glob of readable text files")
-        unreadable = [f for f in matches if not os.access(f, os.R_OK) or not os.path.isfile(f)]
+        unreadable = [f for f in matches if not os.access(f, os.R_OK)]
         require(not unreadable, f"data.path: {unreadable[0]!r} is not a readable file")
         require(mo.vocab >= 256, f"data.source=files is byte-level: model.vocab={mo.vocab} must be >= 256")
     else:

@@ -52,7 +52,7 @@ def load_tokens(cfg: Config) -> np.ndarray:
     elif d.source == "files":
         if d.path is None:
             raise DataError("data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
-        paths = sorted(glob.glob(d.path, recursive=True))
+        paths = sorted(f for f in glob.glob(d.path, recursive=True) if os.path.isfile(f))
         where = f"data.path={d.path!r}"
         tokens = _read_bytes(paths, where)
     else:

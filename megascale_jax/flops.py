@@ -22,9 +22,8 @@ import argparse
 import sys
 from typing import Iterable, Optional, Sequence
 
-import yaml
 
-from megascale_jax.config import Config, ConfigError, ModelConfig, from_dict
+from megascale_jax.config import Config, ConfigError, ModelConfig, load_config
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -140,52 +139,6 @@ def memory_estimate(cfg: Config) -> dict:
 # ----------------------------------------------------------------------------- CLI
 
 
-def read_config(path: str, overrides: Sequence[str] = ()) -> Config:
-    """YAML + dotted overrides → Config, with only the shape checks the arithmetic needs.
-
-    Unlike `config.load_config` this accepts meshes the trainer cannot run yet (mesh.pp > 1),
-    so that planning a 175B run works; key names and types are still checked by `from_dict`."""
-    try:
-        with open(path) as f:
-            raw = yaml.safe_load(f) or {}
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; pass an existing --config")
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        *sections, leaf = key.split(".")
-        if not sep or not sections or not leaf:
-            raise ConfigError(f"override {item!r} must look like section.key=value, e.g. mesh.dp=2")
-        node = raw
-        for s in sections:
-            node = node.setdefault(s, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {s!r} is not a section")
-        node[leaf] = yaml.safe_load(value) if value != "" else None
-    cfg = from_dict(raw)
-    m, mesh, per_step = cfg.model, cfg.mesh, cfg.mesh.dp * cfg.parallel.microbatches
-    checks = [
-        (min(mesh.dp, mesh.pp, mesh.tp, cfg.parallel.microbatches) >= 1,
-         "mesh.dp, mesh.pp, mesh.tp and parallel.microbatches must be >= 1"),
-        (min(m.layers, m.d_model, m.heads, m.kv_heads, m.vocab, m.seq_len) >= 1, "model sizes must be >= 1"),
-        (m.window is None or m.window >= 1, f"model.window={m.window} must be >= 1 (or null)"),
-        (m.d_model % m.heads == 0, f"model.d_model={m.d_model} must be divisible by model.heads={m.heads}"),
-        (m.heads % m.kv_heads == 0, f"model.heads={m.heads} must be divisible by model.kv_heads={m.kv_heads}"),
-        (m.kv_heads % mesh.tp == 0 and m.mlp_dim % mesh.tp == 0,
-         f"model.kv_heads={m.kv_heads} and the MLP width {m.mlp_dim} must be divisible by mesh.tp={mesh.tp}"),
-        (m.layers % mesh.pp == 0, f"model.layers={m.layers} must be divisible by mesh.pp={mesh.pp}"),
-        (cfg.train.global_batch % per_step == 0,
-         f"train.global_batch={cfg.train.global_batch} must be divisible by mesh.dp*parallel.microbatches={per_step}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
-    return cfg
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
@@ -193,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")
     args = parser.parse_args(argv)
     try:
-        cfg = read_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides, planning=True)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -155,8 +155,8 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
 
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
-    train_batches = data.SequenceBatches(tokens, cfg, split="train")
-    val_batches = data.SequenceBatches(tokens, cfg, split="val")
+    train_batches = data.SequenceBatches.from_config(cfg, tokens, "train")
+    val_batches = data.SequenceBatches.from_config(cfg, tokens, "val")
     is_main = jax.process_index() == 0
     log = tqdm.write if is_main else (lambda *_: None)
 
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         check_runtime(cfg, jax.default_backend(), jax.device_count())
         tokens = data.load_tokens(cfg)
-        data.SequenceBatches(tokens, cfg, split="train"), data.SequenceBatches(tokens, cfg, split="val")
+        data.SequenceBatches.from_config(cfg, tokens, "train"), data.SequenceBatches.from_config(cfg, tokens, "val")
         run_dir = args.run_dir
         if jax.process_index() == 0:
             run_dir = prepare_run_dir(args.run_dir, cfg, args.config)

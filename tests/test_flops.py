@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from megascale_jax import flops
-from megascale_jax.config import Config, ModelConfig, ParallelConfig, MeshConfig, TrainConfig
+from megascale_jax.config import Config, ModelConfig, ParallelConfig, MeshConfig, TrainConfig, load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,14 +43,14 @@ def test_param_count_block_norm_and_gqa_variants():
 
 
 def test_paper_model_sizes():
-    p175 = flops.param_count(flops.read_config(os.path.join(REPO, "configs/gpt_175b.yaml")).model)
-    p530 = flops.param_count(flops.read_config(os.path.join(REPO, "configs/gpt_530b.yaml")).model)
+    p175 = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_175b.yaml"), planning=True).model)
+    p530 = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_530b.yaml"), planning=True).model)
     # per layer: 12 d^2 weights, biases q k v o (4d) + w1 (4d) + w2 (d), one layernorm (2d)
     assert p175 == 96 * (12 * 12288**2 + 9 * 12288 + 2 * 12288) + 2 * 64000 * 12288 + 2 * 12288
     assert p175 == 175_532_040_192
     assert p530 == 531_127_439_360
     assert abs(p175 / 175e9 - 1) < 0.02 and abs(p530 / 530e9 - 1) < 0.03
-    p1b = flops.param_count(flops.read_config(os.path.join(REPO, "configs/gpt_1b.yaml")).model)
+    p1b = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_1b.yaml"), planning=True).model)
     assert 1.0e9 < p1b < 1.6e9
 
 
@@ -80,7 +80,7 @@ def test_gqa_flops():
 
 @pytest.mark.parametrize("name", ["gpt_175b", "gpt_530b", "gpt_1b"])
 def test_megatron_closed_form(name):
-    m = flops.read_config(os.path.join(REPO, "configs", f"{name}.yaml")).model
+    m = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), planning=True).model
     l, h, s, V = m.layers, m.d_model, m.seq_len, m.vocab  # Narayanan et al. 2021, eq. (3) per token
     assert flops.model_flops_per_token(m) == 72 * l * h * h + 12 * l * h * s + 6 * h * V
 
