@@ -143,12 +143,6 @@ def _lower_with_rules(mesh, fn, *args):
 # ============================================================================ the loop
 
 
-def evaluate(trainer: Trainer, params, batches: data.SequenceBatches, count: int) -> float:
-    losses = [trainer.eval_loss(params, data.make_global_batch(batches, i, trainer.batch_sharding))
-              for i in range(count)]
-    return float(jnp.mean(jnp.stack(losses)))
-
-
 def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl."""
     from tqdm import tqdm
@@ -163,18 +157,27 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
     t0 = time.perf_counter()
     state = trainer.init()
     first = data.make_global_batch(train_batches, 0, trainer.batch_sharding)
-    trainer.train_step.lower(state, first).compile()
+    # Compile everything up front, so no step's time includes compilation.
+    train_step = trainer.train_step.lower(state, first).compile()
+    eval_loss = trainer.eval_loss.lower(state.params, first).compile()
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
         f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
         f"initialised and compiled in {time.perf_counter() - t0:.1f}s")
+
+    def validation_loss(params) -> float:
+        losses = [eval_loss(params, data.make_global_batch(val_batches, i, trainer.batch_sharding))
+                  for i in range(cfg.train.eval_batches)]
+        return float(jnp.mean(jnp.stack(losses)))
 
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     records: list[dict] = []
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
     bar = tqdm(total=cfg.train.steps, disable=not is_main, unit="step", dynamic_ncols=True)
 
-    def finish(step: int, metrics, data_wait: float, val_loss, last_time: float) -> float:
-        """Fetch one step's metrics (this blocks on that step only), check and record them."""
+    def finish(step: int, metrics, data_wait: float, last_time: float, params=None) -> float:
+        """Fetch one step's metrics (blocking on that step only), check and record them.
+
+        With `params`, also measure the validation loss; it is left out of the step times."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
         if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
@@ -186,8 +189,8 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
                   "tokens_per_s": tokens_per_step / step_time,
                   "mfu": flops.mfu(tokens_per_step / step_time, cfg.model, mesh.devices.flat),
                   "data_wait_s": data_wait}
-        if val_loss is not None:
-            record["val_loss"] = val_loss
+        if params is not None:
+            record["val_loss"] = validation_loss(params)
         records.append(record)
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
@@ -198,10 +201,10 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
             val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
             log(f"step {step:5d} loss {values['loss']:.4f}{val} grad_norm {values['grad_norm']:.3f} "
                 f"lr {values['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
-        return now
+        return time.perf_counter()
 
     # Metrics of step k are fetched after step k+1 has been dispatched, so the host never
-    # leaves the devices idle while it logs.
+    # leaves the devices idle while it logs. Validation steps are finished synchronously.
     pending = None
     last_time = time.perf_counter()
     try:
@@ -209,14 +212,14 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
             t_data = time.perf_counter()
             batch = first if step == 1 else data.make_global_batch(train_batches, step - 1, trainer.batch_sharding)
             data_wait = time.perf_counter() - t_data
-            state, metrics = trainer.train_step(state, batch)
-            val_loss = None
-            if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                val_loss = evaluate(trainer, state.params, val_batches, cfg.train.eval_batches)
+            state, metrics = train_step(state, batch)
             if pending:
                 last_time = finish(*pending, last_time)
-            pending = (step, metrics, data_wait, val_loss)
-        finish(*pending, last_time)
+                pending = None
+            if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
+                last_time = finish(step, metrics, data_wait, last_time, params=state.params)
+            else:
+                pending = (step, metrics, data_wait)
     finally:
         bar.close()
         if metrics_file:
