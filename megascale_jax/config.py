@@ -310,19 +310,24 @@ def validate(cfg: Config, planning: bool = False) -> None:
                 f"data.path={d.path!r} is not a readable file; pass a flat {d.token_dtype} token file")
 
 
-def check_runtime(cfg: Config, platform: str, device_count: int) -> None:
-    """Checks that need the backend: device count and platform-specific features."""
+def check_runtime(cfg: Config, platform: str, device_count: int, process_count: int = 1) -> None:
+    """Checks that need the backend: device count and platform-specific features.
+
+    On the CPU each process simulates `mesh.cpu_devices` devices, so the mesh must have
+    cpu_devices x (number of processes) of them."""
     m = cfg.mesh
     product = m.dp * m.pp * m.tp
     if platform == "cpu":
-        if product != m.cpu_devices:
+        wanted = m.cpu_devices * process_count
+        if product != wanted:
+            per = f" x {process_count} processes" if process_count > 1 else ""
             raise ConfigError(
-                f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but mesh.cpu_devices={m.cpu_devices}; "
-                f"make them equal (e.g. mesh.cpu_devices={product})")
-        if m.cpu_devices > device_count:
+                f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but mesh.cpu_devices={m.cpu_devices}{per}="
+                f"{wanted}; make them equal (e.g. mesh.cpu_devices={product // process_count})")
+        if wanted > device_count:
             raise ConfigError(
-                f"mesh.cpu_devices={m.cpu_devices} but this process has only {device_count} CPU devices; "
-                "set mesh.cpu_devices before JAX starts (fresh process)")
+                f"mesh.cpu_devices={m.cpu_devices} but this process has only {device_count // process_count} "
+                "CPU devices; set mesh.cpu_devices before JAX starts (fresh process)")
     elif product != device_count:
         raise ConfigError(
             f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but {device_count} {platform} devices are "

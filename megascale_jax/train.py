@@ -265,7 +265,7 @@ def main(argv=None) -> int:
             pass  # backend already started (called in-process); check_runtime reports a mismatch
         if args.coordinator:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-        check_runtime(cfg, jax.default_backend(), jax.device_count())
+        check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         tokens = data.load_tokens(cfg)
         data.SequenceBatches.from_config(cfg, tokens, "train"), data.SequenceBatches.from_config(cfg, tokens, "val")
         run_dir = args.run_dir

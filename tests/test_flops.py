@@ -158,3 +158,18 @@ def test_cli_config_errors_exit_2_with_one_line(override, words):
 def test_cli_missing_config_file():
     r = _cli("--config", "configs/does_not_exist.yaml")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does_not_exist" in r.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"block": "serial", "norm": "rmsnorm", "kv_heads": 1},
+    {"heads": 8, "kv_heads": 2, "mlp_ratio": 2.5, "window": 7},
+])
+def test_param_count_equals_initialised_model(overrides):
+    import jax
+    from megascale_jax.model import Transformer
+
+    cfg = dataclasses.replace(ModelConfig(layers=3, d_model=64, heads=4, kv_heads=4, vocab=300), **overrides)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 8), "int32")))
+    counted = sum(x.size for x in jax.tree.leaves(shapes))
+    assert flops.param_count(cfg) == counted
