@@ -264,6 +264,7 @@ def main(argv=None) -> int:
         except RuntimeError:
             pass  # backend already started (called in-process); check_runtime reports a mismatch
         if args.coordinator:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         tokens = data.load_tokens(cfg)
