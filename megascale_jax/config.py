@@ -302,7 +302,7 @@ def validate(cfg: Config, planning: bool = False) -> None:
         matches = [f for f in glob.glob(d.path, recursive=True) if os.path.isfile(f)]
         require(bool(matches), f"data.path={d.path!r} matches no files; pass a glob of readable text files")
         unreadable = [f for f in matches if not os.access(f, os.R_OK)]
-        require(not unreadable, f"data.path: {unreadable[0]!r} is not a readable file")
+        require(not unreadable, f"data.path: {unreadable[:1]} is not readable; fix its permissions")
         require(mo.vocab >= 256, f"data.source=files is byte-level: model.vocab={mo.vocab} must be >= 256")
     else:
         require(d.path is not None, "data.source=tokens needs data.path=FILE (a flat uint16/uint32 token file)")

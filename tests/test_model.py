@@ -12,7 +12,9 @@ can silently vanish.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import os
 import re
 import zlib
 
@@ -40,27 +42,34 @@ def _cfg(**kw) -> ModelConfig:
     return dataclasses.replace(BASE, **kw)
 
 
-def _random_params(cfg: ModelConfig, seed: int, scale: float = 0.3):
-    """Initialise the model, then re-draw every leaf from N(0, scale^2) with its own key.
+def _param_shapes(cfg: ModelConfig):
+    """Unboxed ShapeDtypeStruct tree of the model's parameters (traced, never compiled)."""
+    tokens = jax.ShapeDtypeStruct((1, cfg.seq_len), jnp.int32)
+    return nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), tokens))["params"]
 
-    Norm scales are drawn as 1 + N(0, scale^2) (non-trivial but not collapsing the signal);
-    everything else, biases included, is N(0, scale^2). Returns unboxed float32 params.
+
+def _random_params(cfg: ModelConfig, seed: int, scale: float = 0.3):
+    """Every parameter leaf drawn at random with its own generator (seed, leaf index).
+
+    Norm scales are 1 + N(0, scale^2) (non-trivial but not collapsing the signal); everything
+    else, biases included, is N(0, scale^2). float32 NumPy arrays (host RNG: no compiles).
     """
-    model = Transformer(cfg)
-    tokens = jnp.zeros((1, cfg.seq_len), jnp.int32)  # only the shape matters for init
-    params = nn.unbox(model.init(jax.random.key(0), tokens))["params"]
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    key = jax.random.key(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(_param_shapes(cfg))
     new = []
     for i, (path, leaf) in enumerate(leaves):
-        noise = jax.random.normal(jax.random.fold_in(key, i), leaf.shape, jnp.float32) * scale
-        name = jax.tree_util.keystr(path)
-        new.append((1.0 + noise) if name.endswith("['scale']") else noise)
+        assert leaf.dtype == jnp.float32, path
+        noise = np.random.default_rng([seed, i]).normal(0.0, scale, leaf.shape)
+        is_scale = jax.tree_util.keystr(path).endswith("['scale']")
+        new.append(((1.0 + noise) if is_scale else noise).astype(np.float32))
     return jax.tree_util.tree_unflatten(treedef, new)
 
 
+def _apply(cfg: ModelConfig, params, tokens):
+    return jax.jit(Transformer(cfg).apply)({"params": params}, tokens)
+
+
 def _random_tokens(seed: int, shape, vocab: int):
-    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
+    return np.random.default_rng(seed).integers(0, vocab, shape).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------- float64 reference
@@ -202,25 +211,45 @@ def test_reference_gelu_variants_differ():
 
 WINDOWS = [None, 1, 3, BASE.seq_len, BASE.seq_len + 5]
 KV_HEADS = [BASE.heads, BASE.heads // 2, 1]
+FACTORS = dict(window=WINDOWS, kv_heads=KV_HEADS, block=["parallel", "serial"],
+               norm=["layernorm", "rmsnorm"], activation=["gelu", "gelu_tanh"])
 
-# Full product of block x window x kv_heads, with (norm, activation) cycling through all four
-# combinations so each appears with every block type; plus the full norm x activation x block
-# product at a fixed window/kv below. 30 + 8 cases keep the file well under a minute.
-_NA = [("layernorm", "gelu_tanh"), ("rmsnorm", "gelu"), ("layernorm", "gelu"), ("rmsnorm", "gelu_tanh")]
-GRID = []
-for _bi, _block in enumerate(["parallel", "serial"]):
-    for _wi, _window in enumerate(WINDOWS):
-        for _ki, _kv in enumerate(KV_HEADS):
-            _norm, _act = _NA[(_bi + _wi + _ki) % 4]
-            GRID.append(dict(block=_block, window=_window, kv_heads=_kv, norm=_norm, activation=_act))
-for _block in ["parallel", "serial"]:
-    for _norm in ["layernorm", "rmsnorm"]:
-        for _act in ["gelu", "gelu_tanh"]:
-            GRID.append(dict(block=_block, window=5, kv_heads=2, norm=_norm, activation=_act))
+# The full product is 120 models (~1-2 s of compile each on 2 CPU cores). By default we run a
+# covering design instead: every (window, kv_heads) pair once, chosen so that every pair of values
+# of any two factors appears and all 8 (block, norm, activation) combinations appear
+# (test_grid_is_a_covering_design checks it). MEGASCALE_FULL_MODEL_GRID=1 runs the full product.
+_ROWS = [
+    (None, 4, "serial", "rmsnorm", "gelu"),
+    (None, 2, "serial", "layernorm", "gelu_tanh"),
+    (None, 1, "parallel", "layernorm", "gelu_tanh"),
+    (1, 4, "parallel", "layernorm", "gelu"),
+    (1, 2, "parallel", "rmsnorm", "gelu_tanh"),
+    (1, 1, "serial", "layernorm", "gelu_tanh"),
+    (3, 4, "serial", "rmsnorm", "gelu_tanh"),
+    (3, 2, "parallel", "layernorm", "gelu_tanh"),
+    (3, 1, "serial", "layernorm", "gelu"),
+    (12, 4, "parallel", "rmsnorm", "gelu_tanh"),
+    (12, 2, "serial", "rmsnorm", "gelu"),
+    (12, 1, "serial", "layernorm", "gelu"),
+    (17, 4, "serial", "layernorm", "gelu"),
+    (17, 2, "serial", "rmsnorm", "gelu_tanh"),
+    (17, 1, "parallel", "rmsnorm", "gelu"),
+]
+if os.environ.get("MEGASCALE_FULL_MODEL_GRID") == "1":
+    _ROWS = list(itertools.product(*FACTORS.values()))
+GRID = [dict(zip(FACTORS, row)) for row in _ROWS]
 
 
 def _grid_id(kw):
     return "-".join(f"{k}={v}" for k, v in kw.items())
+
+
+def test_grid_is_a_covering_design():
+    for a, b in itertools.combinations(FACTORS, 2):
+        seen = {(kw[a], kw[b]) for kw in GRID}
+        assert len(seen) == len(FACTORS[a]) * len(FACTORS[b]), (a, b)
+    assert len({(kw["block"], kw["norm"], kw["activation"]) for kw in GRID}) == 8
+    assert WINDOWS[-2] == BASE.seq_len and WINDOWS[-1] > BASE.seq_len
 
 
 @pytest.mark.parametrize("kw", GRID, ids=[_grid_id(kw) for kw in GRID])
@@ -229,7 +258,7 @@ def test_forward_matches_float64_reference(kw):
     seed = zlib.crc32(_grid_id(kw).encode()) % (2 ** 31)  # deterministic per case
     params = _random_params(cfg, seed)
     tokens = _random_tokens(seed + 1, (BATCH, cfg.seq_len), cfg.vocab)
-    logits = Transformer(cfg).apply({"params": params}, tokens)
+    logits = _apply(cfg, params, tokens)
     assert logits.shape == (BATCH, cfg.seq_len, cfg.vocab) and logits.dtype == jnp.float32
     expected = ref_forward(params, tokens, cfg)
     assert np.std(expected) > 0.3  # the random parameters give logits of order one, not ~0
@@ -240,8 +269,8 @@ def test_window_changes_the_output():
     """Guards the grid above against a model that ignores `window`: 3 vs None must differ."""
     params = _random_params(_cfg(), 7)
     tokens = _random_tokens(8, (BATCH, BASE.seq_len), BASE.vocab)
-    full = Transformer(_cfg(window=None)).apply({"params": params}, tokens)
-    local = Transformer(_cfg(window=3)).apply({"params": params}, tokens)
+    full = _apply(_cfg(window=None), params, tokens)
+    local = _apply(_cfg(window=3), params, tokens)
     # Positions 0..2 see the same keys in both; later positions must differ.
     _assert_close(local[:, :3], np.asarray(full[:, :3], np.float64))
     assert np.min(np.max(np.abs(np.asarray(local - full))[:, 3:], axis=-1)) > 1e-3
@@ -251,11 +280,11 @@ def test_causality_future_tokens_do_not_change_past_logits():
     cfg = _cfg(window=4, kv_heads=2)
     params = _random_params(cfg, 11)
     tokens = _random_tokens(12, (BATCH, cfg.seq_len), cfg.vocab)
-    changed = tokens.at[:, 7:].set((tokens[:, 7:] + 1) % cfg.vocab)
-    model = Transformer(cfg)
-    a, b = model.apply({"params": params}, tokens), model.apply({"params": params}, changed)
-    np.testing.assert_array_equal(np.asarray(a[:, :7]), np.asarray(b[:, :7]))
-    assert np.all(np.max(np.abs(np.asarray(a[:, 7:] - b[:, 7:])), axis=-1) > 1e-4)
+    changed = tokens.copy()
+    changed[:, 7:] = (tokens[:, 7:] + 1) % cfg.vocab
+    a, b = np.asarray(_apply(cfg, params, tokens)), np.asarray(_apply(cfg, params, changed))
+    np.testing.assert_array_equal(a[:, :7], b[:, :7])
+    assert np.all(np.max(np.abs(a[:, 7:] - b[:, 7:]), axis=-1) > 1e-4)
 
 
 @pytest.mark.parametrize("block", ["parallel", "serial"])
@@ -263,7 +292,7 @@ def test_loss_fn_matches_reference_cross_entropy(block):
     cfg = _cfg(block=block, window=5, kv_heads=2, norm="rmsnorm", activation="gelu")
     params = _random_params(cfg, 21)
     batch = _random_tokens(22, (3, cfg.seq_len + 1), cfg.vocab)
-    loss = loss_fn(Transformer(cfg), params, batch)
+    loss = jax.jit(lambda p, b: loss_fn(Transformer(cfg), p, b))(params, batch)
     assert loss.shape == () and loss.dtype == jnp.float32
     expected = ref_loss(params, batch, cfg)
     # Scalar mean cross entropy (~4-6 here): same fp32-vs-fp64 tolerance as the logits.
@@ -296,10 +325,10 @@ def test_sliding_window_mask_matches_brute_force(seq, window):
 
 
 def _qkv(seed, batch=2, seq=10, heads=4, kv_heads=2, hd=8):
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (batch, seq, heads, hd)),
-            jax.random.normal(kk, (batch, seq, kv_heads, hd)),
-            jax.random.normal(kv, (batch, seq, kv_heads, hd)))
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(batch, seq, heads, hd)), jnp.float32),
+            jnp.asarray(rng.normal(size=(batch, seq, kv_heads, hd)), jnp.float32),
+            jnp.asarray(rng.normal(size=(batch, seq, kv_heads, hd)), jnp.float32))
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -410,7 +439,8 @@ def test_parameter_tree_names_shapes_axes(block, norm):
 def test_parameter_init_is_random_and_layers_differ():
     """Distinct layers get distinct initial weights (split_rngs), biases start at zero, scales at one."""
     cfg = _cfg(layers=3)
-    params = nn.unbox(Transformer(cfg).init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32)))["params"]
+    init = jax.jit(Transformer(cfg).init)
+    params = nn.unbox(init(jax.random.key(1), jnp.zeros((1, cfg.seq_len), jnp.int32)))["params"]
     wq = np.asarray(params["layers"]["attn"]["wq"])
     assert not np.allclose(wq[0], wq[1]) and not np.allclose(wq[1], wq[2])
     assert 0.01 < wq.std() < 0.03  # INIT_STD = 0.02
@@ -452,30 +482,29 @@ def test_scan_hlo_size_is_independent_of_depth(block):
 def test_bf16_compute_close_to_fp32_and_params_stay_fp32(block):
     cfg32 = _cfg(block=block, window=5, kv_heads=2)
     cfg16 = dataclasses.replace(cfg32, dtype="bfloat16")
-    # Smaller random scale (0.1) keeps logits of order one so an absolute tolerance is meaningful.
+    # Smaller random scale (0.1) than the fp32 tests keeps the logits of order one (std ~0.6).
     params = _random_params(cfg32, 81, scale=0.1)
-    # Scale up the head so the logits have std ~1 (the 0.1 draw alone gives ~0.5).
-    params = dict(params, head=params["head"] * 3.0)
     tokens = _random_tokens(82, (BATCH, cfg32.seq_len), cfg32.vocab)
 
-    init16 = nn.unbox(Transformer(cfg16).init(jax.random.key(0), tokens))["params"]
-    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(init16))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(_param_shapes(cfg16)))
 
-    l32 = np.asarray(Transformer(cfg32).apply({"params": params}, tokens), np.float64)
-    l16 = Transformer(cfg16).apply({"params": params}, tokens)
+    l32 = np.asarray(_apply(cfg32, params, tokens), np.float64)
+    l16 = _apply(cfg16, params, tokens)
     assert l16.dtype == jnp.float32  # logits come back as float32
     l16 = np.asarray(l16, np.float64)
-    assert 0.5 < np.std(l32) < 3.0
-    err = np.max(np.abs(l16 - l32))
-    # bf16 has an 8-bit mantissa (~4e-3 relative per rounding); through 2 layers the logits stay
-    # within 5e-2 absolute of the fp32 run.
-    assert err < 5e-2, err
+    assert 0.3 < np.std(l32) < 3.0
+    err = np.abs(l16 - l32)
+    # Tolerance: bf16 keeps 8 significant bits (eps 2^-8 ~ 3.9e-3). Through 2 layers with a bf16
+    # residual stream and bf16 logits we allow max |bf16 - fp32| <= 5e-2 absolute (~2.5% of the
+    # largest logit here, ~6 eps) and mean |bf16 - fp32| <= 1e-2 (measured: ~0.025 max, ~0.004 mean).
+    assert err.max() < 5e-2, err.max()
+    assert err.mean() < 1e-2, err.mean()
     # ...but they are not identical: the compute really ran in bf16.
-    assert err > 1e-4, err
+    assert err.max() > 1e-4, err.max()
 
     # And the gradients w.r.t. the fp32 params are fp32.
     batch = _random_tokens(83, (BATCH, cfg16.seq_len + 1), cfg16.vocab)
-    grads = jax.grad(lambda p: loss_fn(Transformer(cfg16), p, batch))(params)
+    grads = jax.jit(jax.grad(lambda p: loss_fn(Transformer(cfg16), p, batch)))(params)
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
 

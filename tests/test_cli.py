@@ -1,0 +1,254 @@
+"""The training CLI end to end, as a user runs it: `python -m megascale_jax.train ...` in a fresh process.
+
+* Every config/data mistake ends with exit 2 and exactly one `error: ...` line on stderr naming the
+  key or file (closest-key suggestion for typos), no traceback, before anything is compiled, and
+  leaves no metrics.jsonl behind.
+* A 5-step smoke run writes a schema-valid metrics.jsonl and the resolved config.yaml; a second
+  run into the same --run-dir is refused without touching what is there.
+* A diverging run stops with exit 3 and one line naming the step; the finite steps stay recorded.
+
+Each subprocess imports JAX (~2 s), so the cases run two at a time in a thread pool.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from megascale_jax.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 300
+# Lines a JAX/XLA/absl logger may print on its own (glog/absl prefix, e.g. "W0101 12:00:00.000 ...");
+# they are not the program's message. None are expected; anything else counts as output.
+_LOGGER_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d")
+
+
+def run_cli(run_dir: Path, overrides: list[str], config: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "megascale_jax.train", "--run-dir", str(run_dir)]
+    if config is not None:
+        cmd += ["--config", config]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(cmd + overrides, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def message_lines(stderr: str) -> list[str]:
+    """Non-empty stderr lines that are not third-party logger chatter."""
+    return [line for line in stderr.splitlines() if line.strip() and not _LOGGER_LINE.match(line)]
+
+
+def strict_json(line: str) -> dict:
+    """json.loads that rejects NaN/Infinity, which are not JSON."""
+    def reject(token):
+        raise ValueError(f"non-standard JSON constant {token} in {line!r}")
+    return json.loads(line, parse_constant=reject)
+
+
+# ============================================================================ validation errors
+
+
+# (id, overrides, --config or None, substrings the one error line must contain). Paths under
+# "{tmp}" are filled in with the fixture's directory, where the data files below are written.
+ERROR_CASES = [
+    # unknown keys / sections, with the closest suggestion
+    ("unknown-key", ["model.layer=2"], None, ["model.layer", "did you mean model.layers"]),
+    ("unknown-key-no-match", ["model.zzzzzz=1"], None, ["model.zzzzzz", "valid keys", "layers"]),
+    ("unknown-section", ["modle.layers=2"], None, ["modle", "did you mean model"]),
+    ("malformed-override", ["mesh.dp"], None, ["mesh.dp", "section.key=value"]),
+    ("override-without-section", ["dp=2"], None, ["dp=2", "section.key=value"]),
+    # wrong types and enums
+    ("wrong-type-int", ["model.layers=abc"], None, ["model.layers", "integer", "abc"]),
+    ("wrong-type-bool", ["parallel.zero1=maybe"], None, ["parallel.zero1", "true or false"]),
+    ("wrong-type-number", ["optim.lr=fast"], None, ["optim.lr", "number"]),
+    ("bad-enum", ["model.block=foo"], None, ["model.block", "foo", "parallel", "serial"]),
+    # mesh and divisibility
+    ("mesh-product-vs-devices", ["mesh.dp=2"], None, ["mesh", "dp*pp*tp", "cpu_devices=8"]),
+    ("heads-vs-tp", ["model.heads=6", "model.d_model=96", "mesh.tp=4", "mesh.dp=2"], None,
+     ["model.heads=6", "mesh.tp=4"]),
+    ("kv-heads-vs-tp", ["model.kv_heads=1"], None, ["model.kv_heads=1", "mesh.tp=2"]),
+    # layers % pp is checked before "pp>1 is not supported yet", so both are reachable.
+    ("layers-vs-pp", ["model.layers=3", "mesh.pp=2", "mesh.dp=2"], None, ["model.layers=3", "mesh.pp=2"]),
+    ("pp-not-supported", ["mesh.pp=2", "mesh.dp=2"], None, ["mesh.pp=2", "not supported yet"]),
+    ("global-batch-vs-dp-microbatches", ["train.global_batch=12", "parallel.microbatches=2"], None,
+     ["train.global_batch=12", "mesh.dp", "parallel.microbatches"]),
+    # model sizes
+    ("window-zero", ["model.window=0"], None, ["model.window=0", ">= 1"]),
+    ("seq-len-zero", ["model.seq_len=0"], None, ["model.seq_len=0"]),
+    ("vocab-zero", ["model.vocab=0"], None, ["model.vocab=0"]),
+    # features this build / platform cannot run
+    ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),
+    ("pallas-not-implemented", ["model.attention=pallas"], None, ["model.attention=pallas"]),
+    # config files
+    ("missing-config-file", [], "{tmp}/nope.yaml", ["nope.yaml", "--config"]),
+    ("invalid-yaml-config", [], "{tmp}/broken.yaml", ["broken.yaml", "YAML"]),
+    ("non-mapping-config", [], "{tmp}/list.yaml", ["list.yaml", "mapping"]),
+    # data
+    ("files-glob-matches-nothing", ["data.source=files", "data.path={tmp}/nothing/*.txt"], None,
+     ["data.path", "matches no files"]),
+    ("files-all-empty", ["data.source=files", "data.path={tmp}/empty_texts/*.txt"], None,
+     ["data.path", "empty"]),
+    ("tokens-without-path", ["data.source=tokens"], None, ["data.path"]),
+    ("tokens-missing-file", ["data.source=tokens", "data.path={tmp}/missing.bin"], None,
+     ["data.path", "missing.bin"]),
+    ("tokens-empty-file", ["data.source=tokens", "data.path={tmp}/empty.bin"], None,
+     ["data.path", "empty.bin", "empty"]),
+    ("tokens-odd-size", ["data.source=tokens", "data.path={tmp}/odd.bin"], None,
+     ["odd.bin", "data.token_dtype"]),
+    ("tokens-out-of-vocab", ["data.source=tokens", "data.path={tmp}/big_token.bin"], None,
+     ["big_token.bin", "300", "model.vocab=256"]),
+    ("tokens-too-few", ["data.source=tokens", "data.path={tmp}/few.bin"], None,
+     ["model.seq_len", "train.global_batch"]),
+]
+
+
+def _write_inputs(tmp: Path) -> None:
+    (tmp / "broken.yaml").write_text("mesh: [dp: 2\n")
+    (tmp / "list.yaml").write_text("- mesh\n- model\n")
+    (tmp / "empty_texts").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp / "empty_texts" / name).write_bytes(b"")
+    (tmp / "empty.bin").write_bytes(b"")
+    (tmp / "odd.bin").write_bytes(b"\x01\x00\x02")
+    tokens = np.random.default_rng(0).integers(0, 256, size=20_000, dtype=np.uint16)
+    tokens[12_345] = 300  # >= the default model.vocab=256
+    tokens.tofile(tmp / "big_token.bin")
+    np.arange(100, dtype=np.uint16).tofile(tmp / "few.bin")  # far less than one global batch
+
+
+@pytest.fixture(scope="module")
+def error_runs(tmp_path_factory):
+    """All ERROR_CASES through the real CLI, two subprocesses at a time: id -> (result, run_dir)."""
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    _write_inputs(tmp)
+
+    def one(case):
+        case_id, overrides, config, _ = case
+        run_dir = tmp / "runs" / case_id
+        overrides = [o.replace("{tmp}", str(tmp)) for o in overrides]
+        config = config.replace("{tmp}", str(tmp)) if config else None
+        return case_id, (run_cli(run_dir, overrides, config), run_dir)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(one, ERROR_CASES))
+
+
+@pytest.mark.parametrize("case_id, expected", [(c[0], c[3]) for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
+def test_user_mistake_is_one_line_and_exit_2_before_compiling(error_runs, case_id, expected):
+    result, run_dir = error_runs[case_id]
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = message_lines(result.stderr)
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
+    line = lines[0]
+    assert line.startswith("error: "), line
+    for part in expected:
+        assert part in line, f"{part!r} missing from {line!r}"
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    assert "compiled in" not in result.stdout, "the error must come before compilation"
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_stderr_has_no_logger_chatter(error_runs):
+    """The one line is the whole of stderr: no JAX/absl warning lines around it."""
+    result, _ = error_runs["unknown-key"]
+    assert result.stderr.strip().splitlines() == message_lines(result.stderr)
+
+
+# ============================================================================ smoke run
+
+
+SMOKE = ["train.steps=5", "train.eval_every=0", "train.log_every=1", "model.layers=2", "model.d_model=64",
+         "model.seq_len=64", "train.global_batch=8"]
+REQUIRED = {"step": int, "loss": float, "grad_norm": float, "lr": float, "step_time_s": float,
+            "tokens_per_s": float}
+
+# Divergence: LAMB scales each update to lr * ||w|| (trust ratio), so lr=1e30 with no warmup
+# turns the weights to ~1e30 after step 1 and step 2's loss is NaN — deterministically, on any
+# seed/data, independent of clipping. A 1-device mesh keeps the compile cheap.
+DIVERGE = ["optim.lr=1e30", "optim.warmup=0", "optim.clip=null", "train.steps=5", "train.eval_every=0",
+           "mesh.dp=1", "mesh.tp=1", "mesh.cpu_devices=1", "model.layers=1", "model.d_model=32",
+           "model.heads=2", "model.kv_heads=2", "model.seq_len=32", "train.global_batch=2"]
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """The smoke run and the diverging run, side by side: name -> (result, run_dir)."""
+    tmp = tmp_path_factory.mktemp("cli_runs")
+    jobs = {"smoke": (tmp / "smoke", SMOKE), "diverge": (tmp / "diverge", DIVERGE)}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {name: (pool.submit(run_cli, run_dir, overrides), run_dir)
+                   for name, (run_dir, overrides) in jobs.items()}
+        return {name: (f.result(), run_dir) for name, (f, run_dir) in futures.items()}
+
+
+def test_smoke_run_writes_schema_valid_metrics(long_runs):
+    result, run_dir = long_runs["smoke"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [strict_json(line) for line in lines]
+    assert len(records) == 5
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    for r in records:
+        assert isinstance(r, dict)
+        for key, kind in REQUIRED.items():
+            assert key in r, f"{key} missing from {r}"
+            assert isinstance(r[key], kind) and not isinstance(r[key], bool), (key, r[key])
+        assert "mfu" in r and r["mfu"] is None  # no known peak FLOP/s for the CPU
+        assert math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
+        assert r["lr"] >= 0 and r["step_time_s"] > 0 and r["tokens_per_s"] > 0
+    # eval_every=0: only the final step evaluates, and it always does.
+    assert [("val_loss" in r) for r in records] == [False] * 4 + [True]
+    assert isinstance(records[-1]["val_loss"], float) and math.isfinite(records[-1]["val_loss"])
+    assert f"run directory: {run_dir}" in result.stdout
+
+
+def test_smoke_run_saves_the_resolved_config(long_runs):
+    _, run_dir = long_runs["smoke"]
+    with open(run_dir / "config.yaml") as f:
+        saved = yaml.safe_load(f)
+    assert saved == load_config(None, SMOKE).to_dict()
+
+
+def test_second_run_into_the_same_run_dir_is_refused(long_runs):
+    _, run_dir = long_runs["smoke"]
+    metrics_before = (run_dir / "metrics.jsonl").read_bytes()
+    config_before = (run_dir / "config.yaml").read_bytes()
+    result = run_cli(run_dir, SMOKE)
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    lines = message_lines(result.stderr)
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "--run-dir" in lines[0] and str(run_dir) in lines[0]
+    assert "compiled in" not in result.stdout
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics_before
+    assert (run_dir / "config.yaml").read_bytes() == config_before
+
+
+# ============================================================================ divergence
+
+
+def test_non_finite_loss_stops_the_run_naming_the_step(long_runs):
+    result, run_dir = long_runs["diverge"]
+    assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    # stderr also carries the tqdm progress bar (\r-updated); the message is its own line.
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    match = re.search(r"\bstep (\d+)\b", errors[0])
+    assert match, errors[0]
+    bad_step = int(match.group(1))
+    assert bad_step == 2, errors[0]  # step 1's loss is computed before the first (huge) update
+    assert "optim.lr" in errors[0]
+    records = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, bad_step))
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
