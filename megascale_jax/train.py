@@ -107,7 +107,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         loss, grads = grads_and_loss(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     metric_shardings = {"loss": replicated, "grad_norm": replicated, "lr": replicated}

@@ -1,0 +1,73 @@
+"""Step time, tokens/s and MFU of a real training run; prints a table and writes JSON.
+
+    python bench/train_step.py --config configs/tiny_cpu.yaml [--name tiny_cpu] [key=value ...]
+    python bench/train_step.py --config configs/gpt_1b.yaml --name gpt_1b_cudnn model.attention=cudnn
+
+Runs `megascale_jax.train` in-process for the configured steps and summarises the steady state
+(the first `--skip` steps are dropped): median step time, tokens/s and MFU, with the device
+kind, jax/jaxlib versions and the exact command, into bench/results/<name>.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--name", default=None, help="result file name (default: config name)")
+    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the summary")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+
+    from megascale_jax import train
+
+    run_dir = tempfile.mkdtemp(prefix="bench-")
+    code = train.main(["--config", args.config, "--run-dir", run_dir, "train.eval_every=0", *args.overrides])
+    if code:
+        return code
+
+    import jax
+    import jaxlib
+
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f][args.skip:]
+    if not records:
+        print("error: no steps left after --skip; raise train.steps", file=sys.stderr)
+        return 2
+    median = lambda key: statistics.median(r[key] for r in records) if records[0][key] is not None else None
+    result = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "command": " ".join(["python", "bench/train_step.py", *sys.argv[1:]]),
+        "device": jax.devices()[0].device_kind,
+        "devices": jax.device_count(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": platform.python_version(),
+        "steps_measured": len(records),
+        "step_time_s": median("step_time_s"),
+        "tokens_per_s": median("tokens_per_s"),
+        "mfu": median("mfu"),
+        "final_loss": records[-1]["loss"],
+    }
+    print(f"{'config':<28}{'device':<28}{'step s':>9}{'tokens/s':>12}{'MFU':>8}")
+    mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
+    print(f"{os.path.basename(args.config):<28}{result['device'][:27]:<28}"
+          f"{result['step_time_s']:>9.3f}{result['tokens_per_s']:>12.0f}{mfu:>8}")
+    name = args.name or os.path.splitext(os.path.basename(args.config))[0]
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
