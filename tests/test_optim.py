@@ -45,10 +45,11 @@ def test_lamb_is_optax_lamb_applied_per_layer():
     params = random_tree(jax.random.key(0))
     ref_params = unstack(params)
     state, ref_state = ours.init(params), reference.init(ref_params)
+    update, ref_update = jax.jit(ours.update), jax.jit(reference.update)
     for step in range(3):
         grads = random_tree(jax.random.key(step + 1), scale=0.1)
-        updates, state = ours.update(grads, state, params)
-        ref_updates, ref_state = reference.update(unstack(grads), ref_state, ref_params)
+        updates, state = update(grads, state, params)
+        ref_updates, ref_state = ref_update(unstack(grads), ref_state, ref_params)
         params, ref_params = optax.apply_updates(params, updates), optax.apply_updates(ref_params, ref_updates)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), unstack(params), ref_params)
 
