@@ -126,6 +126,41 @@ class Block(nn.Module):
         return _constrain(y, ("batch", "seq", "embed")), None
 
 
+def scanned_blocks(cfg: ModelConfig, length: int):
+    """`length` stacked layers as one module: `(x, None) -> (x, None)`."""
+    return nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def embed_tokens(cfg: ModelConfig, embed, tokens):
+    x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
+    return _constrain(x, ("batch", "seq", "embed"))
+
+
+def run_layers(cfg: ModelConfig, layer_params, x):
+    """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk."""
+    length = jax.tree.leaves(layer_params)[0].shape[0]
+    return scanned_blocks(cfg, length)(cfg).apply({"params": layer_params}, x, None)[0]
+
+
+def project_vocab(cfg: ModelConfig, x, head):
+    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype))
+    return _constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+
+
+def lm_logits(cfg: ModelConfig, final_norm_params, head, x):
+    """Final norm + LM head given their parameters (the pipeline's last stage)."""
+    return project_vocab(cfg, Norm(cfg).apply({"params": final_norm_params}, x), head)
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross entropy in float32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - target_logit)
+
+
 class Transformer(nn.Module):
     """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
 
@@ -135,22 +170,13 @@ class Transformer(nn.Module):
     def __call__(self, tokens):
         c = self.cfg
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
-        x = jnp.take(embed, tokens, axis=0).astype(c.dtype)
-        x = _constrain(x, ("batch", "seq", "embed"))
-        layers = nn.scan(
-            Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=c.layers,
-            metadata_params={nn.PARTITION_NAME: "layers"})
-        x, _ = layers(c, name="layers")(x, None)
+        x = embed_tokens(c, embed, tokens)
+        x, _ = scanned_blocks(c, c.layers)(c, name="layers")(x, None)
         x = Norm(c, name="final_norm")(x)
         head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(c.dtype))
-        return _constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+        return project_vocab(c, x, head)
 
 
 def loss_fn(model: Transformer, params, batch):
     """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens."""
-    inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = model.apply({"params": params}, inputs)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - target_logit)
+    return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
