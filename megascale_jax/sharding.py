@@ -24,14 +24,18 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("head_dim", None),
     ("mlp", "tp"),
     ("vocab", "tp"),
-    ("layers", None),  # the pipeline splits this axis over pp
+    ("layers", "pp"),  # pipeline stages hold contiguous blocks of layers
     ("norm", None),
 )
 
 
-def axis_rules():
-    """Context manager making `LOGICAL_RULES` active for `nn.with_logical_constraint`."""
-    return nn.logical_axis_rules(LOGICAL_RULES)
+def axis_rules(manual: tuple[str, ...] = ()):
+    """Context manager making `LOGICAL_RULES` active for `nn.with_logical_constraint`.
+
+    Inside a `shard_map` that is manual over some mesh axes, constraints may only name the
+    remaining (automatic) axes: the `manual` ones are dropped from the rules."""
+    rules = tuple((name, None if axis in manual else axis) for name, axis in LOGICAL_RULES)
+    return nn.logical_axis_rules(rules)
 
 
 def logical_to_spec(names) -> P:

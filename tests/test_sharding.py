@@ -1,6 +1,6 @@
 """Actual PartitionSpecs of parameters, optimizer moments (with and without ZeRO-1) and key
 activations on the default dp=4 × tp=2 mesh, against tables written out by hand from the
-Megatron layout: column-parallel q/k/v and w1 shard their output features over tp, row-parallel
+Megatron layout (stacked layers split over pp): column-parallel q/k/v and w1 shard their output features over tp, row-parallel
 wo and w2 shard their input features over tp, the vocabulary is split over tp, batch over dp.
 """
 
@@ -20,20 +20,20 @@ PARAM_SPECS = {
     "head": P(None, "tp"),
     "final_norm/scale": P(),
     "final_norm/bias": P(),
-    "layers/norm/scale": P(),
-    "layers/norm/bias": P(),
-    "layers/attn/wq": P(None, None, "tp", None),
-    "layers/attn/wk": P(None, None, "tp", None),
-    "layers/attn/wv": P(None, None, "tp", None),
-    "layers/attn/bq": P(None, "tp", None),
-    "layers/attn/bk": P(None, "tp", None),
-    "layers/attn/bv": P(None, "tp", None),
-    "layers/attn/wo": P(None, "tp", None, None),
-    "layers/attn/bo": P(),
-    "layers/mlp/w1": P(None, None, "tp"),
-    "layers/mlp/b1": P(None, "tp"),
-    "layers/mlp/w2": P(None, "tp", None),
-    "layers/mlp/b2": P(),
+    "layers/norm/scale": P("pp"),
+    "layers/norm/bias": P("pp"),
+    "layers/attn/wq": P("pp", None, "tp", None),
+    "layers/attn/wk": P("pp", None, "tp", None),
+    "layers/attn/wv": P("pp", None, "tp", None),
+    "layers/attn/bq": P("pp", "tp", None),
+    "layers/attn/bk": P("pp", "tp", None),
+    "layers/attn/bv": P("pp", "tp", None),
+    "layers/attn/wo": P("pp", "tp", None, None),
+    "layers/attn/bo": P("pp"),
+    "layers/mlp/w1": P("pp", None, "tp"),
+    "layers/mlp/b1": P("pp", "tp"),
+    "layers/mlp/w2": P("pp", "tp", None),
+    "layers/mlp/b2": P("pp"),
 }
 
 # ZeRO-1 adds dp on the largest still-unsharded dimension that dp=4 divides.
@@ -42,20 +42,20 @@ ZERO1_MOMENT_SPECS = {
     "head": P("dp", "tp"),                           # (128, 256)
     "final_norm/scale": P("dp"),                     # (128,)
     "final_norm/bias": P("dp"),
-    "layers/norm/scale": P(None, "dp"),              # (4, 128)
-    "layers/norm/bias": P(None, "dp"),
-    "layers/attn/wq": P(None, "dp", "tp", None),     # (4, 128, 4, 32)
-    "layers/attn/wk": P(None, "dp", "tp", None),     # (4, 128, 2, 32)
-    "layers/attn/wv": P(None, "dp", "tp", None),
-    "layers/attn/bq": P(None, "tp", "dp"),           # (4, 4, 32)
-    "layers/attn/bk": P(None, "tp", "dp"),           # (4, 2, 32)
-    "layers/attn/bv": P(None, "tp", "dp"),
-    "layers/attn/wo": P(None, "tp", None, "dp"),     # (4, 4, 32, 128)
-    "layers/attn/bo": P(None, "dp"),                 # (4, 128)
-    "layers/mlp/w1": P(None, "dp", "tp"),            # (4, 128, 512)
-    "layers/mlp/b1": P("dp", "tp"),                  # (4, 512)
-    "layers/mlp/w2": P(None, "tp", "dp"),            # (4, 512, 128)
-    "layers/mlp/b2": P(None, "dp"),                  # (4, 128)
+    "layers/norm/scale": P("pp", "dp"),              # (4, 128)
+    "layers/norm/bias": P("pp", "dp"),
+    "layers/attn/wq": P("pp", "dp", "tp", None),     # (4, 128, 4, 32)
+    "layers/attn/wk": P("pp", "dp", "tp", None),     # (4, 128, 2, 32)
+    "layers/attn/wv": P("pp", "dp", "tp", None),
+    "layers/attn/bq": P("pp", "tp", "dp"),           # (4, 4, 32)
+    "layers/attn/bk": P("pp", "tp", "dp"),           # (4, 2, 32)
+    "layers/attn/bv": P("pp", "tp", "dp"),
+    "layers/attn/wo": P("pp", "tp", None, "dp"),     # (4, 4, 32, 128)
+    "layers/attn/bo": P("pp", "dp"),                 # (4, 128)
+    "layers/mlp/w1": P("pp", "dp", "tp"),            # (4, 128, 512)
+    "layers/mlp/b1": P("pp", "tp"),                  # (4, 512): no free dim, stays whole over dp
+    "layers/mlp/w2": P("pp", "tp", "dp"),            # (4, 512, 128)
+    "layers/mlp/b2": P("pp", "dp"),                  # (4, 128)
 }
 
 

@@ -1,0 +1,167 @@
+"""The pipeline executor: one SPMD program that runs a `pipeline_schedule` table over `pp`.
+
+`loss_and_grads(cfg, mesh, params, batch)` returns the same loss and gradients as plain
+autodiff of the whole model, computed by p stages in lockstep inside one `jax.shard_map` that is
+manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls as usual).
+
+* Layout. Network chunk g = j·p + s (virtual chunk j of stage s) is layers [g·c, (g+1)·c),
+  c = L/(p·v). The stacked `(L, ...)` layer parameters are viewed as `(v, p, c, ...)` and stage s
+  receives `[:, s]`; for v = 1 this is exactly the contiguous `layers -> pp` sharding of the
+  stored parameters, so no weights move. The embedding runs on stage 0 and the final norm, LM
+  head and loss on stage p−1; their gradients are summed over pp at the end.
+* Ticks. A `lax.scan` over the table's rows (compile time and HLO size do not grow with m).
+  Each tick a stage (1) takes its forward input — the embedding for chunk 0, otherwise the
+  activation received last tick — stores it in its stash slot and runs the chunk; (2) runs its
+  backward: the chunk's `jax.vjp` from the stashed input and the cotangent received last tick
+  (for the last chunk, the vjp of chunk + head + loss, so F and B of the last chunk share a
+  tick); (3) sends the activation to stage s+1 and the cotangent to stage s−1 (ring).
+* Stash = chunk *inputs* only; the backward recomputes the chunk's forward before its vjp. This
+  keeps residual memory at `slots × one microbatch activation` (flat in m for 1F1B) instead of
+  storing every vjp residual — including weight-derived copies — per slot, at the price of one
+  extra chunk forward per backward (reported MFU counts model FLOPs only, so it shows this cost).
+* Overlap. Both `ppermute`s are issued unconditionally at the end of the tick and depend only on
+  that tick's compute of their own direction: the activation send depends on the forward only,
+  the cotangent send on the backward only, so XLA's scheduler may start the activation transfer
+  while the backward still runs. Compute sits under `lax.cond`/`lax.switch` (idle stages skip it);
+  collectives never do — a `ppermute` under a per-device predicate hangs.
+* Data parallelism is manual too: each dp replica accumulates its gradients over all
+  microbatches locally and they are summed over dp once, after the loop.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from megascale_jax import sharding
+from megascale_jax.config import Config
+from megascale_jax.model import cross_entropy, embed_tokens, lm_logits, run_layers
+from megascale_jax.pipeline_schedule import Schedule, build
+
+FIELDS = ("valid", "mb", "chunk", "slot")
+
+
+def schedule_for(cfg: Config) -> Schedule:
+    return build(cfg.parallel.pp_schedule, cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches)
+
+
+def _table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs."""
+    out = {}
+    for direction, table in (("f", schedule.forward), ("b", schedule.backward)):
+        for field in FIELDS:
+            out[f"{direction}_{field}"] = np.array(
+                [[0 if w is None else (1 if field == "valid" else getattr(w, field)) for w in row] for row in table],
+                dtype=np.int32)
+    return out
+
+
+def to_stages(layers, p: int, v: int):
+    """(L, ...) stacked layers -> (p, v, c, ...): stage-major, then virtual chunk."""
+    def split(x):
+        c = x.shape[0] // (p * v)
+        return x.reshape(v, p, c, *x.shape[1:]).swapaxes(0, 1)
+    return jax.tree.map(split, layers)
+
+
+def from_stages(stages, p: int, v: int):
+    """Inverse of `to_stages`."""
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[3:]), stages)
+
+
+def chunk_params_of(tree, j):
+    """Entry j of every leaf's leading axis (a virtual chunk's parameters or gradients)."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), tree)
+
+
+def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
+    p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
+    dp = mesh.shape["dp"]
+    schedule = schedule_for(cfg)
+    table = _table_arrays(schedule)
+    last_stage, last_chunk = p - 1, v - 1
+    scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
+
+    def body(stage_layers, embed, final_norm, head, tokens):
+        stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
+        stage = jax.lax.axis_index("pp")
+        micro = tokens.reshape(m, -1, tokens.shape[-1])
+        inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
+        act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
+
+        def tick(carry, row):
+            act_in, cot_in, stash, grads, loss = carry
+            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
+            b = {k[2:]: row[k][stage] for k in row if k.startswith("b_")}
+            f_valid, b_valid = f["valid"] > 0, b["valid"] > 0
+
+            # --- forward: stash the chunk input, run the chunk (the last chunk runs in its backward)
+            first = f_valid & (stage == 0) & (f["chunk"] == 0)
+            x_in = jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
+            kept = jax.lax.dynamic_index_in_dim(stash, f["slot"], keepdims=False)
+            stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_valid, x_in, kept), f["slot"], 0)
+            run_forward = f_valid & ~((stage == last_stage) & (f["chunk"] == last_chunk))
+            act_out = jax.lax.cond(run_forward, lambda x: run_layers(cfg.model, chunk_params_of(stage_layers, f["chunk"]), x),
+                                   lambda x: x, x_in)
+
+            # --- backward: recompute the chunk from its stashed input, vjp with last tick's cotangent
+            x_saved = jax.lax.dynamic_index_in_dim(stash, b["slot"], keepdims=False)
+            chunk = chunk_params_of(stage_layers, b["chunk"])
+            zero_head = jax.tree.map(jnp.zeros_like, (final_norm, head))
+
+            def idle(x, cot):
+                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk), zero_head, jnp.zeros_like(x)
+
+            def middle(x, cot):
+                _, vjp = jax.vjp(lambda pc, x: run_layers(cfg.model, pc, x), chunk, x)
+                d_chunk, dx = vjp(cot)
+                return jnp.zeros((), jnp.float32), d_chunk, zero_head, dx
+
+            def last(x, cot):
+                def mb_loss(pc, fn, h, x):
+                    logits = lm_logits(cfg.model, fn, h, run_layers(cfg.model, pc, x))
+                    return scale * cross_entropy(logits, targets[b["mb"]])
+                value, (d_chunk, d_norm, d_head, dx) = jax.value_and_grad(mb_loss, argnums=(0, 1, 2, 3))(
+                    chunk, final_norm, head, x)
+                return value, d_chunk, (d_norm, d_head), dx.astype(x.dtype)
+
+            is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
+            branch = jnp.where(b_valid, jnp.where(is_last, 2, 1), 0)
+            loss_add, d_chunk, d_head_pair, dx = jax.lax.switch(branch, (idle, middle, last), x_saved, cot_in)
+            d_embed = jax.lax.cond(
+                b_valid & (stage == 0) & (b["chunk"] == 0),
+                lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0],
+                lambda dx: jnp.zeros_like(embed), dx)
+            g_layers, g_embed, g_head_pair = grads
+            current = chunk_params_of(g_layers, b["chunk"])
+            g_layers = jax.tree.map(lambda g, c, d: jax.lax.dynamic_update_index_in_dim(g, c + d, b["chunk"], 0),
+                                    g_layers, current, d_chunk)
+            grads = (g_layers, g_embed + d_embed, jax.tree.map(jnp.add, g_head_pair, d_head_pair))
+
+            # --- communicate: activations one stage on, cotangents one stage back (ring)
+            act_next = jax.lax.ppermute(act_out, "pp", [(i, (i + 1) % p) for i in range(p)])
+            cot_next = jax.lax.ppermute(dx, "pp", [(i, (i - 1) % p) for i in range(p)])
+            return (act_next, cot_next, stash, grads, loss + loss_add), None
+
+        stash = jnp.zeros((schedule.slots, *act.shape), act.dtype)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+        grads = (zeros(stage_layers), zeros(embed), zeros((final_norm, head)))
+        carry = (act, act, stash, grads, jnp.zeros((), jnp.float32))
+        with sharding.axis_rules(manual=("dp", "pp")):
+            (_, _, _, grads, loss), _ = jax.lax.scan(tick, carry, table)
+        g_layers, g_embed, (g_norm, g_head) = grads
+        g_layers = jax.lax.psum(jax.tree.map(lambda x: x[None], g_layers), "dp")
+        g_embed, g_norm, g_head, loss = jax.lax.psum((g_embed, g_norm, g_head, loss), ("dp", "pp"))
+        return loss, g_layers, g_embed, g_norm, g_head
+
+    stages = to_stages(params["layers"], p, v)
+    stage_spec = jax.tree.map(lambda _: P("pp"), stages)
+    run = jax.shard_map(
+        body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        in_specs=(stage_spec, P(), P(), P(), P("dp")),
+        out_specs=(P(), stage_spec, P(), P(), P()))
+    loss, g_stages, g_embed, g_norm, g_head = run(stages, params["embed"], params["final_norm"], params["head"], batch)
+    grads = {"embed": g_embed, "layers": from_stages(g_stages, p, v), "final_norm": g_norm, "head": g_head}
+    return loss, grads
