@@ -19,6 +19,8 @@ from typing import Literal, Optional
 
 import yaml
 
+from megascale_jax import pipeline_schedule
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake; the message is one line with the fix."""
@@ -69,7 +71,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual: int = 1
-    microbatches: int = 1  # gradient-accumulation steps per global batch (pipeline microbatches when pp>1)
+    microbatches: int = 1  # microbatches per global batch: pipeline microbatches, or gradient accumulation at pp=1
     zero1: bool = False  # shard optimizer state over dp (ZeRO-1)
 
 
@@ -263,9 +265,17 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(mo.kv_heads % m.tp == 0, f"model.kv_heads={mo.kv_heads} must be divisible by mesh.tp={m.tp}")
     require(mo.mlp_dim % m.tp == 0,
             f"MLP width d_model*mlp_ratio={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
-    require(mo.layers % m.pp == 0, f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp}")
     require(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be >= 1")
     require(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
+    require(mo.layers % (m.pp * p.pp_virtual) == 0,
+            f"model.layers={mo.layers} must be divisible by mesh.pp*parallel.pp_virtual={m.pp}*{p.pp_virtual}")
+    if m.pp > 1:
+        try:
+            pipeline_schedule.check(p.pp_schedule, m.pp, p.pp_virtual, p.microbatches)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    else:
+        require(p.pp_virtual == 1, f"parallel.pp_virtual={p.pp_virtual} needs mesh.pp > 1")
 
     require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     require(o.warmup >= 0, f"optim.warmup={o.warmup} must be >= 0")
@@ -288,7 +298,6 @@ def validate(cfg: Config, planning: bool = False) -> None:
 
     require(mo.attention != "pallas",
             "model.attention=pallas is not implemented yet (fused kernels issue); use xla or cudnn")
-    require(m.pp == 1, f"mesh.pp={m.pp}: pipeline parallelism is not supported yet; set mesh.pp=1")
     require(p.tp_overlap == "none",
             f"parallel.tp_overlap={p.tp_overlap} is not supported yet; set parallel.tp_overlap=none")
     require(not p.sequence_parallel,

@@ -145,8 +145,9 @@ def run_layers(cfg: ModelConfig, layer_params, x):
 
 
 def project_vocab(cfg: ModelConfig, x, head):
-    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype))
-    return _constrain(logits.astype(jnp.float32), ("batch", "seq", "vocab"))
+    # float32 accumulation: the loss should not see logits rounded to bf16
+    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+    return _constrain(logits, ("batch", "seq", "vocab"))
 
 
 def lm_logits(cfg: ModelConfig, final_norm_params, head, x):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import data, flops, sharding
+from megascale_jax import data, flops, pipeline, sharding
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
 from megascale_jax.model import Transformer, loss_fn
@@ -87,6 +87,8 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
 
     def grads_and_loss(params, batch):
         m = cfg.parallel.microbatches
+        if cfg.mesh.pp > 1:
+            return pipeline.loss_and_grads(cfg, mesh, params, batch)
         if m == 1:
             loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
             return loss, grads
