@@ -54,6 +54,7 @@ class Trainer:
     mesh: Mesh
     model: Transformer
     state_shardings: TrainState
+    abstract_params: Any  # ShapeDtypeStructs with shardings, for lowering without allocating
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
@@ -116,6 +117,8 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     batch_sharding = sharding.batch_sharding(mesh)
     return Trainer(
         cfg=cfg, mesh=mesh, model=model, state_shardings=state_shardings, batch_sharding=batch_sharding,
+        abstract_params=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                     abstract_params, param_shardings),
         init=_with_rules(mesh, jax.jit(init, out_shardings=state_shardings)),
         train_step=_with_rules(mesh, jax.jit(
             train_step, in_shardings=(state_shardings, batch_sharding),

@@ -1,0 +1,87 @@
+"""Pipeline schedules on the local devices: compile time, temp memory and step time vs. m.
+
+    python bench/pipeline.py [--pp 4] [--tp 2] [--microbatches 4 8 16 32] [--steps 5]
+
+For every schedule and microbatch count m (one sequence per microbatch per dp replica) it
+compiles one full train step, reads `memory_analysis()` temp bytes, times `--steps` steps
+(median) and prints them next to the table's bubble fraction; JSON goes to
+bench/results/pipeline_<platform>.json. On simulated CPU devices the stages share the host's
+cores, so step times there show compile/memory behaviour, not pipeline overlap.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def measure(schedule: str, virtual: int, m: int, args) -> dict:
+    from megascale_jax import data
+    from megascale_jax.config import load_config
+    from megascale_jax.mesh import make_mesh
+    from megascale_jax.pipeline import schedule_for
+    from megascale_jax.train import build_trainer
+
+    cfg = load_config(None, [
+        f"mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",
+        f"model.layers={args.pp * 2}", "model.d_model=128", "model.seq_len=128", f"train.global_batch={m}",
+        f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
+    state = trainer.init()
+    batch = data.make_global_batch(batches, 0, trainer.batch_sharding)
+    t0 = time.perf_counter()
+    step = trainer.train_step.lower(state, batch).compile()
+    compile_s = time.perf_counter() - t0
+    temp = step.memory_analysis().temp_size_in_bytes
+    times = []
+    for i in range(args.steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    table = schedule_for(cfg)
+    return {"schedule": schedule, "virtual": virtual, "microbatches": m, "compile_s": compile_s,
+            "temp_bytes": temp, "step_time_s": statistics.median(times[1:]), "stash_slots": table.slots,
+            "ticks": table.ticks, "bubble_table": table.bubble_fraction()}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=4)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_num_cpu_devices", args.pp * args.tp)
+
+    rows = []
+    print(f"{'schedule':<18}{'v':>3}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'step s':>9}{'slots':>7}{'bubble':>8}")
+    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        for m in args.microbatches:
+            if m < args.pp or (schedule == "interleaved_1f1b" and m % args.pp):
+                continue
+            r = measure(schedule, virtual, m, args)
+            rows.append(r)
+            print(f"{schedule:<18}{virtual:>3}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
+                  f"{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}", flush=True)
+    import jaxlib
+
+    result = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind,
+              "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+              "pp": args.pp, "tp": args.tp, "rows": rows}
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"pipeline_{jax.default_backend()}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
