@@ -29,7 +29,7 @@ def measure(schedule: str, virtual: int, m: int, args) -> dict:
     from megascale_jax.train import build_trainer
 
     cfg = load_config(None, [
-        f"mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",
+        "mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",
         f"model.layers={args.pp * 2}", "model.d_model=128", "model.seq_len=128", f"train.global_batch={m}",
         f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}"])
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
@@ -59,8 +59,7 @@ def main() -> int:
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    if jax.default_backend() == "cpu":
-        jax.config.update("jax_num_cpu_devices", args.pp * args.tp)
+    jax.config.update("jax_num_cpu_devices", args.pp * args.tp)  # simulated devices if on CPU; before JAX starts
 
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'step s':>9}{'slots':>7}{'bubble':>8}")

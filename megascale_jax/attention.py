@@ -8,6 +8,8 @@ every earlier token).
 * `xla`   — the reference: explicit scores, mask and float32 softmax; runs everywhere.
 * `cudnn` — `jax.nn.dot_product_attention(..., implementation="cudnn")` with cuDNN's left-only
   `local_window_size`; NVIDIA GPUs, bf16/fp16 only (checked when the config is validated).
+* `pallas` — `pallas_kernels.flash_attention`: flash attention that skips KV blocks outside the
+  window (interpret mode on the CPU).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ def attend(q, k, v, *, window: int | None, implementation: str = "xla"):
             q, k, v, is_causal=True,
             local_window_size=None if window is None else (window - 1, 0),
             implementation="cudnn")
+    if implementation == "pallas":
+        from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
+        return flash_attention(q, k, v, window=window)
     raise ValueError(f"unknown attention implementation {implementation!r}")
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import glob
+import keyword
 import os
 import types
 import typing
@@ -53,6 +54,8 @@ class ModelConfig:
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
+    fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
+    fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
 
     @property
     def head_dim(self) -> int:
@@ -68,7 +71,8 @@ class ParallelConfig:
     """How the model is split and how communication is overlapped."""
 
     tp_overlap: Literal["none", "collective_matmul", "xla"] = "none"
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # residual stream split over tp along the sequence between blocks
+    tp_bidirectional: bool = True  # collective matmul: half of every chunk travels each way round the ring
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual: int = 1
     microbatches: int = 1  # microbatches per global batch: pipeline microbatches, or gradient accumulation at pp=1
@@ -110,6 +114,20 @@ class DataConfig:
     path: Optional[str] = None  # files: a glob of text files; tokens: a flat binary token file
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
     val_fraction: float = 0.05  # share of sequences held out for validation
+    prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Two-stage orbax checkpoints: `save()` blocks for the device->host copy, the write is async.
+
+    `async` is a Python keyword, so the field is `async_`; the YAML/override key is `async`."""
+
+    dir: Optional[str] = None  # default: RUN_DIR/checkpoints
+    every: int = 100  # save every N steps and at the last step (0 = never)
+    keep: int = 3  # newest committed checkpoints kept
+    async_: bool = True
+    single_replica_restore: bool = False  # one dp replica reads, the others receive by broadcast
 
 
 @dataclass(frozen=True)
@@ -120,9 +138,16 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        # Fields named after Python keywords carry a trailing "_"; the config key has none.
+        return {section: {_key_name(k): v for k, v in values.items()}
+                for section, values in dataclasses.asdict(self).items()}
+
+
+def _key_name(field_name: str) -> str:
+    return field_name[:-1] if keyword.iskeyword(field_name[:-1]) else field_name
 
 
 DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "tiny_cpu.yaml")
@@ -182,12 +207,13 @@ def from_dict(raw: dict) -> Config:
 
 
 def _build_section(section: str, cls: type, values: dict):
-    hints = typing.get_type_hints(cls)
+    hints = {_key_name(name): (name, hint) for name, hint in typing.get_type_hints(cls).items()}
     kwargs = {}
     for key, value in values.items():
         if key not in hints:
             raise ConfigError(f"unknown config key {section}.{key}{_suggest(key, hints, prefix=section + '.')}")
-        kwargs[key] = _coerce(f"{section}.{key}", hints[key], value)
+        name, hint = hints[key]
+        kwargs[name] = _coerce(f"{section}.{key}", hint, value)
     return cls(**kwargs)
 
 
@@ -258,6 +284,8 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(mo.mlp_ratio > 0, f"model.mlp_ratio={mo.mlp_ratio} must be > 0")
     require(mo.window is None or mo.window >= 1,
             f"model.window={mo.window} must be >= 1 (or null for full causal attention)")
+    require(not (mo.fused_norm and mo.norm != "layernorm"),
+            "model.fused_norm=true has a LayerNorm kernel only; set model.norm=layernorm or fused_norm=false")
     require(mo.d_model % mo.heads == 0, f"model.d_model={mo.d_model} must be divisible by model.heads={mo.heads}")
     require(mo.heads % mo.kv_heads == 0,
             f"model.heads={mo.heads} must be divisible by model.kv_heads={mo.kv_heads} (grouped-query attention)")
@@ -265,10 +293,20 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(mo.kv_heads % m.tp == 0, f"model.kv_heads={mo.kv_heads} must be divisible by mesh.tp={m.tp}")
     require(mo.mlp_dim % m.tp == 0,
             f"MLP width d_model*mlp_ratio={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
+    if p.sequence_parallel:
+        require(mo.seq_len % m.tp == 0,
+                f"model.seq_len={mo.seq_len} must be divisible by mesh.tp={m.tp} with parallel.sequence_parallel=true")
+    if p.tp_overlap == "collective_matmul":
+        require(p.sequence_parallel, "parallel.tp_overlap=collective_matmul fuses sequence parallelism's "
+                                     "all-gather/reduce-scatter; set parallel.sequence_parallel=true")
+        chunks = 2 if p.tp_bidirectional else 1
+        require((mo.seq_len // m.tp) % chunks == 0,
+                f"collective matmul splits each device's model.seq_len/mesh.tp={mo.seq_len // m.tp} tokens into "
+                f"{chunks} chunks; choose a divisible seq_len or parallel.tp_bidirectional=false")
     require(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be >= 1")
     require(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
     require(mo.layers % (m.pp * p.pp_virtual) == 0,
-            f"model.layers={mo.layers} must be divisible by mesh.pp*parallel.pp_virtual={m.pp}*{p.pp_virtual}")
+            f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp} x parallel.pp_virtual={p.pp_virtual}")
     if m.pp > 1:
         try:
             pipeline_schedule.check(p.pp_schedule, m.pp, p.pp_virtual, p.microbatches)
@@ -296,14 +334,14 @@ def validate(cfg: Config, planning: bool = False) -> None:
     if planning:
         return
 
-    require(mo.attention != "pallas",
-            "model.attention=pallas is not implemented yet (fused kernels issue); use xla or cudnn")
-    require(p.tp_overlap == "none",
-            f"parallel.tp_overlap={p.tp_overlap} is not supported yet; set parallel.tp_overlap=none")
-    require(not p.sequence_parallel,
-            "parallel.sequence_parallel=true is not supported yet; set parallel.sequence_parallel=false")
 
     require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0 = synchronous)")
+    c = cfg.checkpoint
+    require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0 = never save)")
+    require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    require(not c.single_replica_restore,
+            "checkpoint.single_replica_restore=true is not implemented yet; set checkpoint.single_replica_restore=false")
     if d.source == "stdlib":
         require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
     elif d.source == "files":

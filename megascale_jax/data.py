@@ -14,6 +14,8 @@ Design:
   sequences in order, cycling. A batch is a list of global sequence indices.
 * Each process materialises only the rows its devices hold and assembles the global
   `jax.Array` with `jax.make_array_from_process_local_data`.
+* `Prefetcher` builds the next `data.prefetch` batches on a background thread while the step
+  runs. As the order is a function of the step, the iterator's checkpointed state is the step.
 * User mistakes (missing/empty inputs, tokens >= vocab, too little data) raise `DataError`:
   one line naming the key or file and the fix.
 """
@@ -23,7 +25,9 @@ from __future__ import annotations
 import glob
 import math
 import os
+import queue
 import sysconfig
+import threading
 from typing import Literal
 
 import jax
@@ -189,3 +193,49 @@ def make_global_batch(batches: SequenceBatches, step: int, sharding: jax.shardin
     start, stop = process_row_range(sharding, global_shape)
     local = batches.rows(step, start, stop)
     return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+class Prefetcher:
+    """Global batches of steps start, start+1, ... built `depth` ahead on a background thread.
+
+    Reading rows and `make_global_batch` (host gather + device_put) then overlap the running
+    step. The order is exactly the synchronous one: the thread walks the same step indices."""
+
+    def __init__(self, batches: SequenceBatches, sharding: jax.sharding.Sharding, start: int, depth: int):
+        self.batches, self.sharding, self.depth = batches, sharding, depth
+        self.next_step = start
+        if depth > 0:
+            self._queue: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._fill, args=(start,), daemon=True, name="prefetch")
+            self._thread.start()
+
+    def _fill(self, step: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item = (step, make_global_batch(self.batches, step, self.sharding))
+            except BaseException as e:  # re-raised in the consumer, which owns error reporting
+                item = (step, e)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            step += 1
+
+    def get(self) -> jax.Array:
+        """The next step's batch (blocks only if the background thread is behind)."""
+        step, self.next_step = self.next_step, self.next_step + 1
+        if self.depth == 0:
+            return make_global_batch(self.batches, step, self.sharding)
+        got, batch = self._queue.get()
+        assert got == step, (got, step)
+        if isinstance(batch, BaseException):
+            raise batch
+        return batch
+
+    def close(self) -> None:
+        if self.depth > 0:
+            self._stop.set()
+            self._thread.join()

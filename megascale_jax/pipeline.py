@@ -83,6 +83,16 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
     table = _table_arrays(schedule)
     last_stage, last_chunk = p - 1, v - 1
     scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
+    # Explicit tp collectives (shard_map psum / all-gather / ppermute) must not sit under a
+    # per-stage `cond`: stages that skip it never join the collective and the program hangs. Then
+    # every stage runs the chunk every tick and idle results are masked (costs compute in the
+    # warm-up and cool-down ticks, not correctness).
+    explicit_tp = mesh.shape["tp"] > 1 and cfg.parallel.tp_overlap != "xla"
+
+    def when(pred, fn, otherwise, x):
+        if not explicit_tp:
+            return jax.lax.cond(pred, fn, otherwise, x)
+        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(x), otherwise(x))
 
     def body(stage_layers, embed, final_norm, head, tokens):
         stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
@@ -103,33 +113,35 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
             kept = jax.lax.dynamic_index_in_dim(stash, f["slot"], keepdims=False)
             stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_valid, x_in, kept), f["slot"], 0)
             run_forward = f_valid & ~((stage == last_stage) & (f["chunk"] == last_chunk))
-            act_out = jax.lax.cond(run_forward, lambda x: run_layers(cfg.model, chunk_params_of(stage_layers, f["chunk"]), x),
-                                   lambda x: x, x_in)
+            forward = lambda x: run_layers(cfg.model, chunk_params_of(stage_layers, f["chunk"]), x, cfg.parallel)
+            act_out = when(run_forward, forward, lambda x: x, x_in)
 
-            # --- backward: recompute the chunk from its stashed input, vjp with last tick's cotangent
+            # --- backward: recompute the chunk from its stashed input, vjp with a cotangent that is
+            # last tick's, or for the last chunk the gradient of the head and loss
             x_saved = jax.lax.dynamic_index_in_dim(stash, b["slot"], keepdims=False)
             chunk = chunk_params_of(stage_layers, b["chunk"])
-            zero_head = jax.tree.map(jnp.zeros_like, (final_norm, head))
 
-            def idle(x, cot):
-                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk), zero_head, jnp.zeros_like(x)
+            def head_grads(y):
+                def mb_loss(fn, h, y):
+                    return scale * cross_entropy(lm_logits(cfg.model, fn, h, y), targets[b["mb"]])
+                value, grads = jax.value_and_grad(mb_loss, argnums=(0, 1, 2))(final_norm, head, y)
+                return value, grads[:2], grads[2].astype(y.dtype)
 
-            def middle(x, cot):
-                _, vjp = jax.vjp(lambda pc, x: run_layers(cfg.model, pc, x), chunk, x)
-                d_chunk, dx = vjp(cot)
-                return jnp.zeros((), jnp.float32), d_chunk, zero_head, dx
+            def no_head(y):
+                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (final_norm, head)), cot_in
 
-            def last(x, cot):
-                def mb_loss(pc, fn, h, x):
-                    logits = lm_logits(cfg.model, fn, h, run_layers(cfg.model, pc, x))
-                    return scale * cross_entropy(logits, targets[b["mb"]])
-                value, (d_chunk, d_norm, d_head, dx) = jax.value_and_grad(mb_loss, argnums=(0, 1, 2, 3))(
-                    chunk, final_norm, head, x)
-                return value, d_chunk, (d_norm, d_head), dx.astype(x.dtype)
+            def backward(x):
+                y, vjp = jax.vjp(lambda pc, x: run_layers(cfg.model, pc, x, cfg.parallel), chunk, x)
+                is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
+                loss_add, d_head_pair, dy = jax.lax.cond(is_last, head_grads, no_head, y)
+                d_chunk, dx = vjp(dy)
+                return loss_add, d_chunk, d_head_pair, dx
 
-            is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
-            branch = jnp.where(b_valid, jnp.where(is_last, 2, 1), 0)
-            loss_add, d_chunk, d_head_pair, dx = jax.lax.switch(branch, (idle, middle, last), x_saved, cot_in)
+            def idle(x):
+                return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk),
+                        jax.tree.map(jnp.zeros_like, (final_norm, head)), jnp.zeros_like(x))
+
+            loss_add, d_chunk, d_head_pair, dx = when(b_valid, backward, idle, x_saved)
             d_embed = jax.lax.cond(
                 b_valid & (stage == 0) & (b["chunk"] == 0),
                 lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0],
@@ -149,7 +161,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
         grads = (zeros(stage_layers), zeros(embed), zeros((final_norm, head)))
         carry = (act, act, stash, grads, jnp.zeros((), jnp.float32))
-        with sharding.axis_rules(manual=("dp", "pp")):
+        with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
             (_, _, _, grads, loss), _ = jax.lax.scan(tick, carry, table)
         g_layers, g_embed, (g_norm, g_head) = grads
         g_layers = jax.lax.psum(jax.tree.map(lambda x: x[None], g_layers), "dp")

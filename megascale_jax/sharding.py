@@ -18,6 +18,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "dp"),
     ("seq", None),
+    ("act_seq", None),  # the residual stream's sequence axis: over tp with sequence parallelism
     ("embed", None),
     ("heads", "tp"),
     ("kv_heads", "tp"),
@@ -29,13 +30,16 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def axis_rules(manual: tuple[str, ...] = ()):
+def axis_rules(manual: tuple[str, ...] = (), sequence_parallel: bool = False):
     """Context manager making `LOGICAL_RULES` active for `nn.with_logical_constraint`.
 
+    With sequence parallelism the residual stream (`act_seq`) is split over tp between blocks.
     Inside a `shard_map` that is manual over some mesh axes, constraints may only name the
     remaining (automatic) axes: the `manual` ones are dropped from the rules."""
-    rules = tuple((name, None if axis in manual else axis) for name, axis in LOGICAL_RULES)
-    return nn.logical_axis_rules(rules)
+    rules = dict(LOGICAL_RULES)
+    if sequence_parallel:
+        rules["act_seq"] = "tp"
+    return nn.logical_axis_rules(tuple((name, None if axis in manual else axis) for name, axis in rules.items()))
 
 
 def logical_to_spec(names) -> P:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -25,11 +26,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import data, flops, pipeline, sharding
+from megascale_jax import checkpoint, data, flops, pipeline, sharding
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
 from megascale_jax.model import Transformer, loss_fn
 from megascale_jax.optim import learning_rate_schedule, make_optimizer
+from megascale_jax.tensor_parallel import XLA_OVERLAP_FLAGS
 
 
 class TrainingDiverged(RuntimeError):
@@ -62,7 +64,7 @@ class Trainer:
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
-    model = Transformer(cfg.model)
+    model = Transformer(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
     replicated = sharding.replicated(mesh)
@@ -119,30 +121,26 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         cfg=cfg, mesh=mesh, model=model, state_shardings=state_shardings, batch_sharding=batch_sharding,
         abstract_params=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                      abstract_params, param_shardings),
-        init=_with_rules(mesh, jax.jit(init, out_shardings=state_shardings)),
-        train_step=_with_rules(mesh, jax.jit(
+        init=_with_rules(cfg, mesh, jax.jit(init, out_shardings=state_shardings)),
+        train_step=_with_rules(cfg, mesh, jax.jit(
             train_step, in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, metric_shardings), donate_argnums=0)),
-        eval_loss=_with_rules(mesh, jax.jit(
+        eval_loss=_with_rules(cfg, mesh, jax.jit(
             lambda params, batch: loss_fn(model, params, batch),
             in_shardings=(param_shardings, batch_sharding), out_shardings=replicated)),
     )
 
 
-def _with_rules(mesh: Mesh, fn):
+def _with_rules(cfg: Config, mesh: Mesh, fn):
     """Trace and run `fn` with the mesh and the logical-axis rules in scope."""
 
-    def wrapped(*args):
-        with jax.set_mesh(mesh), sharding.axis_rules():
-            return fn(*args)
+    def in_scope(call, *args):
+        with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
+            return call(*args)
 
-    wrapped.lower = lambda *args: _lower_with_rules(mesh, fn, *args)
+    wrapped = functools.partial(in_scope, fn)
+    wrapped.lower = functools.partial(in_scope, fn.lower)
     return wrapped
-
-
-def _lower_with_rules(mesh, fn, *args):
-    with jax.set_mesh(mesh), sharding.axis_rules():
-        return fn.lower(*args)
 
 
 # ============================================================================ the loop
@@ -160,14 +158,27 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
     log = tqdm.write if is_main else (lambda *_: None)
 
     t0 = time.perf_counter()
-    state = trainer.init()
-    first = data.make_global_batch(train_batches, 0, trainer.batch_sharding)
+    warn = (lambda line: tqdm.write(line, file=sys.stderr)) if is_main else log
+    ckpt = checkpoint.Checkpointer(cfg, checkpoint.checkpoint_dir(cfg, run_dir), warn=warn) \
+        if cfg.checkpoint.every else None
+    abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                  trainer.init.lower().out_info, trainer.state_shardings)
+    restored = None
+    if ckpt:
+        restored = ckpt.restore_latest(abstract_state)
+        ckpt.compile(abstract_state)
+    # Steps done so far; it is also the data position, as batches are a pure function of (seed, step).
+    start = restored[1]["data_step"] if restored else 0
+    state = restored[0] if restored else trainer.init()
+    batches = data.Prefetcher(train_batches, trainer.batch_sharding, start, cfg.data.prefetch)
+    first = batches.get()
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
+    resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
         f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
-        f"initialised and compiled in {time.perf_counter() - t0:.1f}s")
+        f"{resumed}initialised and compiled in {time.perf_counter() - t0:.1f}s")
 
     def validation_loss(params) -> float:
         losses = [eval_loss(params, data.make_global_batch(val_batches, i, trainer.batch_sharding))
@@ -176,8 +187,16 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
 
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
     records: list[dict] = []
+    if is_main:
+        keep_records_up_to(os.path.join(run_dir, "metrics.jsonl"), start)
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
-    bar = tqdm(total=cfg.train.steps, disable=not is_main, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
+
+    def log_saves(saves: list[dict]) -> None:
+        """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
+        if is_main and saves:
+            with open(os.path.join(run_dir, "checkpoints.jsonl"), "a") as f:
+                f.writelines(json.dumps(r) + "\n" for r in saves)
 
     def finish(step: int, metrics, data_wait: float, last_time: float, params=None) -> float:
         """Fetch one step's metrics (blocking on that step only), check and record them.
@@ -209,27 +228,62 @@ def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
         return time.perf_counter()
 
     # Metrics of step k are fetched after step k+1 has been dispatched, so the host never
-    # leaves the devices idle while it logs. Validation steps are finished synchronously.
+    # leaves the devices idle while it logs. Validation and checkpoint steps are finished
+    # synchronously: a checkpoint of step k is only started once record k is written, so
+    # resume never finds a checkpoint newer than the metrics.
     pending = None
     last_time = time.perf_counter()
     try:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(start + 1, cfg.train.steps + 1):
             t_data = time.perf_counter()
-            batch = first if step == 1 else data.make_global_batch(train_batches, step - 1, trainer.batch_sharding)
+            batch = first if step == start + 1 else batches.get()
             data_wait = time.perf_counter() - t_data
             state, metrics = train_step(state, batch)
             if pending:
                 last_time = finish(*pending, last_time)
                 pending = None
+            saving = ckpt is not None and ckpt.should_save(step)
             if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 last_time = finish(step, metrics, data_wait, last_time, params=state.params)
+            elif saving:
+                last_time = finish(step, metrics, data_wait, last_time)
             else:
                 pending = (step, metrics, data_wait)
+            if saving:
+                log_saves(ckpt.save(step, state))
+            if ckpt:
+                log_saves(ckpt.poll())
     finally:
         bar.close()
+        batches.close()
         if metrics_file:
             metrics_file.close()
+        if ckpt:
+            log_saves(ckpt.close())
     return records
+
+
+def keep_records_up_to(path: str, step: int) -> None:
+    """Drop metric records after `step` (left by an interrupted run that is now resumed from
+    `step`), so every step appears once. Written to a temporary file and renamed: a crash here
+    leaves the old file, never a half-written one."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    # A line cut short by a kill is not JSON; it is after the checkpoint step in any case.
+    kept = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
+    if kept != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _record_step(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 # ============================================================================ command line
@@ -251,7 +305,15 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None) -
         name = os.path.splitext(os.path.basename(config_path or "tiny_cpu"))[0]
         run_dir = os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl); pass a new --run-dir")
+        # A run directory with checkpoints is resumed (train() restores the newest good one).
+        steps = checkpoint.committed_steps(checkpoint.checkpoint_dir(cfg, run_dir))
+        if not steps:
+            raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
+                              "to resume from; pass a new --run-dir")
+        if steps[-1] >= cfg.train.steps:
+            raise ConfigError(f"--run-dir {run_dir!r} already holds a finished run (checkpoint at step "
+                              f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
+                              "it or pass a new --run-dir")
     try:
         os.makedirs(run_dir, exist_ok=True)
         save_config(cfg, os.path.join(run_dir, "config.yaml"))
@@ -264,6 +326,8 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if cfg.parallel.tp_overlap == "xla":  # must be set before the backend starts; ignored off-GPU
+            os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_OVERLAP_FLAGS]).strip()
         try:
             use_cpu_devices(cfg.mesh.cpu_devices)
         except RuntimeError:
@@ -282,6 +346,9 @@ def main(argv=None) -> int:
         return 2
     try:
         train(cfg, run_dir, tokens)
+    except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

@@ -92,9 +92,15 @@ ERROR_CASES = [
     ("window-zero", ["model.window=0"], None, ["model.window=0", ">= 1"]),
     ("seq-len-zero", ["model.seq_len=0"], None, ["model.seq_len=0"]),
     ("vocab-zero", ["model.vocab=0"], None, ["model.vocab=0"]),
+    # tensor-parallel overlap and fused kernels
+    ("sp-seq-not-divisible", ["parallel.sequence_parallel=true", "model.seq_len=127"], None,
+     ["model.seq_len=127", "mesh.tp=2"]),
+    ("collective-matmul-needs-sp", ["parallel.tp_overlap=collective_matmul"], None, ["sequence_parallel=true"]),
+    ("collective-matmul-chunks", ["parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
+                                  "model.seq_len=126"], None, ["63", "tp_bidirectional"]),
+    ("fused-norm-rmsnorm", ["model.fused_norm=true", "model.norm=rmsnorm"], None, ["model.fused_norm", "layernorm"]),
     # features this build / platform cannot run
     ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),
-    ("pallas-not-implemented", ["model.attention=pallas"], None, ["model.attention=pallas"]),
     # config files
     ("missing-config-file", [], "{tmp}/nope.yaml", ["nope.yaml", "--config"]),
     ("invalid-yaml-config", [], "{tmp}/broken.yaml", ["broken.yaml", "YAML"]),

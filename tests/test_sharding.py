@@ -107,7 +107,7 @@ def test_zero1_moment_shards_are_smaller(trained):
 
 
 def test_activation_specs():
-    """Specs XLA actually chose for the outputs of embedding, attention, MLP, block and logits."""
+    """Specs XLA actually chose for the outputs of the norms, the blocks and the logits."""
     cfg = load_config(None, ["train.global_batch=8"])
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
@@ -120,7 +120,7 @@ def test_activation_specs():
     def interceptor(next_fun, args, kwargs, context):
         out = next_fun(*args, **kwargs)
         kind = type(context.module).__name__
-        if context.method_name == "__call__" and kind in ("Attention", "Mlp", "Block", "Transformer"):
+        if context.method_name == "__call__" and kind in ("Norm", "Block", "Transformer"):
             value = out[0] if kind == "Block" else out
             jax.debug.inspect_array_sharding(value, callback=record(kind))
         return out
@@ -134,9 +134,8 @@ def test_activation_specs():
     with jax.set_mesh(mesh), sharding.axis_rules():
         jax.jit(forward).lower(params, tokens).compile()
     assert seen == {
-        "Attention": P("dp"),   # row-parallel output: summed over tp, batch over dp
-        "Mlp": P("dp"),
-        "Block": P("dp"),
+        "Norm": P("dp"),        # LN(x) feeds the column-parallel matmul whole on every tp device
+        "Block": P("dp"),       # after the row-parallel matmul: summed over tp, batch over dp
         "Transformer": P("dp", None, "tp"),  # logits: vocab over tp
     }
 

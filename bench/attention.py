@@ -1,0 +1,182 @@
+"""Fused-kernel benchmark on one GPU: attention, LayerNorm(+residual) and bias+GeLU vs XLA/cuDNN.
+
+    python bench/attention.py                       # the issue's grid, bf16, head dim 128
+    python bench/attention.py --seqs 2048 --windows 512 --iters 5
+
+Attention: forward+backward time and achieved TFLOP/s for XLA dense causal, XLA masked window,
+cuDNN window, Pallas window (and jax-triton window when installed), for every (seq, window).
+FLOPs count only the useful work of each problem: 4·d per visible (query, key) pair and head
+forward, 2.5× that backward (the FlashAttention convention), so a kernel that skips nothing
+cannot look faster than it is. LayerNorm and GeLU: forward+backward time of the Pallas kernel
+vs the same math left to XLA's fusion. Prints tables and writes
+bench/results/attention_<device>.json with the device, jax/jaxlib versions and the command.
+An implementation that fails (e.g. XLA's dense scores out of memory) is recorded as an error.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def visible_pairs(seq: int, window: int | None) -> int:
+    """Number of (query, key) pairs with i - w < j <= i."""
+    w = seq if window is None else min(window, seq)
+    return w * (w + 1) // 2 + (seq - w) * w
+
+
+def attention_flops(batch, heads, head_dim, seq, window) -> float:
+    return 3.5 * 4 * batch * heads * head_dim * visible_pairs(seq, window)
+
+
+def time_fwd_bwd(fn, args, iters: int) -> float:
+    """Median seconds of one jitted forward+backward (grad of a random projection of the output)."""
+    import jax
+    import jax.numpy as jnp
+
+    cot = jax.random.normal(jax.random.PRNGKey(1), jax.eval_shape(fn, *args).shape, args[0].dtype)
+    step = jax.jit(jax.grad(lambda *a: jnp.vdot(fn(*a), cot).real.astype(jnp.float32),
+                            argnums=tuple(range(len(args)))))
+    jax.block_until_ready(step(*args))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def attention_impls(window):
+    from megascale_jax.attention import attend
+    from pallas_kernels import flash_attention, triton_attention
+
+    impls = {
+        "xla_dense_causal": lambda q, k, v: attend(q, k, v, window=None, implementation="xla"),
+        "xla_window": lambda q, k, v: attend(q, k, v, window=window, implementation="xla"),
+        "cudnn_window": lambda q, k, v: attend(q, k, v, window=window, implementation="cudnn"),
+        "pallas_window": lambda q, k, v: flash_attention(q, k, v, window=window),
+    }
+    if triton_attention.available():
+        impls["triton_window"] = lambda q, k, v: triton_attention.triton_flash_attention(q, k, v, window=window)
+    return impls
+
+
+def bench_attention(args):
+    import jax
+    import jax.numpy as jnp
+
+    rows = []
+    for seq in args.seqs:
+        keys = jax.random.split(jax.random.PRNGKey(seq), 3)
+        shapes = [(args.batch, seq, n, args.head_dim) for n in (args.heads, args.kv_heads, args.kv_heads)]
+        qkv = [jax.random.normal(key, shape, jnp.bfloat16) for key, shape in zip(keys, shapes)]
+        for window in args.windows:
+            for name, fn in attention_impls(window).items():
+                if name == "xla_dense_causal" and window != args.windows[0]:
+                    continue  # independent of the window: measured once per seq
+                effective = None if name == "xla_dense_causal" else window
+                row = {"impl": name, "seq": seq, "window": effective}
+                try:
+                    seconds = time_fwd_bwd(fn, qkv, args.iters)
+                    flops = attention_flops(args.batch, args.heads, args.head_dim, seq, effective)
+                    row.update(ms=seconds * 1e3, tflops=flops / seconds / 1e12)
+                except Exception as e:  # noqa: BLE001 — an impl that cannot run is a result too
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                rows.append(row)
+                print(f"{seq:>7}{str(effective):>8}  {name:<18}" + (
+                    f"{row['ms']:>10.3f}{row['tflops']:>9.1f}" if "ms" in row else f"  {row['error']}"),
+                    flush=True)
+    return rows
+
+
+def bench_fused(args):
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import (bias_gelu, bias_gelu_reference, layer_norm_residual,
+                                layer_norm_residual_reference)
+
+    tokens, d, f = args.fused_tokens, args.d_model, 4 * args.d_model
+    key = jax.random.PRNGKey(0)
+    x, r = (jax.random.normal(k, (tokens, d), jnp.bfloat16) for k in jax.random.split(key, 2))
+    h = jax.random.normal(key, (tokens, f), jnp.bfloat16)
+    scale, bias, fbias = jnp.ones(d), jnp.zeros(d), jax.random.normal(key, (f,))
+    cases = {
+        ("layer_norm_residual", "pallas"): (lambda x, r: layer_norm_residual(x, r, scale, bias)[0], (x, r)),
+        ("layer_norm_residual", "xla"): (lambda x, r: layer_norm_residual_reference(x, r, scale, bias)[0], (x, r)),
+        ("bias_gelu", "pallas"): (lambda h: bias_gelu(h, fbias), (h,)),
+        ("bias_gelu", "xla"): (lambda h: bias_gelu_reference(h, fbias), (h,)),
+    }
+    rows = []
+    for (kernel, impl), (fn, fargs) in cases.items():
+        row = {"kernel": kernel, "impl": impl, "tokens": tokens, "d_model": d}
+        try:
+            row["ms"] = time_fwd_bwd(fn, fargs, args.iters) * 1e3
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
+        print(f"{kernel:<22}{impl:<8}" + (f"{row['ms']:>10.3f}" if "ms" in row else f"  {row['error']}"), flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
+    parser.add_argument("--windows", type=int, nargs="+", default=[512, 1024, 4096])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--d-model", type=int, default=4096, help="LayerNorm / GeLU width (GeLU: 4x)")
+    parser.add_argument("--fused-tokens", type=int, default=16384)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help="run anyway on the CPU (interpret mode; only to smoke-test this script)")
+    parser.add_argument("--out", default=None, help="result file (default bench/results/attention_<device>.json)")
+    args = parser.parse_args()
+
+    import jax
+    import jaxlib
+
+    if jax.default_backend() != "gpu" and not args.allow_cpu:
+        print(f"bench/attention.py needs a GPU (JAX backend is {jax.default_backend()!r}); "
+              "run it on a GPU machine, or pass --allow-cpu with tiny sizes to smoke-test it",
+              file=sys.stderr)
+        return 2
+
+    device = jax.devices()[0].device_kind
+    print(f"{device}, jax {jax.__version__}, batch {args.batch}, heads {args.heads}/{args.kv_heads}, "
+          f"head dim {args.head_dim}, bf16, fwd+bwd")
+    print(f"{'seq':>7}{'window':>8}  {'impl':<18}{'ms':>10}{'TFLOP/s':>9}")
+    attention = bench_attention(args)
+    print(f"\n{'kernel':<22}{'impl':<8}{'ms':>10}")
+    fused = bench_fused(args)
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    result = {
+        "command": " ".join(["python", "bench/attention.py", *sys.argv[1:]]),
+        "device": device, "backend": jax.default_backend(), "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__, "triton": triton_version, "python": platform.python_version(),
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "allow_cpu")},
+        "attention": attention, "fused": fused,
+    }
+    out = args.out or os.path.join(RESULTS, f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Tensor-parallel modes on the local devices: FLOPs and bytes from `cost_analysis()`, collective
+counts from the HLO, and step time per (block, tp_overlap, sequence_parallel).
+
+    python bench/tensor_parallel.py [--tp 8] [--steps 5]
+
+On simulated CPU devices the "devices" share the host's cores, so step times show the cost of
+each mode, not communication overlap. JSON goes to bench/results/tensor_parallel_<platform>.json.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+import jax
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODES = [("none", False), ("none", True), ("collective_matmul", True), ("xla", False)]
+
+
+def measure(block: str, overlap: str, sp: bool, args) -> dict:
+    from megascale_jax import data
+    from megascale_jax.config import load_config
+    from megascale_jax.mesh import make_mesh
+    from megascale_jax.train import build_trainer
+
+    cfg = load_config(None, ["mesh.dp=1", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.tp}",
+                             "model.layers=4", "model.d_model=256", "model.heads=8", "model.kv_heads=8",
+                             "model.seq_len=256", "train.global_batch=8", f"model.block={block}",
+                             f"parallel.tp_overlap={overlap}", f"parallel.sequence_parallel={str(sp).lower()}"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
+    state = trainer.init()
+    batch = data.make_global_batch(batches, 0, trainer.batch_sharding)
+    step = trainer.train_step.lower(state, batch).compile()
+    cost = step.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    text = step.as_text()
+    collectives = {op: len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text))
+                   for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
+    times = []
+    for _ in range(args.steps + 1):
+        t0 = time.perf_counter()
+        state, metrics = step(state, batch)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    return {"block": block, "tp_overlap": overlap, "sequence_parallel": sp,
+            "flops_per_layer": cost.get("flops", 0.0) / cfg.model.layers,
+            "bytes_per_layer": cost.get("bytes accessed", 0.0) / cfg.model.layers,
+            "collectives_in_program": collectives, "step_time_s": statistics.median(times[1:])}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", args.tp)  # simulated devices if on CPU; before JAX starts
+    rows = []
+    print(f"{'block':<10}{'tp_overlap':<19}{'SP':<4}{'GFLOP/layer':>12}{'MB/layer':>10}{'step s':>9}  collectives")
+    for block in ("parallel", "serial"):
+        for overlap, sp in MODES:
+            r = measure(block, overlap, sp, args)
+            rows.append(r)
+            c = r["collectives_in_program"]
+            print(f"{block:<10}{overlap:<19}{'y' if sp else 'n':<4}{r['flops_per_layer'] / 1e9:>12.3f}"
+                  f"{r['bytes_per_layer'] / 1e6:>10.1f}{r['step_time_s']:>9.3f}  "
+                  f"AR {c['all-reduce']} AG {c['all-gather']} RS {c['reduce-scatter']} CP {c['collective-permute']}",
+                  flush=True)
+    import jaxlib
+
+    result = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind,
+              "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "rows": rows}
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"tensor_parallel_{jax.default_backend()}.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

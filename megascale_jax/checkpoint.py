@@ -1,0 +1,234 @@
+"""Two-stage checkpoints (MegaScale §4): a short blocking copy, then a background write.
+
+An orbax `CheckpointManager` does both stages: `save()` returns once the state is copied to
+host memory, a background thread serialises it into `<dir>/<step>.orbax-checkpoint-tmp` and
+renames that to `<dir>/<step>` on commit, so a process killed mid-write leaves only a tmp
+directory, which resume ignores. Old checkpoints are deleted only after the new one commits.
+
+Each checkpoint is an ordinary orbax composite with three items:
+* `state`     — the TrainState (step, params, opt_state), restorable into any mesh's shardings;
+* `checksums` — one uint32 per array, computed on device at save time: orbax does not notice a
+  flipped bit in a data file, so restore recomputes them and rejects a mismatch;
+* `meta`      — JSON: step, the data position (= step: batches are a pure function of
+  (seed, step)) and the config it was written with.
+A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
+`<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import orbax.checkpoint as ocp
+
+from megascale_jax.config import Config, ConfigError
+
+# Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
+_SHAPE_SECTIONS = ("model",)
+_SHAPE_KEYS = {"optim": ("name",)}
+
+
+def checkpoint_dir(cfg: Config, run_dir: str) -> str:
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps with a committed checkpoint, oldest first (no JAX needed: commit = a rename to `<step>`)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+@jax.jit
+def checksums(tree):
+    """A uint32 per array: sum of (raw bits x odd position weight) mod 2**32.
+
+    Integer sums are exact in any order, so the value is the same under every sharding; an odd
+    weight makes every single-bit flip change the sum, and distinct weights catch swapped values."""
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        weights = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) * 2 + 1
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+    return jax.tree.map(one, tree)
+
+
+def _write_arrays_whole() -> None:
+    """Replica-parallel saving slices replicated arrays across their replicas with one small
+    compiled op per shape: ~10 s of compilation inside the first blocking save, for no gain
+    within one process. Each array's replica 0 writes it whole instead."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_use_replica_parallel", True):
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)  # orbax warns about the (intended) override
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        finally:
+            absl_logger.setLevel(level)
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint whose contents cannot be read back or fail verification."""
+
+
+class Checkpointer:
+    """Saves every `checkpoint.every` steps and the last step; restores the newest good one."""
+
+    def __init__(self, cfg: Config, directory: str, warn: Callable[[str], None]):
+        self.cfg, self.directory, self.warn = cfg, directory, warn
+        self._lock = threading.Lock()
+        self._commit_times: dict[int, float] = {}  # step -> time the background write finished
+        self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
+        self._checksums = checksums
+        c = cfg.checkpoint
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create checkpoint.dir {directory!r}: {e.strerror}; "
+                              "pass a writable checkpoint.dir") from None
+        _write_arrays_whole()
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=c.async_, max_to_keep=c.keep, save_interval_steps=max(c.every, 1),
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._on_commit))
+        self.manager = ocp.CheckpointManager(directory, options=options)
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    def compile(self, abstract_state) -> None:
+        """Compile the checksum up front, so the first save's blocking time has no compilation."""
+        self._checksums = checksums.lower(abstract_state).compile()
+
+    def save(self, step: int, state) -> list[dict]:
+        """Stage 1: blocks for the device->host copy (and for the previous save, if still writing).
+
+        Returns the records of earlier saves that finished meanwhile (see `poll`)."""
+        start = time.perf_counter()
+        finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
+        meta = {"step": step, "data_step": step, "seed": self.cfg.train.seed, "config": self.cfg.to_dict()}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  checksums=ocp.args.StandardSave(self._checksums(state)),
+                                  meta=ocp.args.JsonSave(meta))
+        try:
+            # force: the cadence (incl. the last step) is decided by should_save above.
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:  # e.g. the directory cannot be written
+            self.warn(f"warning: checkpoint at step {step} not saved: {_one_line(e)}; training continues, "
+                      f"last good checkpoint: step {self._last_committed()}")
+            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": _one_line(e)}]
+        self._pending = {"step": step, "start": start, "block_s": time.perf_counter() - start}
+        return finished
+
+    def _on_commit(self) -> None:
+        # Runs on orbax's background thread once the write is finalised (just before the rename).
+        with self._lock:
+            if self._pending:
+                self._commit_times[self._pending["step"]] = time.perf_counter()
+
+    def poll(self, wait: bool = False) -> list[dict]:
+        """Records of saves that finished since the last call: {step, block_s, total_s} or {step, error}."""
+        pending = self._pending
+        if pending is None:
+            return []
+        if wait:
+            try:
+                self.manager.wait_until_finished()
+            except Exception:
+                pass  # reported below
+        elif self.manager.is_saving_in_progress():
+            return []
+        self._pending = None
+        step = pending["step"]
+        record = {"step": step, "block_s": pending["block_s"]}
+        # orbax logs a background write error but does not always re-raise it, so success is
+        # judged by the commit itself: the rename to <dir>/<step>.
+        error = "not committed (orbax logged the cause above)"
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            error = _one_line(e)
+        with self._lock:
+            done = self._commit_times.pop(step, None)
+        if step not in committed_steps(self.directory):
+            self.warn(f"warning: checkpoint at step {step} failed in the background: {error}; "
+                      f"training continues, last good checkpoint: step {self._last_committed()}")
+            return [{**record, "error": error}]
+        return [{**record, "total_s": (done or time.perf_counter()) - pending["start"]}]
+
+    def close(self) -> list[dict]:
+        records = self.poll(wait=True)
+        self.manager.close()
+        return records
+
+    def _last_committed(self):
+        steps = committed_steps(self.directory)
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint that verifies, placed per `abstract_state`'s
+        shardings; None when there is none. Bad ones are reported and moved aside."""
+        for step in reversed(committed_steps(self.directory)):
+            try:
+                return self.restore(step, abstract_state)
+            except CorruptCheckpoint as e:
+                aside = os.path.join(self.directory, f"{step}.corrupt")
+                if jax.process_index() == 0:
+                    os.rename(os.path.join(self.directory, str(step)), aside)
+                self.warn(f"warning: checkpoint {os.path.join(self.directory, str(step))} is unreadable ({e}); "
+                          f"moved to {aside}, trying the previous one")
+        self.manager.reload()  # forget the steps moved aside
+        return None
+
+    def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
+        self._check_compatible(step, meta)
+        replicated = jax.sharding.NamedSharding(jax.tree.leaves(abstract_state)[0].sharding.mesh,
+                                                jax.sharding.PartitionSpec())
+        abstract_sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                                     jax.eval_shape(checksums, abstract_state))
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state), checksums=ocp.args.StandardRestore(abstract_sums)))
+        except Exception as e:
+            raise CorruptCheckpoint(_one_line(e)) from None
+        expected, actual = jax.device_get((restored["checksums"], checksums(restored["state"])))
+        bad = [jax.tree_util.keystr(path) for (path, a), b in
+               zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)) if a != b]
+        if bad:
+            raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        self.manager.reload()
+        return restored["state"], meta
+
+    def _check_compatible(self, step: int, meta: dict) -> None:
+        """A different model shape is a user mistake, not corruption: say which key differs."""
+        saved, now = meta.get("config", {}), self.cfg.to_dict()
+        keys = [(s, k) for s in _SHAPE_SECTIONS for k in now[s]] + \
+               [(s, k) for s, ks in _SHAPE_KEYS.items() for k in ks]
+        for section, key in keys:
+            if key not in saved.get(section, {}) or now[section][key] == saved[section][key]:
+                continue
+            if section == "model" and key in ("attention", "dtype", "window"):
+                continue  # computation choices: the parameters are the same
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
+                f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"

@@ -1,0 +1,164 @@
+"""Megatron tensor parallelism with explicit collectives, sequence parallelism and collective matmul.
+
+`column_matmul(x, weights)` multiplies one input by several column-parallel weights (each's output
+features split over tp) and `row_matmul(inputs, weights)` sums several row-parallel products
+(each's input features split over tp). Both run in a `jax.shard_map` that is manual over `tp`, on
+each device's local shards, so several weights share **one** collective: the parallel block feeds
+q, k, v and the MLP's first matmul from one LN(x) behind one all-gather, and leaves attention and
+MLP through one reduce-scatter — two TP collectives per layer where the serial block needs four.
+
+Collectives per `parallel.sequence_parallel` / `parallel.tp_overlap`:
+
+                 column input (fwd / bwd)              row output (fwd / bwd)
+  no SP, none    identity / all-reduce                 all-reduce / identity
+  SP, none       all-gather(seq) / reduce-scatter      reduce-scatter(seq) / all-gather
+  SP, collective_matmul:  the all-gather is fused with the matmul as tp steps of "multiply the
+                 chunk we hold, pass it on" (`ppermute`), and the reduce-scatter as tp steps of
+                 "add our partial product for a chunk to the accumulator passing by"; with
+                 `parallel.tp_bidirectional` half of every chunk travels each way round the ring.
+                 Autodiff of those loops is again a loop of matmuls and `ppermute`s (the
+                 transpose of a permute is the reverse permute), so the backward pass is
+                 overlapped the same way and contains no all-gather or reduce-scatter.
+
+With tp = 1 or outside a mesh everything reduces to local matmuls; `tp_overlap=xla` leaves the
+einsums to GSPMD (one collective per weight) with XLA's windowed-einsum flags on GPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from megascale_jax.config import ParallelConfig
+
+AXIS = "tp"
+
+
+def _tp_size() -> int:
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
+# ----------------------------------------------------------------------------- collectives
+# shard_map runs with `check_vma=True`: JAX then knows which values are replicated over tp and
+# gives Megatron's f/g pair itself — a replicated input feeding a sharded matmul gets an
+# all-reduce in the backward, and a `psum`'s cotangent is passed through unchanged.
+
+
+def gather_seq(x):
+    """All-gather the sequence (axis 1); autodiff turns it into a reduce-scatter."""
+    return jax.lax.all_gather(x, AXIS, axis=1, tiled=True)
+
+
+def scatter_seq(x):
+    """Reduce-scatter over the sequence (axis 1); autodiff turns it into an all-gather."""
+    return jax.lax.psum_scatter(x, AXIS, scatter_dimension=1, tiled=True)
+
+
+# ----------------------------------------------------------------------------- collective matmul
+
+
+def _ring(x, shift: int, tp: int):
+    return jax.lax.ppermute(x, AXIS, [(i, (i + shift) % tp) for i in range(tp)])
+
+
+def all_gather_matmul(x, w, tp: int, bidirectional: bool):
+    """gather_seq(x) @ w with the gather split into tp ring steps overlapping the matmuls.
+
+    x: (b, s/tp, d) this device's sequence chunk; w: (d, n) local columns -> (b, s, n)."""
+    me = jax.lax.axis_index(AXIS)
+    chunk = x.shape[1]
+    out = jnp.zeros((x.shape[0], chunk * tp, w.shape[1]), jnp.result_type(x, w))
+    # Each direction carries its own part of every chunk; `sign` is where it came from.
+    parts = [(x, 1)] if not bidirectional else [(x[:, : chunk // 2], 1), (x[:, chunk // 2:], -1)]
+    offsets = [0] if not bidirectional else [0, chunk // 2]
+    for step in range(tp):
+        for i, ((held, sign), offset) in enumerate(zip(parts, offsets)):
+            source = (me + sign * step) % tp  # whose chunk we hold at this step
+            out = jax.lax.dynamic_update_slice_in_dim(out, held @ w, source * chunk + offset, axis=1)
+            if step < tp - 1:  # receive from `me + sign`, i.e. everyone sends to `me - sign`
+                parts[i] = (_ring(held, -sign, tp), sign)
+    return out
+
+
+def matmul_reduce_scatter(h, w, tp: int, bidirectional: bool):
+    """scatter_seq(h @ w) with the reduce-scatter split into tp ring steps overlapping the matmuls.
+
+    h: (b, s, n) local features; w: (n, d) local rows -> (b, s/tp, d) this device's chunk, summed."""
+    me = jax.lax.axis_index(AXIS)
+    chunk = h.shape[1] // tp
+    halves = [(0, chunk, 1)] if not bidirectional else [(0, chunk // 2, 1), (chunk // 2, chunk - chunk // 2, -1)]
+    results = []
+    for offset, size, sign in halves:
+        acc = None
+        for step in range(tp):
+            # The accumulator for chunk c starts at c + sign, moves by `sign` and ends at c.
+            target = (me - sign * (1 + step)) % tp
+            part = jax.lax.dynamic_slice_in_dim(h, target * chunk + offset, size, axis=1) @ w
+            acc = part if acc is None else acc + part
+            if step < tp - 1:
+                acc = _ring(acc, sign, tp)
+        results.append(acc)
+    return results[0] if len(results) == 1 else jnp.concatenate(results, axis=1)
+
+
+# ----------------------------------------------------------------------------- the two layers
+
+
+# XLA's own overlap for `parallel.tp_overlap=xla` (GPU only; an unknown flag aborts the process).
+XLA_OVERLAP_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                     "--xla_gpu_threshold_for_windowed_einsum_mib=0",
+                     "--xla_gpu_multi_streamed_windowed_einsum=true")
+
+
+def _split(y, widths):
+    return jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
+
+
+def column_matmul(x, weights, parallel: ParallelConfig):
+    """[x @ w for w in weights], x: (b, s, d), each w: (d, n_i) with n_i split over tp.
+
+    Returns (b, s, n_i) arrays, features split over tp; the sequence is whole."""
+    tp = _tp_size()
+    if tp == 1 or parallel.tp_overlap == "xla":  # local, or GSPMD's collectives for XLA to overlap
+        return [x @ w.astype(x.dtype) for w in weights]
+    sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
+
+    def local(x, *ws):
+        w = jnp.concatenate([w.astype(x.dtype) for w in ws], axis=1)  # one matmul, one collective
+        if sp and overlap:
+            y = all_gather_matmul(x, w, tp, parallel.tp_bidirectional)
+        else:
+            y = (gather_seq(x) if sp else x) @ w
+        return tuple(_split(y, [w.shape[1] for w in ws]))
+
+    in_x = P(None, AXIS, None) if sp else P()
+    run = jax.shard_map(local, in_specs=(in_x, *[P(None, AXIS)] * len(weights)),
+                        out_specs=tuple(P(None, None, AXIS) for _ in weights), axis_names={AXIS}, check_vma=True)
+    return list(run(x, *weights))
+
+
+def row_matmul(inputs, weights, parallel: ParallelConfig):
+    """sum(h @ w for h, w in zip(inputs, weights)), each h: (b, s, n_i) with n_i split over tp.
+
+    Returns (b, s, d): sequence split over tp with sequence parallelism, else replicated."""
+    tp = _tp_size()
+    if tp == 1 or parallel.tp_overlap == "xla":
+        return sum(h @ w.astype(h.dtype) for h, w in zip(inputs, weights))
+    sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
+
+    def local(*args):
+        hs, ws = args[: len(inputs)], args[len(inputs):]
+        h = jnp.concatenate(hs, axis=-1)
+        w = jnp.concatenate([w.astype(h.dtype) for w in ws], axis=0)
+        if sp and overlap:
+            return matmul_reduce_scatter(h, w, tp, parallel.tp_bidirectional)
+        return scatter_seq(h @ w) if sp else jax.lax.psum(h @ w, AXIS)
+
+    out = P(None, AXIS, None) if sp else P()
+    run = jax.shard_map(local, in_specs=(*[P(None, None, AXIS)] * len(inputs), *[P(AXIS, None)] * len(weights)),
+                        out_specs=out, axis_names={AXIS}, check_vma=True)
+    return run(*inputs, *weights)

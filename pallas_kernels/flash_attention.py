@@ -1,0 +1,313 @@
+"""Causal sliding-window flash attention in Pallas, forward and backward (`jax.custom_vjp`).
+
+    flash_attention(q, k, v, window=w)   q: (batch, seq, heads, head_dim)
+                                         k, v: (batch, seq, kv_heads, head_dim)
+
+A query at position i sees keys j with i - w < j <= i (window=None: every j <= i), exactly like
+`megascale_jax.attention.attend`. Query heads h = kv * group + g share kv head `kv` (GQA).
+
+Each program owns one query block and runs an online softmax (FlashAttention-2) over the KV
+blocks that intersect its window: `kv_block_range` gives that inclusive range from the block
+index, so blocks wholly outside the window are never loaded and the cost is O(s·w), not O(s²).
+The forward pass saves the per-row logsumexp; the backward pass recomputes the probabilities
+from it in two kernels: dq (loop over the same KV range) and dk/dv (loop over the transposed
+range, `q_block_range`, and over the query heads of the GQA group). `visited_kv_blocks` counts
+the (query block, KV block) pairs with the same helper the kernels use for their loop bounds.
+
+Sequences are zero-padded to a multiple of both block sizes. Padded keys are invisible to real
+queries by causality (j <= i < seq_len), padded query rows are sliced off, and their cotangent
+is zero, so they contribute nothing to dk/dv.
+
+On the CPU the kernels run in Pallas interpret mode. On a GPU they are lowered through the
+Pallas Triton backend (`pallas.triton.CompilerParams`); that path has not been run yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import default_interpret, pad_axis
+
+# Finite "minus infinity": exp(MASKED - m) underflows to 0 without producing NaNs from inf - inf.
+MASKED = -0.7 * float(np.finfo(np.float32).max)
+
+# (block_q, block_k) per backend. GPU values are the usual FlashAttention-2 Triton starting
+# point for head_dim 128; they have not been tuned on a GPU yet.
+DEFAULT_BLOCKS = {"gpu": (128, 64), "cpu": (128, 128)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Block ranges: the single source of truth for which blocks are visited.
+# ---------------------------------------------------------------------------------------------
+
+def _div(a, b: int):
+    # Non-negative integer division; `lax.div` (truncating) lowers everywhere, `//` may not.
+    return lax.div(a, jnp.asarray(b, a.dtype))
+
+
+def kv_block_range(q_block, *, seq_len: int, window: int | None, block_q: int, block_k: int):
+    """Inclusive range (lo, hi) of KV blocks that query block `q_block` must visit.
+
+    Real rows r of the block (r < seq_len) see keys max(r - w + 1, 0) .. r, so the block needs
+    the KV blocks covering [max(first - w + 1, 0), last]. Empty (hi < lo) for a block of
+    padding rows only. Works on traced int32 scalars (kernels) and int32 arrays (counting).
+    """
+    first = jnp.asarray(q_block, jnp.int32) * block_q
+    last = jnp.minimum(first + block_q, seq_len) - 1
+    lo = jnp.zeros_like(first) if window is None else _div(jnp.maximum(first - window + 1, 0), block_k)
+    hi = jnp.where(first < seq_len, _div(last, block_k), lo - 1)
+    return lo, hi
+
+
+def q_block_range(kv_block, *, seq_len: int, window: int | None, block_q: int, block_k: int):
+    """Inclusive range (lo, hi) of query blocks that see KV block `kv_block`: the transpose of
+    `kv_block_range` (the dk/dv kernel's loop bounds). Keys first..last are seen by real rows
+    first .. min(last + w - 1, seq_len - 1)."""
+    first = jnp.asarray(kv_block, jnp.int32) * block_k
+    reach = seq_len - 1 if window is None else jnp.minimum(first + block_k - 1 + window - 1, seq_len - 1)
+    lo = _div(first, block_q)
+    hi = jnp.where(first < seq_len, _div(jnp.asarray(reach, jnp.int32), block_q), lo - 1)
+    return lo, hi
+
+
+def visited_kv_blocks(seq_len: int, window: int | None, block_q: int, block_k: int) -> int:
+    """Number of (query block, KV block) pairs the forward kernel visits, from `kv_block_range`."""
+    padded = _padded_len(seq_len, block_q, block_k)
+    lo, hi = kv_block_range(jnp.arange(padded // block_q), seq_len=seq_len, window=window,
+                            block_q=block_q, block_k=block_k)
+    return int(np.maximum(np.asarray(hi) - np.asarray(lo) + 1, 0).sum())
+
+
+def _padded_len(seq_len: int, block_q: int, block_k: int) -> int:
+    return -(-seq_len // math.lcm(block_q, block_k)) * math.lcm(block_q, block_k)
+
+
+def _visible(rows, cols, window):
+    """(len(rows), len(cols)) mask: query row i sees key j iff i - w < j <= i."""
+    mask = cols[None, :] <= rows[:, None]
+    if window is not None:
+        mask &= rows[:, None] - cols[None, :] < window
+    return mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels. Refs carry one (batch, head) slice: q/o/do (block_q, d), k/v (seq, d), lse (block_q,).
+# ---------------------------------------------------------------------------------------------
+
+class _Cfg(NamedTuple):
+    seq_len: int  # real (unpadded) length
+    window: int | None
+    block_q: int
+    block_k: int
+    head_dim: int
+    interpret: bool
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+def _dot_t(a, b):
+    """a @ b.T with float32 accumulation."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _tdot(a, b):
+    """a.T @ b with float32 accumulation."""
+    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
+    bq, bk = cfg.block_q, cfg.block_k
+    qi = pl.program_id(2)
+    q = q_ref[...]
+    rows = qi * bq + jnp.arange(bq)
+    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
+
+    def body(j, carry):
+        acc, m, l = carry
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        s = _dot_t(q, k) * cfg.scale
+        s = jnp.where(_visible(rows, j * bk + jnp.arange(bk), cfg.window), s, MASKED)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
+        p = jnp.exp(s - m_new[:, None])
+        return alpha[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, alpha * l + p.sum(axis=1)
+
+    init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
+            jnp.zeros((bq,), jnp.float32))
+    acc, m, l = lax.fori_loop(lo, hi + 1, body, init)
+    l = jnp.where(l == 0, 1.0, l)  # rows that visited nothing (padding only)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg):
+    bq, bk = cfg.block_q, cfg.block_k
+    qi = pl.program_id(2)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    rows = qi * bq + jnp.arange(bq)
+    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
+
+    def body(j, dq):
+        k = k_ref[pl.ds(j * bk, bk), :]
+        v = v_ref[pl.ds(j * bk, bk), :]
+        visible = _visible(rows, j * bk + jnp.arange(bk), cfg.window)
+        p = jnp.where(visible, jnp.exp(_dot_t(q, k) * cfg.scale - lse[:, None]), 0.0)
+        ds = p * (_dot_t(do, v) - delta[:, None])
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    dq = lax.fori_loop(lo, hi + 1, body, jnp.zeros(q.shape, jnp.float32))
+    dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Cfg):
+    # q/do refs: (seq, group, d) — every query head sharing this kv head; lse/delta: (group, seq).
+    bq, bk = cfg.block_q, cfg.block_k
+    kj = pl.program_id(2)
+    k, v = k_ref[...], v_ref[...]
+    cols = kj * bk + jnp.arange(bk)
+    lo, hi = q_block_range(kj, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
+
+    def body(i, carry):
+        dk, dv = carry
+        rows = i * bq + jnp.arange(bq)
+        visible = _visible(rows, cols, cfg.window)
+        for g in range(q_ref.shape[1]):  # static: the GQA group is small
+            q = q_ref[pl.ds(i * bq, bq), g, :]
+            do = do_ref[pl.ds(i * bq, bq), g, :]
+            lse = lse_ref[g, pl.ds(i * bq, bq)]
+            delta = delta_ref[g, pl.ds(i * bq, bq)]
+            p = jnp.where(visible, jnp.exp(_dot_t(q, k) * cfg.scale - lse[:, None]), 0.0)
+            dv = dv + _tdot(p.astype(do.dtype), do)
+            ds = p * (_dot_t(do, v) - delta[:, None])
+            dk = dk + _tdot(ds.astype(q.dtype), q)
+        return dk, dv
+
+    zeros = jnp.zeros(k.shape, jnp.float32)
+    dk, dv = lax.fori_loop(lo, hi + 1, body, (zeros, zeros))
+    dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrappers on padded arrays, and the custom VJP.
+# ---------------------------------------------------------------------------------------------
+
+def _call(kernel, cfg: _Cfg, grid, in_specs, out_specs, out_shape, name):
+    params = None
+    if not cfg.interpret:
+        # Select the Pallas Triton lowering: the kernels are written in its style (whole-block
+        # loads, dynamic loop bounds), not Mosaic GPU's. Deprecated since jax 0.11, still works.
+        from jax.experimental.pallas import triton as pltriton
+        params = pltriton.CompilerParams(num_warps=4 if cfg.head_dim <= 64 else 8, num_stages=2)
+    return pl.pallas_call(
+        functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
+        out_shape=out_shape, interpret=cfg.interpret, compiler_params=params, name=name)
+
+
+def _specs(b_q, seq, d, group):
+    """BlockSpecs over the (batch, heads, q blocks) grid."""
+    per_q = pl.BlockSpec((None, b_q, None, d), lambda b, h, i: (b, i, h, 0))
+    per_kv = pl.BlockSpec((None, seq, None, d), lambda b, h, i: (b, 0, h // group, 0))
+    per_row = pl.BlockSpec((None, None, b_q), lambda b, h, i: (b, h, i))
+    return per_q, per_kv, per_row
+
+
+def _forward(q, k, v, cfg: _Cfg):
+    batch, seq, heads, d = q.shape
+    group = heads // k.shape[2]
+    per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
+    return _call(
+        _fwd_kernel, cfg, (batch, heads, seq // cfg.block_q), [per_q, per_kv, per_kv],
+        [per_q, per_row],
+        [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
+        "flash_attention_fwd")(q, k, v)
+
+
+def _backward(q, k, v, o, lse, do, cfg: _Cfg):
+    batch, seq, heads, d = q.shape
+    kv_heads = k.shape[2]
+    group = heads // kv_heads
+    # delta_i = sum_d dO_id O_id: the softmax-backward row term, one cheap fused XLA reduction.
+    delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32))
+
+    per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
+    dq = _call(_dq_kernel, cfg, (batch, heads, seq // cfg.block_q),
+               [per_q, per_kv, per_kv, per_q, per_row, per_row], per_q,
+               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")(q, k, v, do, lse, delta)
+
+    # Grid over (batch, kv heads, kv blocks); each program sees the whole group of query heads.
+    group_q = pl.BlockSpec((None, seq, group, d), lambda b, h, j: (b, 0, h, 0))
+    group_row = pl.BlockSpec((None, group, seq), lambda b, h, j: (b, h, 0))
+    per_k = pl.BlockSpec((None, cfg.block_k, None, d), lambda b, h, j: (b, j, h, 0))
+    dk, dv = _call(_dkdv_kernel, cfg, (batch, kv_heads, seq // cfg.block_k),
+                   [group_q, per_k, per_k, group_q, group_row, group_row], [per_k, per_k],
+                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+                   "flash_attention_dkdv")(q, k, v, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _flash(q, k, v, cfg: _Cfg):
+    return _forward(q, k, v, cfg)[0]
+
+
+def _flash_fwd(q, k, v, cfg: _Cfg):
+    o, lse = _forward(q, k, v, cfg)
+    return o, (q, k, v, o, lse)
+
+
+def _flash_bwd(cfg: _Cfg, residuals, do):
+    return _backward(*residuals, do, cfg)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None = None,
+                    block_k: int | None = None, interpret: bool | None = None):
+    """Causal (window=None) or sliding-window attention; same contract as `attention_reference`.
+
+    block_q, block_k: tile sizes (default per backend, `DEFAULT_BLOCKS`), clamped to the padded
+    sequence for short inputs. interpret: None = Pallas interpret mode iff the backend is CPU.
+    """
+    batch, seq, heads, d = q.shape
+    if k.shape != v.shape or k.shape[:2] != (batch, seq) or k.shape[3] != d or heads % k.shape[2]:
+        raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape}/{v.shape} need k == v "
+                         f"shapes, equal batch/seq/head_dim and kv_heads dividing heads")
+    if window is not None and window < 1:
+        raise ValueError(f"flash_attention: window={window} must be >= 1 or None")
+    default_q, default_k = DEFAULT_BLOCKS["cpu" if jax.default_backend() == "cpu" else "gpu"]
+    cap = max(8, pl.next_power_of_2(seq))  # no point in blocks longer than the sequence
+    block_q, block_k = min(block_q or default_q, cap), min(block_k or default_k, cap)
+    cfg = _Cfg(seq, window, block_q, block_k, d, default_interpret(interpret))
+    q, k, v = (pad_axis(x, 1, math.lcm(block_q, block_k)) for x in (q, k, v))
+    return _flash(q, k, v, cfg)[:, :seq]
+
+
+def attention_reference(q, k, v, *, window: int | None = None):
+    """Pure-jnp reference: explicit scores, mask and float32 softmax (GQA by head grouping)."""
+    batch, seq, heads, d = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, seq, kv_heads, heads // kv_heads, d)
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32) * d ** -0.5
+    pos = jnp.arange(seq)
+    s = jnp.where(_visible(pos, pos, window), s, MASKED)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return o.reshape(batch, seq, heads, d).astype(q.dtype)
