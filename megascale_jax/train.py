@@ -146,14 +146,13 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
 # ============================================================================ the loop
 
 
-def train(cfg: Config, run_dir: str, tokens) -> list[dict]:
+def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
+          val_batches: data.SequenceBatches) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl."""
     from tqdm import tqdm
 
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
-    train_batches = data.SequenceBatches.from_config(cfg, tokens, "train")
-    val_batches = data.SequenceBatches.from_config(cfg, tokens, "val")
     is_main = jax.process_index() == 0
     log = tqdm.write if is_main else (lambda *_: None)
 
@@ -337,7 +336,9 @@ def main(argv=None) -> int:
             jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         tokens = data.load_tokens(cfg)
-        data.SequenceBatches.from_config(cfg, tokens, "train"), data.SequenceBatches.from_config(cfg, tokens, "val")
+        # Built here so that too little data is a one-line error before anything compiles.
+        train_batches = data.SequenceBatches.from_config(cfg, tokens, "train")
+        val_batches = data.SequenceBatches.from_config(cfg, tokens, "val")
         run_dir = args.run_dir
         if jax.process_index() == 0:
             run_dir = prepare_run_dir(args.run_dir, cfg, args.config)
@@ -345,7 +346,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        train(cfg, run_dir, tokens)
+        train(cfg, run_dir, train_batches, val_batches)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
         print(f"error: {e}", file=sys.stderr)
         return 2
