@@ -14,15 +14,13 @@ An implementation that fails (e.g. XLA's dense scores out of memory) is recorded
 """
 
 import argparse
-import json
-import os
-import platform
 import re
 import statistics
 import sys
 import time
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from provenance import write_result  # bench/provenance.py
+
 
 
 def visible_pairs(seq: int, window: int | None) -> int:
@@ -142,7 +140,6 @@ def main() -> int:
     args = parser.parse_args()
 
     import jax
-    import jaxlib
 
     if jax.default_backend() != "gpu" and not args.allow_cpu:
         print(f"bench/attention.py needs a GPU (JAX backend is {jax.default_backend()!r}); "
@@ -163,17 +160,11 @@ def main() -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    result = {
-        "command": " ".join(["python", "bench/attention.py", *sys.argv[1:]]),
-        "device": device, "backend": jax.default_backend(), "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__, "triton": triton_version, "python": platform.python_version(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "allow_cpu")},
-        "attention": attention, "fused": fused,
-    }
-    out = args.out or os.path.join(RESULTS, f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    out = write_result(
+        f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}",
+        {"triton": triton_version, "attention": attention, "fused": fused,
+         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "allow_cpu")}},
+        path=args.out)
     print(f"wrote {out}")
     return 0
 

@@ -10,15 +10,14 @@ cores, so step times there show compile/memory behaviour, not pipeline overlap.
 """
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 import jax
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from provenance import write_result  # bench/provenance.py
+
 
 
 def measure(schedule: str, virtual: int, m: int, args) -> dict:
@@ -71,14 +70,7 @@ def main() -> int:
             rows.append(r)
             print(f"{schedule:<18}{virtual:>3}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
                   f"{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}", flush=True)
-    import jaxlib
-
-    result = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind,
-              "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-              "pp": args.pp, "tp": args.tp, "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"pipeline_{jax.default_backend()}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(f"pipeline_{jax.default_backend()}", {"pp": args.pp, "tp": args.tp, "rows": rows})
     return 0
 
 

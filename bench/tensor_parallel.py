@@ -8,8 +8,6 @@ each mode, not communication overlap. JSON goes to bench/results/tensor_parallel
 """
 
 import argparse
-import json
-import os
 import re
 import statistics
 import sys
@@ -17,7 +15,8 @@ import time
 
 import jax
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from provenance import write_result  # bench/provenance.py
+
 MODES = [("none", False), ("none", True), ("collective_matmul", True), ("xla", False)]
 
 
@@ -70,13 +69,7 @@ def main() -> int:
                   f"{r['bytes_per_layer'] / 1e6:>10.1f}{r['step_time_s']:>9.3f}  "
                   f"AR {c['all-reduce']} AG {c['all-gather']} RS {c['reduce-scatter']} CP {c['collective-permute']}",
                   flush=True)
-    import jaxlib
-
-    result = {"command": " ".join(["python", *sys.argv]), "device": jax.devices()[0].device_kind,
-              "devices": jax.device_count(), "jax": jax.__version__, "jaxlib": jaxlib.__version__, "rows": rows}
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"tensor_parallel_{jax.default_backend()}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(f"tensor_parallel_{jax.default_backend()}", {"rows": rows})
     return 0
 
 

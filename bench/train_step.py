@@ -11,12 +11,12 @@ kind, jax/jaxlib versions and the exact command, into bench/results/<name>.json.
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+from provenance import write_result  # bench/provenance.py
+
 
 
 def main() -> int:
@@ -35,7 +35,6 @@ def main() -> int:
         return code
 
     import jax
-    import jaxlib
 
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f][args.skip:]
@@ -46,12 +45,7 @@ def main() -> int:
     result = {
         "config": args.config,
         "overrides": args.overrides,
-        "command": " ".join(["python", "bench/train_step.py", *sys.argv[1:]]),
         "device": jax.devices()[0].device_kind,
-        "devices": jax.device_count(),
-        "jax": jax.__version__,
-        "jaxlib": jaxlib.__version__,
-        "python": platform.python_version(),
         "steps_measured": len(records),
         "step_time_s": median("step_time_s"),
         "tokens_per_s": median("tokens_per_s"),
@@ -62,10 +56,7 @@ def main() -> int:
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
     print(f"{os.path.basename(args.config):<28}{result['device'][:27]:<28}"
           f"{result['step_time_s']:>9.3f}{result['tokens_per_s']:>12.0f}{mfu:>8}")
-    name = args.name or os.path.splitext(os.path.basename(args.config))[0]
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"{name}.json"), "w") as f:
-        json.dump(result, f, indent=2)
+    write_result(args.name or os.path.splitext(os.path.basename(args.config))[0], result)
     return 0
 
 
