@@ -262,21 +262,26 @@ def _backward(q, k, v, o, lse, do, cfg: _Cfg):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q, k, v, cfg: _Cfg):
-    return _forward(q, k, v, cfg)[0]
+def with_pallas_backward(forward):
+    """Attention whose forward is `forward(q, k, v, cfg) -> (o, lse)` and whose gradient is the
+    Pallas dq and dk/dv kernels (shared by the Pallas and the Triton forward)."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+    def attention(q, k, v, cfg: _Cfg):
+        return forward(q, k, v, cfg)[0]
+
+    def attention_fwd(q, k, v, cfg: _Cfg):
+        o, lse = forward(q, k, v, cfg)
+        return o, (q, k, v, o, lse)
+
+    def attention_bwd(cfg: _Cfg, residuals, do):
+        return _backward(*residuals, do, cfg)
+
+    attention.defvjp(attention_fwd, attention_bwd)
+    return attention
 
 
-def _flash_fwd(q, k, v, cfg: _Cfg):
-    o, lse = _forward(q, k, v, cfg)
-    return o, (q, k, v, o, lse)
-
-
-def _flash_bwd(cfg: _Cfg, residuals, do):
-    return _backward(*residuals, do, cfg)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
+_flash = with_pallas_backward(_forward)
 
 
 def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None = None,

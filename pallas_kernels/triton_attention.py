@@ -14,14 +14,13 @@ without them and `triton_flash_attention` raises ImportError when called. Not ye
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import pad_axis
-from pallas_kernels.flash_attention import MASKED, _backward, _Cfg, kv_block_range
+from pallas_kernels.flash_attention import MASKED, _Cfg, kv_block_range, with_pallas_backward
 
 try:
     import jax_triton as jt
@@ -90,21 +89,7 @@ def _forward(q, k, v, cfg: _Cfg):
         BLOCK_Q=cfg.block_q, BLOCK_K=cfg.block_k)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _attention(q, k, v, cfg: _Cfg):
-    return _forward(q, k, v, cfg)[0]
-
-
-def _attention_fwd(q, k, v, cfg: _Cfg):
-    o, lse = _forward(q, k, v, cfg)
-    return o, (q, k, v, o, lse)
-
-
-def _attention_bwd(cfg: _Cfg, residuals, do):
-    return _backward(*residuals, do, cfg)  # the Pallas dq and dk/dv kernels
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = with_pallas_backward(_forward)  # backward: the Pallas dq and dk/dv kernels
 
 
 def triton_flash_attention(q, k, v, *, window: int | None = None, block_q: int = 128, block_k: int = 64):
