@@ -131,6 +131,25 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True)
+class SupervisorConfig:
+    """Heartbeats and recovery (`python -m megascale_jax.launch`; megascale_jax/supervisor.py)."""
+
+    heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
+    hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
+    max_restarts: int = 3  # recoveries before the driver gives up with a report
+
+
+@dataclass(frozen=True)
+class ObserveConfig:
+    """Per-step phase timings, TensorBoard scalars and straggler detection (megascale_jax/timings.py)."""
+
+    timings: bool = True  # RUN_DIR/timings/: per-process, per-step phase durations
+    tensorboard: bool = True  # RUN_DIR/tensorboard/: loss, lr, grad norm, MFU, tokens/s, step time
+    straggler_threshold: float = 0.05  # a rank this much slower than the median of its peers is flagged
+    straggler_window: int = 20  # steps in the sliding window of the straggler statistic
+
+
+@dataclass(frozen=True)
 class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -139,6 +158,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
 
     def to_dict(self) -> dict:
         # Fields named after Python keywords carry a trailing "_"; the config key has none.
@@ -342,6 +363,14 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
     require(not c.single_replica_restore,
             "checkpoint.single_replica_restore=true is not implemented yet; set checkpoint.single_replica_restore=false")
+    sv, ob = cfg.supervisor, cfg.observe
+    require(sv.heartbeat_s > 0, f"supervisor.heartbeat_s={sv.heartbeat_s} must be > 0")
+    require(sv.hang_timeout_s > 2 * sv.heartbeat_s,
+            f"supervisor.hang_timeout_s={sv.hang_timeout_s} must exceed 2 x supervisor.heartbeat_s={sv.heartbeat_s}, "
+            "or every late heartbeat looks like a hang")
+    require(sv.max_restarts >= 0, f"supervisor.max_restarts={sv.max_restarts} must be >= 0")
+    require(ob.straggler_threshold > 0, f"observe.straggler_threshold={ob.straggler_threshold} must be > 0")
+    require(ob.straggler_window >= 3, f"observe.straggler_window={ob.straggler_window} must be >= 3")
     if d.source == "stdlib":
         require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
     elif d.source == "files":

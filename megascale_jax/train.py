@@ -27,6 +27,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megascale_jax import checkpoint, data, flops, pipeline, sharding
+from megascale_jax.observers import observers_for
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
 from megascale_jax.model import Transformer, loss_fn
@@ -149,9 +150,21 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
           val_batches: data.SequenceBatches) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl."""
+    mesh = make_mesh(cfg.mesh)
+    watch = observers_for(cfg, run_dir, mesh)
+    try:
+        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
+    except BaseException:
+        watch.state("failed", -1)
+        raise
+    finally:
+        watch.close()
+
+
+def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[dict]:
     from tqdm import tqdm
 
-    mesh = make_mesh(cfg.mesh)
+    watch.state("initialising", 0)
     trainer = build_trainer(cfg, mesh)
     is_main = jax.process_index() == 0
     log = tqdm.write if is_main else (lambda *_: None)
@@ -171,6 +184,7 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
     state = restored[0] if restored else trainer.init()
     batches = data.Prefetcher(train_batches, trainer.batch_sharding, start, cfg.data.prefetch)
     first = batches.get()
+    watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
@@ -203,6 +217,7 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
         With `params`, also measure the validation loss; it is left out of the step times."""
         values = {k: float(v) for k, v in jax.device_get(metrics).items()}
         now = time.perf_counter()
+        watch.phase(step, "step", time.time() - (now - last_time), now - last_time)
         if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
             raise TrainingDiverged(
                 f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: training diverged; "
@@ -213,8 +228,13 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
                   "mfu": flops.mfu(tokens_per_step / step_time, cfg.model, mesh.devices.flat),
                   "data_wait_s": data_wait}
         if params is not None:
+            watch.state("evaluating", step)
+            t_eval = time.time()
             record["val_loss"] = validation_loss(params)
+            watch.phase(step, "eval", t_eval, time.time() - t_eval)
+            watch.state("training", step)
         records.append(record)
+        watch.record(record)
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -231,13 +251,18 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
     # synchronously: a checkpoint of step k is only started once record k is written, so
     # resume never finds a checkpoint newer than the metrics.
     pending = None
+    watch.state("training", start)
     last_time = time.perf_counter()
     try:
         for step in range(start + 1, cfg.train.steps + 1):
-            t_data = time.perf_counter()
+            t_data, wall_data = time.perf_counter(), time.time()
             batch = first if step == start + 1 else batches.get()
             data_wait = time.perf_counter() - t_data
+            watch.phase(step, "data_wait", wall_data, data_wait)
+            watch.before_step(step)
+            wall_dispatch, t_dispatch = time.time(), time.perf_counter()
             state, metrics = train_step(state, batch)
+            watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
             if pending:
                 last_time = finish(*pending, last_time)
                 pending = None
@@ -249,7 +274,11 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
             else:
                 pending = (step, metrics, data_wait)
             if saving:
+                watch.state("checkpointing", step)
+                t_save = time.time()
                 log_saves(ckpt.save(step, state))
+                watch.phase(step, "checkpoint", t_save, time.time() - t_save)
+                watch.state("training", step)
             if ckpt:
                 log_saves(ckpt.poll())
     finally:
@@ -259,6 +288,7 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
             metrics_file.close()
         if ckpt:
             log_saves(ckpt.close())
+    watch.state("done", cfg.train.steps)
     return records
 
 
