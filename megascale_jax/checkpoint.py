@@ -5,18 +5,22 @@ host memory, a background thread serialises it into `<dir>/<step>.orbax-checkpoi
 renames that to `<dir>/<step>` on commit, so a process killed mid-write leaves only a tmp
 directory, which resume ignores. Old checkpoints are deleted only after the new one commits.
 
-Each checkpoint is an ordinary orbax composite with three items:
+Each checkpoint is an ordinary orbax composite with four items:
 * `state`     — the TrainState (step, params, opt_state), restorable into any mesh's shardings;
 * `checksums` — one uint32 per array, computed on device at save time: orbax does not notice a
   flipped bit in a data file, so restore recomputes them and rejects a mismatch;
-* `meta`      — JSON: step, the data position (= step: batches are a pure function of
-  (seed, step)) and the config it was written with.
+* `data`      — each process's grain iterator state (`process_<i>-of-<n>.json`, grain's own
+  orbax handler): resume continues with exactly the next batch;
+* `meta`      — JSON: step, the data position and the config it was written with. Batches are a
+  pure function of (seed, step), so a checkpoint restored on another number of processes
+  (no `data` file for this process) resumes the data from `meta.data_step`.
 A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
 `<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -25,6 +29,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import grain
 import orbax.checkpoint as ocp
 
 from megascale_jax.config import Config, ConfigError
@@ -109,15 +114,18 @@ class Checkpointer:
         """Compile the checksum up front, so the first save's blocking time has no compilation."""
         self._checksums = checksums.lower(abstract_state).compile()
 
-    def save(self, step: int, state) -> list[dict]:
+    def save(self, step: int, state, data_state: dict) -> list[dict]:
         """Stage 1: blocks for the device->host copy (and for the previous save, if still writing).
 
-        Returns the records of earlier saves that finished meanwhile (see `poll`)."""
+        `data_state` is the data iterator's state after step `step`'s batch. Returns the records
+        of earlier saves that finished meanwhile (see `poll`)."""
         start = time.perf_counter()
         finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
-        meta = {"step": step, "data_step": step, "seed": self.cfg.train.seed, "config": self.cfg.to_dict()}
+        meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
+                "config": self.cfg.to_dict()}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   checksums=ocp.args.StandardSave(self._checksums(state)),
+                                  data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                                   meta=ocp.args.JsonSave(meta))
         try:
             # force: the cadence (incl. the last step) is decided by should_save above.
@@ -192,11 +200,13 @@ class Checkpointer:
         return None
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+        """(state, meta); meta["data_state"] is the data iterator state to continue from."""
         try:
             meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as e:
             raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
         self._check_compatible(step, meta)
+        meta["data_state"] = self._restore_data_state(step, meta)
         replicated = jax.sharding.NamedSharding(jax.tree.leaves(abstract_state)[0].sharding.mesh,
                                                 jax.sharding.PartitionSpec())
         abstract_sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
@@ -214,6 +224,22 @@ class Checkpointer:
         self.manager.reload()
         return restored["state"], meta
 
+    def _restore_data_state(self, step: int, meta: dict) -> dict:
+        """This process's saved grain iterator state; from `meta.data_step` if it has none (saved
+        with another number of processes: the position is the same on every process)."""
+        own = os.path.join(self.directory, str(step), "data",
+                           f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+        if not os.path.exists(own):
+            return {"next_index": meta["data_step"]}
+        holder = _IteratorState()
+        try:
+            self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
+        except Exception as e:
+            raise CorruptCheckpoint(f"data iterator: {_one_line(e)}") from None
+        if holder.state.get("next_index") != meta["data_step"]:
+            raise CorruptCheckpoint(f"data iterator at {holder.state} but meta.data_step={meta['data_step']}")
+        return holder.state
+
     def _check_compatible(self, step: int, meta: dict) -> None:
         """A different model shape is a user mistake, not corruption: say which key differs."""
         saved, now = meta.get("config", {}), self.cfg.to_dict()
@@ -227,6 +253,23 @@ class Checkpointer:
             raise ConfigError(
                 f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
                 f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+
+
+class _IteratorState:
+    """A data iterator's state as grain's orbax handler saves and restores it, frozen at the
+    blocking part of the save: the live iterator moves on while the background write runs."""
+
+    def __init__(self, state: dict | None = None):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.state = json.loads(state)
+
+    def start_prefetch(self) -> None:
+        pass  # grain's handler calls this after set_state; there is nothing to start
 
 
 def _one_line(e: BaseException) -> str:

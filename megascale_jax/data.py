@@ -14,8 +14,8 @@ Design:
   sequences in order, cycling. A batch is a list of global sequence indices.
 * Each process materialises only the rows its devices hold and assembles the global
   `jax.Array` with `jax.make_array_from_process_local_data`.
-* `Prefetcher` builds the next `data.prefetch` batches on a background thread while the step
-  runs. As the order is a function of the step, the iterator's checkpointed state is the step.
+* `Prefetcher` is a grain pipeline that builds the next `data.prefetch` batches on a
+  background thread while the step runs; its iterator state is checkpointed with the model.
 * User mistakes (missing/empty inputs, tokens >= vocab, too little data) raise `DataError`:
   one line naming the key or file and the fix.
 """
@@ -25,11 +25,10 @@ from __future__ import annotations
 import glob
 import math
 import os
-import queue
 import sysconfig
-import threading
 from typing import Literal
 
+import grain
 import jax
 import numpy as np
 
@@ -196,46 +195,36 @@ def make_global_batch(batches: SequenceBatches, step: int, sharding: jax.shardin
 
 
 class Prefetcher:
-    """Global batches of steps start, start+1, ... built `depth` ahead on a background thread.
+    """Global batches of steps start, start+1, ... from a grain pipeline, `depth` of them prepared
+    ahead on grain's prefetch thread while the step runs.
 
-    Reading rows and `make_global_batch` (host gather + device_put) then overlap the running
-    step. The order is exactly the synchronous one: the thread walks the same step indices."""
+    The pipeline is a `grain.MapDataset` over step indices mapped to `make_global_batch`, so one
+    loader per process reads just its rows and places them on all of its devices, and the order
+    is exactly the synchronous one. Its iterator state (`{"next_index": steps consumed}`) is
+    checkpointed beside the model with grain's orbax handler (see checkpoint.py)."""
 
     def __init__(self, batches: SequenceBatches, sharding: jax.sharding.Sharding, start: int, depth: int):
-        self.batches, self.sharding, self.depth = batches, sharding, depth
-        self.next_step = start
+        steps = grain.MapDataset.range(0, _ENDLESS).map(lambda step: make_global_batch(batches, step, sharding))
+        iterable = steps.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         if depth > 0:
-            self._queue: queue.Queue = queue.Queue(maxsize=depth)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._fill, args=(start,), daemon=True, name="prefetch")
-            self._thread.start()
-
-    def _fill(self, step: int) -> None:
-        while not self._stop.is_set():
-            try:
-                item = (step, make_global_batch(self.batches, step, self.sharding))
-            except BaseException as e:  # re-raised in the consumer, which owns error reporting
-                item = (step, e)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            step += 1
+            iterable = grain.experimental.ThreadPrefetchIterDataset(iterable, prefetch_buffer_size=depth)
+        self._iterator = iter(iterable)
+        self._iterator.set_state({"next_index": start})  # before the first get: nothing prefetched yet
+        if depth > 0:
+            self._iterator.start_prefetch()  # fill the queue now, not at the first get
 
     def get(self) -> jax.Array:
         """The next step's batch (blocks only if the background thread is behind)."""
-        step, self.next_step = self.next_step, self.next_step + 1
-        if self.depth == 0:
-            return make_global_batch(self.batches, step, self.sharding)
-        got, batch = self._queue.get()
-        assert got == step, (got, step)
-        if isinstance(batch, BaseException):
-            raise batch
-        return batch
+        return next(self._iterator)
+
+    def get_state(self) -> dict:
+        """`{"next_index": n}`: n batches consumed; what grain's orbax handler saves."""
+        return self._iterator.get_state()
 
     def close(self) -> None:
-        if self.depth > 0:
-            self._stop.set()
-            self._thread.join()
+        close = getattr(self._iterator, "close", None)
+        if close:
+            close()
+
+
+_ENDLESS = 1 << 62  # steps in the (lazy) dataset: more than any run takes

@@ -179,10 +179,10 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     if ckpt:
         restored = ckpt.restore_latest(abstract_state)
         ckpt.compile(abstract_state)
-    # Steps done so far; it is also the data position, as batches are a pure function of (seed, step).
-    start = restored[1]["data_step"] if restored else 0
+    start = restored[1]["step"] if restored else 0  # steps done so far
+    data_position = restored[1]["data_state"]["next_index"] if restored else 0
     state = restored[0] if restored else trainer.init()
-    batches = data.Prefetcher(train_batches, trainer.batch_sharding, start, cfg.data.prefetch)
+    batches = data.Prefetcher(train_batches, trainer.batch_sharding, data_position, cfg.data.prefetch)
     first = batches.get()
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
@@ -276,7 +276,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             if saving:
                 watch.state("checkpointing", step)
                 t_save = time.time()
-                log_saves(ckpt.save(step, state))
+                log_saves(ckpt.save(step, state, batches.get_state()))
                 watch.phase(step, "checkpoint", t_save, time.time() - t_save)
                 watch.state("training", step)
             if ckpt:

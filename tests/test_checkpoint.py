@@ -49,8 +49,8 @@ KILL_DRIVER = textwrap.dedent("""
         if self._pending and self._pending["step"] == KILL_STEP:
             time.sleep(600)
         on_commit(self)
-    def save_then_die(self, step, state):
-        out = save(self, step, state)
+    def save_then_die(self, step, state, data_state):
+        out = save(self, step, state, data_state)
         if step == KILL_STEP:
             time.sleep(2)  # let the background thread write the data files
             os.kill(os.getpid(), signal.SIGKILL)
@@ -136,20 +136,46 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=warnings.append)
     ckpt.compile(abstract(tiny_state(mesh, 1)))
     for step in (1, 2):
-        ckpt.save(step, tiny_state(mesh, step))
+        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
     assert [r["step"] for r in ckpt.close()] == [2] and not warnings
     damage(tmp_path / "2")
 
     ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=warnings.append)
     state, meta = ckpt.restore_latest(abstract(tiny_state(mesh, 0)))
-    assert meta["step"] == 1
+    assert meta["step"] == 1 and meta["data_state"] == {"next_index": 1}
     expected = tiny_state(mesh, 1)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)))
     assert len(warnings) == 1 and "\n" not in warnings[0] and str(tmp_path / "2") in warnings[0], warnings
     # Kept for inspection, out of resume's way, and a new save of step 2 works.
     assert (tmp_path / "2.corrupt").is_dir() and checkpoint.committed_steps(str(tmp_path)) == [1]
-    ckpt.save(2, tiny_state(mesh, 2))
+    ckpt.save(2, tiny_state(mesh, 2), {"next_index": 2})
     assert "error" not in ckpt.close()[0]
+
+
+def test_data_iterator_state_is_saved_by_grain_and_checked_against_meta(tmp_path):
+    """grain's orbax handler writes one file per process; a state that disagrees with the
+    checkpoint's step is corruption (falls back), and a checkpoint without this process's file
+    (saved with another process count) resumes the data from meta.data_step."""
+    cfg = tiny_cfg()
+    mesh = make_mesh(cfg.mesh)
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
+    for step in (4, 6):
+        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
+    ckpt.close()
+    own = tmp_path / "6" / "data" / "process_0-of-1.json"
+    assert json.loads(own.read_text()) == {"next_index": 6}
+
+    own.write_text(json.dumps({"next_index": 5}))
+    warnings = []
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=warnings.append)
+    _, meta = ckpt.restore_latest(abstract(tiny_state(mesh, 0)))
+    assert meta["step"] == 4 and meta["data_state"] == {"next_index": 4}
+    assert len(warnings) == 1 and "data iterator" in warnings[0], warnings
+
+    (tmp_path / "4" / "data" / "process_0-of-1.json").rename(tmp_path / "4" / "data" / "process_0-of-2.json")
+    _, meta = ckpt.restore_latest(abstract(tiny_state(mesh, 0)))
+    assert meta["data_state"] == {"next_index": 4}
+    ckpt.close()
 
 
 def test_interop_snippet_restores_with_orbax_alone(tmp_path):
@@ -158,7 +184,7 @@ def test_interop_snippet_restores_with_orbax_alone(tmp_path):
     mesh = make_mesh(cfg.mesh)
     ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
     ckpt.compile(abstract(tiny_state(mesh, 3)))
-    ckpt.save(3, tiny_state(mesh, 3))
+    ckpt.save(3, tiny_state(mesh, 3), {"next_index": 3})
     ckpt.close()
     snippet = textwrap.dedent(f"""
         import sys
