@@ -1,0 +1,67 @@
+"""Hang localisation: which rank never arrived where its peers are waiting.
+
+When one process stops (a stuck host, a deadlock), its peers dispatch the next step and block
+in its collectives. Each process's timings end where it stopped, so the rank whose last arrival
+(the furthest ``data_wait``/``dispatch`` row) is behind the others' is the one that hung, and the
+ranks at the furthest arrival are waiting for it. If every rank arrived at the same point, the
+hang is inside the step (on the devices) and host timings cannot name a rank.
+
+A run counts as stalled when no process wrote a row for `hang_after` seconds and not every
+process reached ``state:done``. Files alone cannot tell a hang from a job killed while healthy;
+the supervisor's events can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megascale_jax.timings import STATE_PREFIX, Timings
+
+ARRIVAL_STAGES = {"data_wait": 0, "dispatch": 1}  # order within one step on the host
+
+
+@dataclass
+class RankState:
+    rank: int
+    host: str
+    status: str  # running | done | failed | hung | waiting
+    arrived: tuple[int, str]  # (step, phase) of its furthest arrival
+    last_phase: str  # its last row: phase ...
+    last_step: int  # ... of this step
+    last_time: float  # ... ending at this time (its own clock)
+
+    def describe(self) -> str:
+        return (f"rank {self.rank} on {self.host}: {self.status}; arrived at step {self.arrived[0]} "
+                f"({self.arrived[1]}); last phase {self.last_phase} of step {self.last_step}")
+
+
+def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
+    """Each process's status and where it stopped (see the module docstring)."""
+    hosts = t.hosts()
+    ends = t.start + t.duration
+    states = []
+    for p in t.processes:
+        mine = np.flatnonzero(t.process == p)  # never empty: a writer starts with a state row
+        last = mine[np.argmax(ends[mine])]
+        arrivals = [(int(t.step[i]), t.phase[i]) for i in mine if t.phase[i] in ARRIVAL_STAGES]
+        seen = set(t.phase[mine])
+        status = "done" if STATE_PREFIX + "done" in seen else "failed" if STATE_PREFIX + "failed" in seen \
+            else "running"
+        states.append(RankState(p, hosts.get(p, "?"), status,
+                                max(arrivals, key=_position, default=(0, "none")),
+                                str(t.phase[last]), int(t.step[last]), float(ends[last])))
+    stalled = all(s.status != "running" or now - s.last_time > hang_after for s in states) \
+        and any(s.status == "running" for s in states)
+    if stalled:
+        furthest = max(_position(s.arrived) for s in states if s.status == "running")
+        for s in states:
+            if s.status == "running":
+                s.status = "waiting" if _position(s.arrived) == furthest else "hung"
+    return states
+
+
+def _position(arrival: tuple[int, str]) -> tuple[int, int]:
+    step, phase = arrival
+    return step, ARRIVAL_STAGES.get(phase, -1)
