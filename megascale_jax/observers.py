@@ -62,5 +62,8 @@ class Observers(LoopObserver):
 
 def observers_for(cfg, run_dir: str, mesh) -> Observers:
     """The observers this process runs for `cfg`. Each capability adds its own line here."""
+    from megascale_jax import faults, timings  # they import this module
+
     found: list[LoopObserver] = []
+    found += timings.observers(cfg, run_dir, mesh) + faults.from_env()
     return Observers(found)
