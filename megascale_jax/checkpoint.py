@@ -14,6 +14,12 @@ Each checkpoint is an ordinary orbax composite with four items:
 * `meta`      — JSON: step, the data position and the config it was written with. Batches are a
   pure function of (seed, step), so a checkpoint restored on another number of processes
   (no `data` file for this process) resumes the data from `meta.data_step`.
+With `checkpoint.single_replica_restore=true` only the processes of dp replica 0 read arrays
+that are replicated over dp and broadcast them to the other replicas (orbax's
+`SingleReplicaArrayHandler`, replica axis = dp), so N replicas do not read N copies from
+storage; arrays sharded over dp (ZeRO-1 moments) are read once anyway, each replica its slice.
+Every process reports the bytes it read (`/proc/self/io` rchar) in one line.
+
 A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
 `<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried.
 """
@@ -23,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
@@ -211,11 +218,23 @@ class Checkpointer:
                                                 jax.sharding.PartitionSpec())
         abstract_sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
                                      jax.eval_shape(checksums, abstract_state))
+        read_before, start = _bytes_read(), time.perf_counter()
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), checksums=ocp.args.StandardRestore(abstract_sums)))
+            if self.cfg.checkpoint.single_replica_restore:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    checksums=ocp.args.StandardRestore(abstract_sums)))
+                restored = {"checksums": restored["checksums"],
+                            "state": self._restore_single_replica(step, abstract_state)}
+            else:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), checksums=ocp.args.StandardRestore(abstract_sums)))
         except Exception as e:
             raise CorruptCheckpoint(_one_line(e)) from None
+        if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
+            mode = "single-replica" if self.cfg.checkpoint.single_replica_restore else "every-replica"
+            print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
+                  f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
+                  file=sys.stderr, flush=True)
         expected, actual = jax.device_get((restored["checksums"], checksums(restored["state"])))
         bad = [jax.tree_util.keystr(path) for (path, a), b in
                zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)) if a != b]
@@ -223,6 +242,31 @@ class Checkpointer:
             raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
         self.manager.reload()
         return restored["state"], meta
+
+    def _restore_single_replica(self, step: int, abstract_state):
+        """Leaves replicated over dp: replica 0 reads, orbax broadcasts. Leaves sharded over dp:
+        the ordinary read (each replica its own slice). Two passes, each skipping the other's
+        leaves with orbax's PLACEHOLDER."""
+        def over_dp(leaf) -> bool:
+            return "dp" in jax.tree.leaves(tuple(leaf.sharding.spec))
+
+        def part(keep, restore_args):
+            item = jax.tree.map(lambda a: a if keep(a) else ocp.PLACEHOLDER, abstract_state)
+            args = jax.tree.map(lambda a: restore_args(a) if keep(a) else ocp.PLACEHOLDER, abstract_state)
+            return ocp.args.PyTreeRestore(item=item, restore_args=args)
+
+        path = os.path.join(self.directory, str(step), "state")
+        single_replica = ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, ocp.type_handlers.SingleReplicaArrayHandler(replica_axis_index=0)))
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=single_replica)) as reader:
+            broadcast = reader.restore(path, args=part(lambda a: not over_dp(a), lambda a: (
+                ocp.type_handlers.SingleReplicaArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                                dtype=a.dtype))))
+        if not any(over_dp(a) for a in jax.tree.leaves(abstract_state)):
+            return broadcast
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            sliced = reader.restore(path, args=part(over_dp, lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding)))
+        return jax.tree.map(lambda b, s: s if b is ocp.PLACEHOLDER else b, broadcast, sliced)
 
     def _restore_data_state(self, step: int, meta: dict) -> dict:
         """This process's saved grain iterator state; from `meta.data_step` if it has none (saved
@@ -270,6 +314,15 @@ class _IteratorState:
 
     def start_prefetch(self) -> None:
         pass  # grain's handler calls this after set_state; there is nothing to start
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read() system calls, page cache included (Linux)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+    except OSError:
+        return 0
 
 
 def _one_line(e: BaseException) -> str:

@@ -361,8 +361,6 @@ def validate(cfg: Config, planning: bool = False) -> None:
     c = cfg.checkpoint
     require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0 = never save)")
     require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
-    require(not c.single_replica_restore,
-            "checkpoint.single_replica_restore=true is not implemented yet; set checkpoint.single_replica_restore=false")
     sv, ob = cfg.supervisor, cfg.observe
     require(sv.heartbeat_s > 0, f"supervisor.heartbeat_s={sv.heartbeat_s} must be > 0")
     require(sv.hang_timeout_s > 2 * sv.heartbeat_s,

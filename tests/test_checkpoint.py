@@ -360,3 +360,58 @@ def test_failing_saves_keep_training_and_the_last_good_checkpoint(reference, tmp
     after = sorted((p.relative_to(run_dir), p.read_bytes()) for p in (run_dir / "checkpoints" / "10").rglob("*")
                    if p.is_file())
     assert after == before
+
+
+# ============================================================================ single-replica restore
+
+
+def test_single_replica_restore_equals_the_ordinary_restore(tmp_path):
+    """Replicated leaves come through orbax's broadcast, dp-sharded ones through the ordinary
+    read; both verify against the saved checksums and equal what was saved."""
+    cfg = tiny_cfg("mesh.dp=2", "mesh.tp=4", "checkpoint.single_replica_restore=true")
+    mesh = make_mesh(cfg.mesh)
+    saved = tiny_state(mesh, 5)  # w sharded over dp (like ZeRO-1 moments), b and step replicated
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
+    ckpt.save(5, saved, {"next_index": 5})
+    ckpt.close()
+    target = abstract(saved)
+    target["b"] = jax.ShapeDtypeStruct(target["b"].shape, target["b"].dtype, sharding=NamedSharding(mesh, P("tp")))
+    state, meta = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print).restore_latest(target)
+    assert meta["step"] == 5
+    for name in saved:
+        np.testing.assert_array_equal(np.asarray(state[name]), np.asarray(saved[name]))
+        assert state[name].sharding == target[name].sharding
+
+
+@pytest.mark.slow
+def test_single_replica_restore_reads_on_one_replica_only(tmp_path):
+    """Two processes, one dp replica each, ZeRO-1 off so every array is replicated over dp: with
+    single-replica restore process 1 reads almost nothing (metadata, checksums) while process 0
+    reads the state; the restore verifies every array's checksum on both processes and training
+    continues. (With ZeRO-1 each process also reads its own slice of the moments.)"""
+    from tests.test_multiprocess import free_port
+
+    def run_two(steps, *extra):
+        address = f"127.0.0.1:{free_port()}"
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "megascale_jax.train", "--run-dir", str(tmp_path / "run"),
+             "--coordinator", address, "--num-processes", "2", "--process-id", str(i), *TINY,
+             "mesh.dp=2", "mesh.tp=4", "mesh.cpu_devices=4", "model.d_model=128", "parallel.zero1=false",
+             f"train.steps={steps}",
+             "checkpoint.every=2", *extra],
+            cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True) for i in range(2)]
+        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+        return [o[1] for o in outs]
+
+    run_two(2)
+    errs = run_two(4, "checkpoint.single_replica_restore=true")
+    read = []
+    for i, err in enumerate(errs):
+        line = next(x for x in err.splitlines() if x.startswith(f"process {i}: restored checkpoint step 2"))
+        read.append(float(line.split(" reading ")[1].split()[0]) * 1e6)
+    params_bytes = 4 * sum(np.prod(s) for s in [(256, 128), (2, 128, 3 * 128 + 512), (2, 128 + 512, 128)])
+    assert read[0] > params_bytes, read
+    assert read[1] < 0.2 * read[0], read
+    assert len(records(tmp_path / "run")) == 4
