@@ -103,7 +103,7 @@ class TensorBoardScalars(LoopObserver):
 
 def observers(cfg, run_dir: str, mesh) -> list[LoopObserver]:
     """The timing and TensorBoard observers `cfg.observe` asks for on this process."""
-    import jax
+    import jax  # here, so that reading timings (the report) never starts a JAX backend
 
     process = jax.process_index()
     found: list[LoopObserver] = []
@@ -129,11 +129,8 @@ class Timings:
     devices: list[dict]  # rows of devices-<i>.csv
     processes: list[int]
 
-    def select(self, phase: str, process: int | None = None) -> np.ndarray:
-        mask = self.phase == phase
-        if process is not None:
-            mask &= self.process == process
-        return mask
+    def select(self, phase: str) -> np.ndarray:
+        return self.phase == phase
 
     def matrix(self, phase: str, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`values` of `phase` rows as a (process, step) matrix (NaN where missing) and its steps."""
