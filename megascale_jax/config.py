@@ -72,7 +72,8 @@ class ParallelConfig:
 
     tp_overlap: Literal["none", "collective_matmul", "xla"] = "none"
     sequence_parallel: bool = False  # residual stream split over tp along the sequence between blocks
-    tp_bidirectional: bool = True  # collective matmul: half of every chunk travels each way round the ring
+    tp_bidirectional: bool = True  # collective matmul: alternate pieces travel opposite ways round the ring
+    tp_chunks: int = 2  # collective matmul: pieces each device's sequence shard is cut into (even if bidirectional)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual: int = 1
     microbatches: int = 1  # microbatches per global batch: pipeline microbatches, or gradient accumulation at pp=1
@@ -320,10 +321,13 @@ def validate(cfg: Config, planning: bool = False) -> None:
     if p.tp_overlap == "collective_matmul":
         require(p.sequence_parallel, "parallel.tp_overlap=collective_matmul fuses sequence parallelism's "
                                      "all-gather/reduce-scatter; set parallel.sequence_parallel=true")
-        chunks = 2 if p.tp_bidirectional else 1
-        require((mo.seq_len // m.tp) % chunks == 0,
-                f"collective matmul splits each device's model.seq_len/mesh.tp={mo.seq_len // m.tp} tokens into "
-                f"{chunks} chunks; choose a divisible seq_len or parallel.tp_bidirectional=false")
+        require(p.tp_chunks >= 1, f"parallel.tp_chunks={p.tp_chunks} must be >= 1")
+        require(not (p.tp_bidirectional and p.tp_chunks % 2),
+                f"parallel.tp_chunks={p.tp_chunks} must be even with parallel.tp_bidirectional=true "
+                "(half the pieces go each way); use an even count or tp_bidirectional=false")
+        require((mo.seq_len // m.tp) % p.tp_chunks == 0,
+                f"collective matmul cuts each device's model.seq_len/mesh.tp={mo.seq_len // m.tp} tokens into "
+                f"parallel.tp_chunks={p.tp_chunks} pieces; choose a seq_len or tp_chunks that divides")
     require(p.pp_virtual >= 1, f"parallel.pp_virtual={p.pp_virtual} must be >= 1")
     require(p.microbatches >= 1, f"parallel.microbatches={p.microbatches} must be >= 1")
     require(mo.layers % (m.pp * p.pp_virtual) == 0,

@@ -14,8 +14,11 @@ Collectives per `parallel.sequence_parallel` / `parallel.tp_overlap`:
   SP, none       all-gather(seq) / reduce-scatter      reduce-scatter(seq) / all-gather
   SP, collective_matmul:  the all-gather is fused with the matmul as tp steps of "multiply the
                  chunk we hold, pass it on" (`ppermute`), and the reduce-scatter as tp steps of
-                 "add our partial product for a chunk to the accumulator passing by"; with
-                 `parallel.tp_bidirectional` half of every chunk travels each way round the ring.
+                 "add our partial product for a chunk to the accumulator passing by". Each
+                 device's chunk is cut into `parallel.tp_chunks` pieces that travel
+                 independently — more, smaller transfers give XLA more matmul to hide each one
+                 behind — and with `parallel.tp_bidirectional` alternate pieces go opposite ways
+                 round the ring, using both directions of every link.
                  Autodiff of those loops is again a loop of matmuls and `ppermute`s (the
                  transpose of a permute is the reverse permute), so the backward pass is
                  overlapped the same way and contains no all-gather or reduce-scatter.
@@ -65,34 +68,39 @@ def _ring(x, shift: int, tp: int):
     return jax.lax.ppermute(x, AXIS, [(i, (i + shift) % tp) for i in range(tp)])
 
 
-def all_gather_matmul(x, w, tp: int, bidirectional: bool):
+def _pieces(chunk: int, pieces: int, bidirectional: bool) -> list[tuple[int, int, int]]:
+    """(offset, size, direction) of the pieces one device's chunk of `chunk` tokens is cut into;
+    with `bidirectional` alternate pieces go opposite ways round the ring."""
+    size = chunk // pieces
+    return [(j * size, size, -1 if bidirectional and j % 2 else 1) for j in range(pieces)]
+
+
+def all_gather_matmul(x, w, tp: int, pieces: int, bidirectional: bool):
     """gather_seq(x) @ w with the gather split into tp ring steps overlapping the matmuls.
 
     x: (b, s/tp, d) this device's sequence chunk; w: (d, n) local columns -> (b, s, n)."""
     me = jax.lax.axis_index(AXIS)
     chunk = x.shape[1]
     out = jnp.zeros((x.shape[0], chunk * tp, w.shape[1]), jnp.result_type(x, w))
-    # Each direction carries its own part of every chunk; `sign` is where it came from.
-    parts = [(x, 1)] if not bidirectional else [(x[:, : chunk // 2], 1), (x[:, chunk // 2:], -1)]
-    offsets = [0] if not bidirectional else [0, chunk // 2]
+    layout = _pieces(chunk, pieces, bidirectional)
+    held = [x[:, offset:offset + size] for offset, size, _ in layout]
     for step in range(tp):
-        for i, ((held, sign), offset) in enumerate(zip(parts, offsets)):
-            source = (me + sign * step) % tp  # whose chunk we hold at this step
-            out = jax.lax.dynamic_update_slice_in_dim(out, held @ w, source * chunk + offset, axis=1)
+        for i, (offset, _, sign) in enumerate(layout):
+            source = (me + sign * step) % tp  # whose chunk this piece belongs to at this step
+            out = jax.lax.dynamic_update_slice_in_dim(out, held[i] @ w, source * chunk + offset, axis=1)
             if step < tp - 1:  # receive from `me + sign`, i.e. everyone sends to `me - sign`
-                parts[i] = (_ring(held, -sign, tp), sign)
+                held[i] = _ring(held[i], -sign, tp)
     return out
 
 
-def matmul_reduce_scatter(h, w, tp: int, bidirectional: bool):
+def matmul_reduce_scatter(h, w, tp: int, pieces: int, bidirectional: bool):
     """scatter_seq(h @ w) with the reduce-scatter split into tp ring steps overlapping the matmuls.
 
     h: (b, s, n) local features; w: (n, d) local rows -> (b, s/tp, d) this device's chunk, summed."""
     me = jax.lax.axis_index(AXIS)
     chunk = h.shape[1] // tp
-    halves = [(0, chunk, 1)] if not bidirectional else [(0, chunk // 2, 1), (chunk // 2, chunk - chunk // 2, -1)]
     results = []
-    for offset, size, sign in halves:
+    for offset, size, sign in _pieces(chunk, pieces, bidirectional):
         acc = None
         for step in range(tp):
             # The accumulator for chunk c starts at c + sign, moves by `sign` and ends at c.
@@ -130,7 +138,7 @@ def column_matmul(x, weights, parallel: ParallelConfig):
     def local(x, *ws):
         w = jnp.concatenate([w.astype(x.dtype) for w in ws], axis=1)  # one matmul, one collective
         if sp and overlap:
-            y = all_gather_matmul(x, w, tp, parallel.tp_bidirectional)
+            y = all_gather_matmul(x, w, tp, parallel.tp_chunks, parallel.tp_bidirectional)
         else:
             y = (gather_seq(x) if sp else x) @ w
         return tuple(_split(y, [w.shape[1] for w in ws]))
@@ -155,7 +163,7 @@ def row_matmul(inputs, weights, parallel: ParallelConfig):
         h = jnp.concatenate(hs, axis=-1)
         w = jnp.concatenate([w.astype(h.dtype) for w in ws], axis=0)
         if sp and overlap:
-            return matmul_reduce_scatter(h, w, tp, parallel.tp_bidirectional)
+            return matmul_reduce_scatter(h, w, tp, parallel.tp_chunks, parallel.tp_bidirectional)
         return scatter_seq(h @ w) if sp else jax.lax.psum(h @ w, AXIS)
 
     out = P(None, AXIS, None) if sp else P()

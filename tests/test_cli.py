@@ -97,7 +97,9 @@ ERROR_CASES = [
      ["model.seq_len=127", "mesh.tp=2"]),
     ("collective-matmul-needs-sp", ["parallel.tp_overlap=collective_matmul"], None, ["sequence_parallel=true"]),
     ("collective-matmul-chunks", ["parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
-                                  "model.seq_len=126"], None, ["63", "tp_bidirectional"]),
+                                  "model.seq_len=126"], None, ["63", "tp_chunks=2"]),
+    ("collective-matmul-odd-chunks", ["parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
+                                      "parallel.tp_chunks=3"], None, ["tp_chunks=3", "even"]),
     ("fused-norm-rmsnorm", ["model.fused_norm=true", "model.norm=rmsnorm"], None, ["model.fused_norm", "layernorm"]),
     # features this build / platform cannot run
     ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),
