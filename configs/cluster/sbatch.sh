@@ -1,0 +1,32 @@
+#!/bin/bash
+# SLURM: one megascale_jax.train worker per node (all of the node's GPUs), rendezvous and
+# heartbeats through an external Redis.
+#
+#   REDIS_URL=redis://redis.example:6379 sbatch configs/cluster/sbatch.sh configs/gpt_1b.yaml mesh.dp=16
+#
+# Every worker gets the same job id ($SLURM_JOB_ID) and its rank from SLURM_PROCID, joins through
+# Redis, learns rank 0's coordinator address there and starts jax.distributed with it. (Without
+# --redis, `jax.distributed.initialize()` with no arguments auto-detects SLURM itself — cluster
+# auto-detection also covers Kubernetes/GKE and Open MPI — but then there are no heartbeats.)
+# Recovery on a cluster is the scheduler's: `--requeue` restarts the job, which resumes from the
+# newest checkpoint in the shared --run-dir; the supervisor's watch loop runs where Redis is
+# reachable (`python -m megascale_jax.diagnose --redis $REDIS_URL ...` checks nodes on demand).
+#SBATCH --job-name=megascale-jax
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=8
+#SBATCH --cpus-per-task=32
+#SBATCH --time=24:00:00
+#SBATCH --requeue
+#SBATCH --output=logs/%x-%j-%t.log
+set -euo pipefail
+: "${REDIS_URL:?set REDIS_URL=redis://host:port}"
+CONFIG=${1:?usage: sbatch sbatch.sh CONFIG [overrides...]}
+shift
+RUN_DIR=${RUN_DIR:-/shared/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
+
+srun --kill-on-bad-exit=1 bash -c '
+  exec python -m megascale_jax.train --config "$0" --run-dir "$1" \
+    --redis "$2" --job "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT" \
+    --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
+' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$@"
