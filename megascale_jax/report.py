@@ -99,7 +99,7 @@ def chrome_trace(t: Timings, offsets: np.ndarray) -> dict:
     """Every row as a trace event in µs since the first one, on process 0's clock."""
     hosts = t.hosts()
     corrected = t.start - offsets[np.searchsorted(t.processes, t.process)]
-    origin = corrected.min(initial=0.0)
+    origin = corrected.min() if corrected.size else 0.0
     tracks = sorted({p for p in t.phase if not p.startswith(STATE_PREFIX)}) + ["state"]
     events = []
     for p in t.processes:

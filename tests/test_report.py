@@ -118,7 +118,8 @@ def check_report_files(run_dir, ranks, steps):
     assert {e["pid"] for e in timed} == set(ranks)
     for track in {(e["pid"], e["tid"]) for e in timed}:
         ts = [e["ts"] for e in timed if (e["pid"], e["tid"]) == track]
-        assert ts == sorted(ts) and ts[0] >= 0
+        assert ts == sorted(ts)
+    assert min(e["ts"] for e in timed) == 0  # µs since the run's first row
     assert all(e["dur"] >= 0 for e in timed if e["ph"] == "X")
     assert np.loadtxt(os.path.join(out, "heatmap.csv"), delimiter=",", ndmin=2).shape == (len(ranks), steps)
     for name in ("heatmap.png", "parallel_view.png"):
