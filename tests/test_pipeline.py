@@ -38,28 +38,31 @@ def reference():
     return params, batch, float(loss), jax.device_get(grads)
 
 
+COLLECTIVE_MATMUL = ("parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul")
 GRID = [
-    # (dp, pp, tp, schedule, virtual, microbatches)
-    (2, 2, 2, "gpipe", 1, 2),
-    (2, 2, 2, "1f1b", 1, 4),
-    (2, 2, 2, "interleaved_1f1b", 2, 2),
-    (1, 4, 2, "1f1b", 1, 4),
-    (1, 4, 2, "interleaved_1f1b", 2, 4),
-    (1, 8, 1, "1f1b", 1, 8),
+    # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
+    (2, 2, 2, "gpipe", 1, 2, ()),
+    (2, 2, 2, "1f1b", 1, 4, ()),
+    (2, 2, 2, "interleaved_1f1b", 2, 2, ()),
+    (1, 4, 2, "1f1b", 1, 4, ()),
+    (1, 4, 2, "interleaved_1f1b", 2, 4, ()),
+    (1, 8, 1, "1f1b", 1, 8, ()),
+    (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL),  # explicit tp collectives inside every stage
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,pp,tp,schedule,v,m", GRID, ids=[f"dp{g[0]}pp{g[1]}tp{g[2]}-{g[3]}-v{g[4]}m{g[5]}" for g in GRID])
-def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v, m):
+@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", GRID, ids=[
+    f"dp{g[0]}pp{g[1]}tp{g[2]}-{g[3]}-v{g[4]}m{g[5]}{'-collective-matmul' if g[6] else ''}" for g in GRID])
+def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
     params, batch, ref_loss, ref_grads = reference
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
-                 f"parallel.pp_virtual={v}", f"parallel.microbatches={m}")
+                 f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     params = jax.device_put(params, trainer.state_shardings.params)
     batch = jax.device_put(batch, trainer.batch_sharding)
-    with jax.set_mesh(mesh), sharding.axis_rules():
+    with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
         loss, grads = jax.jit(lambda p, b: pipeline.loss_and_grads(cfg, mesh, p, b))(params, batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
     for path, g in jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]:
