@@ -212,6 +212,7 @@ class Supervisor:
         self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.faults: list[Fault] = []
         self.drill_at: float | None = None  # injection time of the drill fired in this attempt
+        self.redis_restarted_at: float | None = None  # until every heartbeat reached the new server
 
     def run(self) -> int:
         """0 when training finished, 1 when the driver gave up (report printed)."""
@@ -278,6 +279,7 @@ class Supervisor:
                     self.events.log("resumed", f"training resumed past step {resume_step}, {since:.1f}s after "
                                     "the fault", step=monitor.max_step, since_fault_s=since, restarts=attempt)
                     resume_step = None
+                self._note_heartbeats_back(monitor, set(codes), now)
                 self._fire_drill(group, monitor.max_step, now)
                 fault = monitor.check(now, finished=set(codes))
                 if fault:
@@ -305,8 +307,10 @@ class Supervisor:
         else:
             group.signal(drill.rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
         self.drill_at = now
-        self.events.log("drill", f"injected {drill.kind} of {'redis' if drill.rank is None else f'rank {drill.rank}'} "
-                        f"at step {step}", drill=drill.kind, rank=drill.rank, step=step)
+        what = "killed the Redis server" if drill.rank is None else \
+            f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
+        self.events.log("drill", f"{what} at step {step}", drill=drill.kind,
+                        rank=drill.rank, step=step)
 
     def _keep_redis_alive(self, monitor: HeartbeatMonitor, now: float) -> None:
         """Restart the embedded server if it died; the workers' next heartbeats land in the new one."""
@@ -314,9 +318,18 @@ class Supervisor:
             return
         died_at = self.drill_at or now
         self.server.start()
-        monitor.grace(time.time())
+        self.redis_restarted_at = time.time()
+        monitor.grace(self.redis_restarted_at)
         self.events.log("redis_restart", f"embedded Redis died; restarted in {time.time() - died_at:.2f}s",
                         latency_s=now - died_at, restart_s=time.time() - died_at)
+
+    def _note_heartbeats_back(self, monitor: HeartbeatMonitor, finished: set[int], now: float) -> None:
+        """After a Redis restart: one event once every running rank's heartbeat reached the new server."""
+        running = set(range(self.job.nprocs)) - finished
+        if self.redis_restarted_at and all(monitor.arrived.get(r, 0) > self.redis_restarted_at for r in running):
+            self.events.log("heartbeats_resumed", f"all heartbeats back {now - self.redis_restarted_at:.2f}s "
+                            "after the Redis restart", since_restart_s=now - self.redis_restarted_at)
+            self.redis_restarted_at = None
 
     # ------------------------------------------------------------------ after a fault
 

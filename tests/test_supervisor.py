@@ -190,17 +190,17 @@ def test_kill_9_is_detected_and_recovered_from_the_checkpoint(drilled):
 def test_sigstop_is_detected_as_a_hang_and_recovered(drilled):
     _, log, _ = drilled
     fault, rest = after(log, "fault", cause="hang")
-    assert fault["rank"] == 0 and fault["latency_s"] <= 6 + 2 * 0.5 + 1  # timeout + a late beat + a poll
+    assert fault["rank"] == 0 and fault["latency_s"] <= 6 + 0.5 + 1  # timeout + one beat interval + slack
     after(rest, "restart")
 
 
 @pytest.mark.slow
 def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
-    run_dir, log, _ = drilled
-    _, rest = after(log, "redis_restart")
-    assert [e["kind"] for e in rest] == ["done"]  # training went on: no fault, no restart
-    logs = [open(os.path.join(run_dir, "logs", f"worker{r}.log"), errors="replace").read() for r in (0, 1)]
-    assert all("heartbeat: Redis reachable again" in text for text in logs)
+    _, log, _ = drilled
+    restart, rest = after(log, "redis_restart")
+    assert restart["latency_s"] <= 1.0
+    # Training went on (no fault, no restart) and every rank's heartbeat reached the new server.
+    assert [e["kind"] for e in rest] == ["heartbeats_resumed", "done"]
 
 
 @pytest.mark.slow
