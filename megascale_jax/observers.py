@@ -66,4 +66,6 @@ def observers_for(cfg, run_dir: str, mesh) -> Observers:
 
     found: list[LoopObserver] = []
     found += timings.observers(cfg, run_dir, mesh) + faults.from_env()
+    from megascale_jax import heartbeat  # imports this module
+    found += heartbeat.observers(cfg, mesh)
     return Observers(found)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import checkpoint, data, flops, pipeline, sharding
+from megascale_jax import checkpoint, data, flops, heartbeat, pipeline, rendezvous, sharding
 from megascale_jax.observers import observers_for
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
@@ -324,7 +324,14 @@ def parse_args(argv):
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for multi-host runs")
     parser.add_argument("--num-processes", type=int, default=1)
-    parser.add_argument("--process-id", type=int, default=0)
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="this process's rank (default 0; with --redis: handed out in order of arrival)")
+    parser.add_argument("--redis", default=None, metavar="redis://HOST:PORT",
+                        help="rendezvous through Redis (rank, coordinator, barriers) instead of --coordinator, "
+                             "and send heartbeats to the supervisor there")
+    parser.add_argument("--job", default=None,
+                        help="job id shared by the workers of one launch (default: $MEGASCALE_JOB, "
+                             "$SLURM_JOB_ID, $JOBSET_NAME or 'default')")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
     return parser.parse_args(argv)
 
@@ -361,9 +368,15 @@ def main(argv=None) -> int:
             use_cpu_devices(cfg.mesh.cpu_devices)
         except RuntimeError:
             pass  # backend already started (called in-process); check_runtime reports a mismatch
-        if args.coordinator:
+        coordinator, process_id = args.coordinator, args.process_id or 0
+        if args.redis:
+            job = args.job or rendezvous.job_id_from_env()
+            member = rendezvous.join(args.redis, job, args.num_processes, args.process_id)
+            coordinator, process_id = member.coordinator, member.rank
+            os.environ.update({heartbeat.REDIS_ENV: args.redis, heartbeat.JOB_ENV: job})
+        if coordinator:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
-            jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+            jax.distributed.initialize(coordinator, args.num_processes, process_id)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         tokens = data.load_tokens(cfg)
         # Built here so that too little data is a one-line error before anything compiles.
@@ -372,7 +385,7 @@ def main(argv=None) -> int:
         run_dir = args.run_dir
         if jax.process_index() == 0:
             run_dir = prepare_run_dir(args.run_dir, cfg, args.config)
-    except (ConfigError, data.DataError) as e:
+    except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
