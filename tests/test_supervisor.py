@@ -230,3 +230,19 @@ def test_diagnose_names_the_rank_whose_collectives_are_wrong(tmp_path):
     healthy = run_module("megascale_jax.diagnose", ["--nprocs", "2", "--run-dir", str(tmp_path / "ok"), *SMALL])
     assert healthy.returncode == 0 and "all ranks healthy" in healthy.stdout
     assert np.all([line.split()[2] == "ok" for line in healthy.stdout.splitlines()[1:3]])
+
+
+@pytest.mark.slow
+def test_a_stuck_step_with_live_heartbeats_is_detected_as_a_stall(tmp_path):
+    """Rank 1 stops making progress before dispatching a step (it sleeps 1000 step times) while
+    its heartbeat thread goes on, and rank 0 waits in the step's collectives: no exit, no missing
+    heartbeat — only the step that stops advancing tells. With max_restarts=0 the driver gives up."""
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), "--no-diagnose",
+                                               *JOB, "supervisor.max_restarts=0"],
+                      env={"MEGASCALE_FAULT_SLOW": "1:1000"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = events(tmp_path)
+    fault, rest = after(log, "fault", cause="stall")
+    assert fault["latency_s"] <= 6 + 0.5 + 2, fault  # hang timeout + one beat + slack
+    assert not any(e["kind"] == "fault" and e["cause"] in ("crash", "hang") for e in log), log
+    assert rest[-1]["kind"] == "give_up"
