@@ -138,6 +138,8 @@ class SupervisorConfig:
     heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
     max_restarts: int = 3  # recoveries before the driver gives up with a report
+    straggler_check_s: float = 10.0  # the driver runs the straggler statistic on the timings this often (0 = never)
+    evict_stragglers: bool = False  # a flagged straggler is a fault: restart without it (on a cluster: replace its node)
 
 
 @dataclass(frozen=True)
@@ -371,6 +373,10 @@ def validate(cfg: Config, planning: bool = False) -> None:
             f"supervisor.hang_timeout_s={sv.hang_timeout_s} must exceed 2 x supervisor.heartbeat_s={sv.heartbeat_s}, "
             "or every late heartbeat looks like a hang")
     require(sv.max_restarts >= 0, f"supervisor.max_restarts={sv.max_restarts} must be >= 0")
+    require(sv.straggler_check_s >= 0, f"supervisor.straggler_check_s={sv.straggler_check_s} must be >= 0 (0 = never)")
+    require(not (sv.evict_stragglers and not (ob.timings and sv.straggler_check_s > 0)),
+            "supervisor.evict_stragglers=true needs observe.timings=true and supervisor.straggler_check_s > 0 "
+            "(stragglers are found in the timings)")
     require(ob.straggler_threshold > 0, f"observe.straggler_threshold={ob.straggler_threshold} must be > 0")
     require(ob.straggler_window >= 3, f"observe.straggler_window={ob.straggler_window} must be >= 3")
     if d.source == "stdlib":

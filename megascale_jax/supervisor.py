@@ -10,6 +10,11 @@ else the last sign of health):
 * diverged — exit code 3 (non-finite loss). Restarting replays the same data bitwise, so it only
   helps when diagnostics blame a device; otherwise the driver gives up at once.
 * config_error — exit code 2: a user mistake, reported and never retried.
+* straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
+  the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
+  (rank, step window) as a `straggler` event; with `supervisor.evict_stragglers=true` a flagged
+  rank is also a fault (locally all ranks restart on this machine; on a cluster its node would be
+  excluded and replaced).
 Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line.
 """
 
@@ -32,7 +37,7 @@ EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
 @dataclasses.dataclass
 class Fault:
-    cause: str  # crash | aborted | hang | stall | diverged | config_error
+    cause: str  # crash | aborted | hang | stall | diverged | config_error | straggler
     rank: int | None
     detail: str
     at: float  # wall time of the fault
@@ -213,6 +218,8 @@ class Supervisor:
         self.faults: list[Fault] = []
         self.drill_at: float | None = None  # injection time of the drill fired in this attempt
         self.redis_restarted_at: float | None = None  # until every heartbeat reached the new server
+        self.stragglers_seen: set[tuple] = set()  # (rank, first_step, last_step) already logged
+        self.straggler_check_at = 0.0
 
     def run(self) -> int:
         """0 when training finished, 1 when the driver gave up (report printed)."""
@@ -281,7 +288,7 @@ class Supervisor:
                     resume_step = None
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._fire_drill(group, monitor.max_step, now)
-                fault = monitor.check(now, finished=set(codes))
+                fault = monitor.check(now, finished=set(codes)) or self._check_stragglers(now)
                 if fault:
                     if self.drill_at:
                         fault.at = self.drill_at
@@ -311,6 +318,32 @@ class Supervisor:
             f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
         self.events.log("drill", f"{what} at step {step}", drill=drill.kind,
                         rank=drill.rank, step=step)
+
+    def _check_stragglers(self, now: float) -> Fault | None:
+        """Log newly flagged stragglers; the first one is a fault if they are to be evicted."""
+        sv, observe = self.job.cfg.supervisor, self.job.cfg.observe
+        if not sv.straggler_check_s or not observe.timings or now - self.straggler_check_at < sv.straggler_check_s:
+            return None
+        self.straggler_check_at = now
+        from megascale_jax import stragglers
+
+        try:
+            flagged = stragglers.find_stragglers(self.job.run_dir, observe.straggler_threshold,
+                                                 observe.straggler_window)
+        except (OSError, ValueError) as e:  # timings not written yet, or a torn row
+            print(f"[supervisor] warning: straggler check skipped: {e}", flush=True)
+            return None
+        complete = [f for f in flagged if f["last_step"] - f["first_step"] + 1 == observe.straggler_window]
+        new = [f for f in complete if (f["rank"], f["first_step"], f["last_step"]) not in self.stragglers_seen]
+        for f in new:
+            self.stragglers_seen.add((f["rank"], f["first_step"], f["last_step"]))
+            self.events.log("straggler", f"rank {f['rank']} on {f['host']} arrived {f['lateness']:.0%} of a step "
+                            f"late over steps {f['first_step']}-{f['last_step']}", **f)
+        if new and sv.evict_stragglers:
+            f = new[0]
+            return Fault("straggler", f["rank"], f"{f['lateness']:.0%} of a step late over steps "
+                         f"{f['first_step']}-{f['last_step']} (threshold {f['threshold']:.0%})", now, now)
+        return None
 
     def _keep_redis_alive(self, monitor: HeartbeatMonitor, now: float) -> None:
         """Restart the embedded server if it died; the workers' next heartbeats land in the new one."""

@@ -100,6 +100,8 @@ ERROR_CASES = [
                                   "model.seq_len=126"], None, ["63", "tp_chunks=2"]),
     ("collective-matmul-odd-chunks", ["parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
                                       "parallel.tp_chunks=3"], None, ["tp_chunks=3", "even"]),
+    ("evict-stragglers-needs-timings", ["supervisor.evict_stragglers=true", "observe.timings=false"], None,
+     ["supervisor.evict_stragglers=true", "observe.timings=true"]),
     ("fused-norm-rmsnorm", ["model.fused_norm=true", "model.norm=rmsnorm"], None, ["model.fused_norm", "layernorm"]),
     # features this build / platform cannot run
     ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),

@@ -246,3 +246,22 @@ def test_a_stuck_step_with_live_heartbeats_is_detected_as_a_stall(tmp_path):
     assert fault["latency_s"] <= 6 + 0.5 + 2, fault  # hang timeout + one beat + slack
     assert not any(e["kind"] == "fault" and e["cause"] in ("crash", "hang") for e in log), log
     assert rest[-1]["kind"] == "give_up"
+
+
+@pytest.mark.slow
+def test_a_straggler_is_logged_and_evicted_when_configured(tmp_path):
+    """Rank 1 arrives 40% of a step late at every step. The driver's periodic straggler check
+    names it (and only it) in events.jsonl; with evict_stragglers it is a fault, and with
+    max_restarts=0 the driver gives up with it in the report."""
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), "--no-diagnose", *SMALL,
+                                               "train.steps=60", "checkpoint.every=0", "observe.straggler_window=5",
+                                               "supervisor.straggler_check_s=1", "supervisor.evict_stragglers=true",
+                                               "supervisor.max_restarts=0"],
+                      env={"MEGASCALE_FAULT_SLOW": "1:0.4"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = events(tmp_path)
+    flagged = [e for e in log if e["kind"] == "straggler"]
+    assert flagged and {e["rank"] for e in flagged} == {1}, log
+    fault, rest = after(log, "fault", cause="straggler")
+    assert fault["rank"] == 1 and rest[-1]["kind"] == "give_up"
+    assert "straggler of rank 1" in done.stdout
