@@ -47,8 +47,8 @@ def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
         last = mine[np.argmax(ends[mine])]
         arrivals = [(int(t.step[i]), t.phase[i]) for i in mine if t.phase[i] in ARRIVAL_STAGES]
         seen = set(t.phase[mine])
-        status = "done" if STATE_PREFIX + "done" in seen else "failed" if STATE_PREFIX + "failed" in seen \
-            else "running"
+        ended_by_error = {STATE_PREFIX + "failed", STATE_PREFIX + "diverged"} & seen
+        status = "done" if STATE_PREFIX + "done" in seen else "failed" if ended_by_error else "running"
         states.append(RankState(p, hosts.get(p, "?"), status,
                                 max(arrivals, key=_position, default=(0, "none")),
                                 str(t.phase[last]), int(t.step[last]), float(ends[last])))

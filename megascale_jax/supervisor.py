@@ -169,6 +169,8 @@ class HeartbeatMonitor:
             if rank in finished:
                 continue
             state = self.records.get(rank, {}).get("state")
+            if state == "diverged":  # said before the exit, which may wait on JAX's shutdown
+                return Fault("diverged", rank, "non-finite loss or gradient norm (see its log)", self.arrived[rank], now)
             if state == "failed":  # its exception is in its log; the exit may wait on JAX's shutdown
                 return Fault("crash", rank, "the training loop raised (see its log)", self.arrived[rank], now)
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang

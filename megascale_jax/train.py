@@ -154,6 +154,9 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
     watch = observers_for(cfg, run_dir, mesh)
     try:
         return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
+    except TrainingDiverged:
+        watch.state("diverged", -1)  # the supervisor does not retry it on healthy devices
+        raise
     except BaseException:
         watch.state("failed", -1)
         raise

@@ -265,3 +265,18 @@ def test_a_straggler_is_logged_and_evicted_when_configured(tmp_path):
     fault, rest = after(log, "fault", cause="straggler")
     assert fault["rank"] == 1 and rest[-1]["kind"] == "give_up"
     assert "straggler of rank 1" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_diverged_run_is_not_restarted_when_the_devices_are_healthy(tmp_path):
+    """A non-finite loss (exit code 3) with diagnostics finding every rank healthy: a restart
+    would replay the same data bitwise, so the driver gives up at once with the fix."""
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), *SMALL, "train.steps=10",
+                                               "optim.lr=1e6", "optim.clip=null"])
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = events(tmp_path)
+    fault, rest = after(log, "fault", cause="diverged")
+    diagnosis, rest = after(rest, "diagnosis")
+    assert diagnosis["faulty"] == {}
+    assert rest[-1]["kind"] == "give_up" and "optim.lr" in rest[-1]["summary"]
+    assert not any(e["kind"] == "restart" for e in log)
