@@ -17,10 +17,12 @@ import jax
 
 from provenance import write_result  # bench/provenance.py
 
-MODES = [("none", False), ("none", True), ("collective_matmul", True), ("xla", False)]
+# (tp_overlap, sequence_parallel, collective-matmul pieces per device shard)
+MODES = [("none", False, 2), ("none", True, 2), ("collective_matmul", True, 1), ("collective_matmul", True, 2),
+         ("collective_matmul", True, 4), ("xla", False, 2)]
 
 
-def measure(block: str, overlap: str, sp: bool, args) -> dict:
+def measure(block: str, overlap: str, sp: bool, pieces: int, args) -> dict:
     from megascale_jax import data
     from megascale_jax.config import load_config
     from megascale_jax.mesh import make_mesh
@@ -29,7 +31,8 @@ def measure(block: str, overlap: str, sp: bool, args) -> dict:
     cfg = load_config(None, ["mesh.dp=1", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.tp}",
                              "model.layers=4", "model.d_model=256", "model.heads=8", "model.kv_heads=8",
                              "model.seq_len=256", "train.global_batch=8", f"model.block={block}",
-                             f"parallel.tp_overlap={overlap}", f"parallel.sequence_parallel={str(sp).lower()}"])
+                             f"parallel.tp_overlap={overlap}", f"parallel.sequence_parallel={str(sp).lower()}",
+                             f"parallel.tp_chunks={pieces}", f"parallel.tp_bidirectional={str(pieces % 2 == 0).lower()}"])
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
     state = trainer.init()
@@ -46,7 +49,7 @@ def measure(block: str, overlap: str, sp: bool, args) -> dict:
         state, metrics = step(state, batch)
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
-    return {"block": block, "tp_overlap": overlap, "sequence_parallel": sp,
+    return {"block": block, "tp_overlap": overlap, "sequence_parallel": sp, "tp_chunks": pieces,
             "flops_per_layer": cost.get("flops", 0.0) / cfg.model.layers,
             "bytes_per_layer": cost.get("bytes accessed", 0.0) / cfg.model.layers,
             "collectives_in_program": collectives, "step_time_s": statistics.median(times[1:])}
@@ -59,13 +62,14 @@ def main() -> int:
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.tp)  # simulated devices if on CPU; before JAX starts
     rows = []
-    print(f"{'block':<10}{'tp_overlap':<19}{'SP':<4}{'GFLOP/layer':>12}{'MB/layer':>10}{'step s':>9}  collectives")
+    print(f"{'block':<10}{'tp_overlap':<19}{'SP':<4}{'pieces':>7}{'GFLOP/layer':>12}{'MB/layer':>10}{'step s':>9}  collectives")
     for block in ("parallel", "serial"):
-        for overlap, sp in MODES:
-            r = measure(block, overlap, sp, args)
+        for overlap, sp, pieces in MODES:
+            r = measure(block, overlap, sp, pieces, args)
             rows.append(r)
             c = r["collectives_in_program"]
-            print(f"{block:<10}{overlap:<19}{'y' if sp else 'n':<4}{r['flops_per_layer'] / 1e9:>12.3f}"
+            print(f"{block:<10}{overlap:<19}{'y' if sp else 'n':<4}{pieces if overlap == 'collective_matmul' else '':>7}"
+                  f"{r['flops_per_layer'] / 1e9:>12.3f}"
                   f"{r['bytes_per_layer'] / 1e6:>10.1f}{r['step_time_s']:>9.3f}  "
                   f"AR {c['all-reduce']} AG {c['all-gather']} RS {c['reduce-scatter']} CP {c['collective-permute']}",
                   flush=True)
