@@ -2,9 +2,11 @@
 
     python bench/pipeline.py [--pp 4] [--tp 2] [--microbatches 4 8 16 32] [--steps 5]
 
-For every schedule and microbatch count m (one sequence per microbatch per dp replica) it
-compiles one full train step, reads `memory_analysis()` temp bytes, times `--steps` steps
-(median) and prints them next to the table's bubble fraction; JSON goes to
+For every schedule, stash mode (`parallel.pp_stash`: chunk inputs, recomputed in the backward, or
+vjp residuals) and microbatch count m (one sequence per microbatch per dp replica) it compiles one
+full train step, reads `memory_analysis()` temp bytes and `cost_analysis()` FLOPs (XLA counts the
+tick loop's body once, so they compare stash modes, not m), times `--steps` steps (median) and
+prints them next to the table's bubble fraction; JSON goes to
 bench/results/pipeline_<platform>.json. On simulated CPU devices the stages share the host's
 cores, so step times there show compile/memory behaviour, not pipeline overlap.
 """
@@ -20,7 +22,7 @@ from provenance import write_result  # bench/provenance.py
 
 
 
-def measure(schedule: str, virtual: int, m: int, args) -> dict:
+def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
     from megascale_jax import data
     from megascale_jax.config import load_config
     from megascale_jax.mesh import make_mesh
@@ -30,7 +32,8 @@ def measure(schedule: str, virtual: int, m: int, args) -> dict:
     cfg = load_config(None, [
         "mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",
         f"model.layers={args.pp * 2}", "model.d_model=128", "model.seq_len=128", f"train.global_batch={m}",
-        f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}"])
+        f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
+        f"parallel.pp_stash={stash}"])
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
     state = trainer.init()
@@ -39,6 +42,7 @@ def measure(schedule: str, virtual: int, m: int, args) -> dict:
     step = trainer.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     temp = step.memory_analysis().temp_size_in_bytes
+    flops = step.cost_analysis()["flops"]
     times = []
     for i in range(args.steps + 1):
         t0 = time.perf_counter()
@@ -46,8 +50,8 @@ def measure(schedule: str, virtual: int, m: int, args) -> dict:
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     table = schedule_for(cfg)
-    return {"schedule": schedule, "virtual": virtual, "microbatches": m, "compile_s": compile_s,
-            "temp_bytes": temp, "step_time_s": statistics.median(times[1:]), "stash_slots": table.slots,
+    return {"schedule": schedule, "virtual": virtual, "stash": stash, "microbatches": m, "compile_s": compile_s,
+            "temp_bytes": temp, "flops": flops, "step_time_s": statistics.median(times[1:]), "stash_slots": table.slots,
             "ticks": table.ticks, "bubble_table": table.bubble_fraction()}
 
 
@@ -61,15 +65,18 @@ def main() -> int:
     jax.config.update("jax_num_cpu_devices", args.pp * args.tp)  # simulated devices if on CPU; before JAX starts
 
     rows = []
-    print(f"{'schedule':<18}{'v':>3}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'step s':>9}{'slots':>7}{'bubble':>8}")
-    for schedule, virtual in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+    print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'GFLOP':>8}{'step s':>9}"
+          f"{'slots':>7}{'bubble':>8}")
+    for schedule, virtual, stash in (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
+                                     ("interleaved_1f1b", 2, "inputs"), ("interleaved_1f1b", 2, "residuals")):
         for m in args.microbatches:
             if m < args.pp or (schedule == "interleaved_1f1b" and m % args.pp):
                 continue
-            r = measure(schedule, virtual, m, args)
+            r = measure(schedule, virtual, stash, m, args)
             rows.append(r)
-            print(f"{schedule:<18}{virtual:>3}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
-                  f"{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}", flush=True)
+            print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
+                  f"{r['flops'] / 1e9:>8.2f}{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}",
+                  flush=True)
     write_result(f"pipeline_{jax.default_backend()}", {"pp": args.pp, "tp": args.tp, "rows": rows})
     return 0
 

@@ -76,6 +76,7 @@ class ParallelConfig:
     tp_chunks: int = 2  # collective matmul: pieces each device's sequence shard is cut into (even if bidirectional)
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     pp_virtual: int = 1
+    pp_stash: Literal["inputs", "residuals"] = "inputs"  # pipeline: recompute chunks from inputs, or keep vjp residuals
     microbatches: int = 1  # microbatches per global batch: pipeline microbatches, or gradient accumulation at pp=1
     zero1: bool = False  # shard optimizer state over dp (ZeRO-1)
 

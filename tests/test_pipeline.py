@@ -1,5 +1,6 @@
 """The pipeline executor computes the single-device loss and gradients, for every schedule, alone
-and with dp and tp; its activation memory is flat in the number of microbatches for 1F1B."""
+and with dp and tp, stashing chunk inputs or vjp residuals; its activation memory is flat in the
+number of microbatches for 1F1B, and stashing residuals removes the backward's forward recompute."""
 
 import jax
 import numpy as np
@@ -39,6 +40,7 @@ def reference():
 
 
 COLLECTIVE_MATMUL = ("parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul")
+RESIDUALS = ("parallel.pp_stash=residuals",)
 GRID = [
     # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
     (2, 2, 2, "gpipe", 1, 2, ()),
@@ -48,12 +50,21 @@ GRID = [
     (1, 4, 2, "interleaved_1f1b", 2, 4, ()),
     (1, 8, 1, "1f1b", 1, 8, ()),
     (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL),  # explicit tp collectives inside every stage
+    # stash vjp residuals instead of chunk inputs (no forward recompute in the backward)
+    (2, 2, 2, "gpipe", 1, 2, RESIDUALS),  # last chunk's backward ticks after its forward
+    (2, 2, 2, "1f1b", 1, 4, RESIDUALS),
+    (1, 4, 2, "interleaved_1f1b", 2, 4, RESIDUALS),
+    (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL + RESIDUALS),
 ]
 
 
+def grid_id(dp, pp, tp, schedule, v, m, extra):
+    return (f"dp{dp}pp{pp}tp{tp}-{schedule}-v{v}m{m}{'-collective-matmul' if COLLECTIVE_MATMUL[1] in extra else ''}"
+            f"{'-residuals' if RESIDUALS[0] in extra else ''}")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", GRID, ids=[
-    f"dp{g[0]}pp{g[1]}tp{g[2]}-{g[3]}-v{g[4]}m{g[5]}{'-collective-matmul' if g[6] else ''}" for g in GRID])
+@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", GRID, ids=[grid_id(*g) for g in GRID])
 def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
     params, batch, ref_loss, ref_grads = reference
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
@@ -74,31 +85,46 @@ def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v,
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
 
 
-def temp_bytes(schedule: str, v: int, m: int) -> int:
-    """Compiled temp memory of the pipelined step, one sequence per microbatch."""
+def compile_step(schedule: str, v: int, m: int, stash: str = "inputs"):
+    """The compiled pipelined step (loss and gradients), one sequence per microbatch."""
     cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=2",
                              "model.seq_len=64", f"train.global_batch={m}", "mesh.dp=1", "mesh.pp=2", "mesh.tp=1",
                              "mesh.cpu_devices=2", f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}",
-                             f"parallel.pp_virtual={v}"])
+                             f"parallel.pp_virtual={v}", f"parallel.pp_stash={stash}"])
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     params = trainer.abstract_params
     batch = jax.ShapeDtypeStruct((m, 65), np.int32, sharding=trainer.batch_sharding)
     with jax.set_mesh(mesh), sharding.axis_rules():
-        compiled = jax.jit(lambda p, b: pipeline.loss_and_grads(cfg, mesh, p, b)).lower(params, batch).compile()
-    return compiled.memory_analysis().temp_size_in_bytes
+        return jax.jit(lambda p, b: pipeline.loss_and_grads(cfg, mesh, p, b)).lower(params, batch).compile()
+
+
+def temp_bytes(schedule: str, v: int, m: int, stash: str = "inputs") -> int:
+    return compile_step(schedule, v, m, stash).memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("interleaved_1f1b", 2), ("gpipe", 1)])
-def test_activation_memory_flat_in_microbatches_except_gpipe(schedule, v):
+@pytest.mark.parametrize("schedule,v,stash", [("1f1b", 1, "inputs"), ("interleaved_1f1b", 2, "inputs"),
+                                              ("gpipe", 1, "inputs"), ("1f1b", 1, "residuals")])
+def test_activation_memory_flat_in_microbatches_except_gpipe(schedule, v, stash):
     activation = 64 * 64 * 4  # one microbatch's chunk input: seq 64 × d_model 64 × float32
-    small, large = temp_bytes(schedule, v, 8), temp_bytes(schedule, v, 32)
+    small, large = temp_bytes(schedule, v, 8, stash), temp_bytes(schedule, v, 32, stash)
     growth_per_microbatch = (large - small) / 24
     if schedule == "gpipe":
         assert growth_per_microbatch >= 0.9 * activation  # GPipe stashes every microbatch
     else:
         assert growth_per_microbatch < 0.1 * activation  # about p in flight, whatever m
+
+
+@pytest.mark.slow
+def test_stashing_residuals_removes_the_backward_recompute():
+    """Same 1F1B step, both stash modes: with residuals the backward runs no chunk forward, so the
+    compiled program has fewer matmuls and FLOPs (by about one chunk forward per backward)."""
+    steps = {stash: compile_step("1f1b", 1, 8, stash) for stash in ("inputs", "residuals")}
+    dots = {k: c.as_text().count(" dot(") for k, c in steps.items()}
+    flops = {k: c.cost_analysis()["flops"] for k, c in steps.items()}
+    assert dots["residuals"] < dots["inputs"], dots
+    assert flops["residuals"] < 0.9 * flops["inputs"], flops
 
 
 @pytest.mark.slow
