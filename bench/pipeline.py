@@ -12,47 +12,28 @@ cores, so step times there show compile/memory behaviour, not pipeline overlap.
 """
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 
+from compiled_step import compile_train_step  # bench/compiled_step.py
 from provenance import write_result  # bench/provenance.py
 
 
 
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
-    from megascale_jax import data
-    from megascale_jax.config import load_config
-    from megascale_jax.mesh import make_mesh
     from megascale_jax.pipeline import schedule_for
-    from megascale_jax.train import build_trainer
 
-    cfg = load_config(None, [
+    compiled = compile_train_step([
         "mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",
         f"model.layers={args.pp * 2}", "model.d_model=128", "model.seq_len=128", f"train.global_batch={m}",
         f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
         f"parallel.pp_stash={stash}"])
-    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
-    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
-    state = trainer.init()
-    batch = data.make_global_batch(batches, 0, trainer.batch_sharding)
-    t0 = time.perf_counter()
-    step = trainer.train_step.lower(state, batch).compile()
-    compile_s = time.perf_counter() - t0
-    temp = step.memory_analysis().temp_size_in_bytes
-    flops = step.cost_analysis()["flops"]
-    times = []
-    for i in range(args.steps + 1):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
-    table = schedule_for(cfg)
-    return {"schedule": schedule, "virtual": virtual, "stash": stash, "microbatches": m, "compile_s": compile_s,
-            "temp_bytes": temp, "flops": flops, "step_time_s": statistics.median(times[1:]), "stash_slots": table.slots,
-            "ticks": table.ticks, "bubble_table": table.bubble_fraction()}
+    table = schedule_for(compiled.cfg)
+    return {"schedule": schedule, "virtual": virtual, "stash": stash, "microbatches": m,
+            "compile_s": compiled.compile_s, "temp_bytes": compiled.step.memory_analysis().temp_size_in_bytes,
+            "flops": compiled.cost()["flops"], "step_time_s": compiled.median_time_s(args.steps),
+            "stash_slots": table.slots, "ticks": table.ticks, "bubble_table": table.bubble_fraction()}
 
 
 def main() -> int:

@@ -9,12 +9,11 @@ each mode, not communication overlap. JSON goes to bench/results/tensor_parallel
 
 import argparse
 import re
-import statistics
 import sys
-import time
 
 import jax
 
+from compiled_step import compile_train_step  # bench/compiled_step.py
 from provenance import write_result  # bench/provenance.py
 
 # (tp_overlap, sequence_parallel, collective-matmul pieces per device shard)
@@ -23,36 +22,18 @@ MODES = [("none", False, 2), ("none", True, 2), ("collective_matmul", True, 1), 
 
 
 def measure(block: str, overlap: str, sp: bool, pieces: int, args) -> dict:
-    from megascale_jax import data
-    from megascale_jax.config import load_config
-    from megascale_jax.mesh import make_mesh
-    from megascale_jax.train import build_trainer
-
-    cfg = load_config(None, ["mesh.dp=1", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.tp}",
+    compiled = compile_train_step(["mesh.dp=1", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.tp}",
                              "model.layers=4", "model.d_model=256", "model.heads=8", "model.kv_heads=8",
                              "model.seq_len=256", "train.global_batch=8", f"model.block={block}",
                              f"parallel.tp_overlap={overlap}", f"parallel.sequence_parallel={str(sp).lower()}",
                              f"parallel.tp_chunks={pieces}", f"parallel.tp_bidirectional={str(pieces % 2 == 0).lower()}"])
-    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
-    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
-    state = trainer.init()
-    batch = data.make_global_batch(batches, 0, trainer.batch_sharding)
-    step = trainer.train_step.lower(state, batch).compile()
-    cost = step.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    text = step.as_text()
+    cost, layers, text = compiled.cost(), compiled.cfg.model.layers, compiled.step.as_text()
     collectives = {op: len(re.findall(rf"= [^=]*? {op}(?:-start)?\(", text))
                    for op in ("all-reduce", "all-gather", "reduce-scatter", "collective-permute")}
-    times = []
-    for _ in range(args.steps + 1):
-        t0 = time.perf_counter()
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
-        times.append(time.perf_counter() - t0)
     return {"block": block, "tp_overlap": overlap, "sequence_parallel": sp, "tp_chunks": pieces,
-            "flops_per_layer": cost.get("flops", 0.0) / cfg.model.layers,
-            "bytes_per_layer": cost.get("bytes accessed", 0.0) / cfg.model.layers,
-            "collectives_in_program": collectives, "step_time_s": statistics.median(times[1:])}
+            "flops_per_layer": cost.get("flops", 0.0) / layers,
+            "bytes_per_layer": cost.get("bytes accessed", 0.0) / layers,
+            "collectives_in_program": collectives, "step_time_s": compiled.median_time_s(args.steps)}
 
 
 def main() -> int:
