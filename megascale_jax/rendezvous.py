@@ -74,7 +74,7 @@ def join(url: str, job: str, nprocs: int, rank: int | None = None, timeout_s: fl
         {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}))
     client.expire(key(job, "members"), KEY_TTL_S)
     if rank == 0:
-        address = f"{_advertised_host(url)}:{_free_port()}"
+        address = f"{_advertised_host(url)}:{free_port()}"
         client.set(key(job, "coordinator"), address, ex=KEY_TTL_S)
     start = time.perf_counter()
     barrier(client, job, "joined", nprocs, timeout_s)
@@ -114,7 +114,8 @@ def _advertised_host(redis_url: str) -> str:
     return socket.gethostbyname(socket.gethostname())
 
 
-def _free_port() -> int:
+def free_port(host: str = "") -> int:
+    """A TCP port nobody listens on right now (on `host`; "" = every interface)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 from megascale_jax.config import Config, ConfigError
 
@@ -37,7 +36,6 @@ class WorkerGroup:
                  header: str = ""):
         os.makedirs(log_dir, exist_ok=True)
         self.log_paths = [os.path.join(log_dir, f"{name}{i}.log") for i in range(nprocs)]
-        self.started_at = time.time()
         self.processes = []
         for i, path in enumerate(self.log_paths):
             with open(path, "a") as log:
@@ -48,10 +46,6 @@ class WorkerGroup:
                     [sys.executable, "-m", module, *args, "--process-id", str(i)], env=env,
                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.processes]
-
     def exit_codes(self) -> dict[int, int]:
         """Exit codes of the workers that ended so far, by rank."""
         return {rank: code for rank, p in enumerate(self.processes) if (code := p.poll()) is not None}
@@ -59,15 +53,6 @@ class WorkerGroup:
     def signal(self, rank: int, sig: int) -> None:
         if self.processes[rank].poll() is None:
             os.kill(self.processes[rank].pid, sig)
-
-    def wait(self, timeout_s: float) -> bool:
-        """True when all ended within `timeout_s`."""
-        deadline = time.monotonic() + timeout_s
-        while len(self.exit_codes()) < len(self.processes):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.05)
-        return True
 
     def stop(self) -> None:
         for p in self.processes:

@@ -389,7 +389,7 @@ def test_single_replica_restore_reads_on_one_replica_only(tmp_path):
     single-replica restore process 1 reads almost nothing (metadata, checksums) while process 0
     reads the state; the restore verifies every array's checksum on both processes and training
     continues. (With ZeRO-1 each process also reads its own slice of the moments.)"""
-    from tests.test_multiprocess import free_port
+    from megascale_jax.rendezvous import free_port
 
     def run_two(steps, *extra):
         address = f"127.0.0.1:{free_port()}"

@@ -6,21 +6,16 @@ per-process data slices assemble into the same global batch.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from megascale_jax.rendezvous import free_port
+
 COMMON = ["train.steps=4", "train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=32",
           "train.global_batch=8", "optim.warmup=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def losses(run_dir) -> np.ndarray:

@@ -182,7 +182,7 @@ SLOW, STOP_AT = 0.3, 45
 def test_two_processes_straggler_then_hang(tmp_path):
     """Rank 1 sleeps 30% of a step before each dispatch; rank 0 stops itself (SIGSTOP) at step 45.
     The report names rank 1 the straggler, rank 0 hung, rank 1 waiting."""
-    from test_multiprocess import free_port
+    from megascale_jax.rendezvous import free_port
 
     run_dir = tmp_path / "run"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_FAULT_SLOW": f"1:{SLOW}",
