@@ -61,6 +61,8 @@ class Heartbeat(LoopObserver):
     def phase(self, step, name, start, duration):
         if name == "step":
             self.loop.update(step=step, last_step_time_s=duration)
+        elif name == "dispatch":  # arrived at `step`: in a stuck collective, who never arrived
+            self.loop.update(arrived_step=step)
 
     def close(self):
         self.stopping.set()

@@ -164,10 +164,13 @@ class HeartbeatMonitor:
         self.started = now
 
     def check(self, now: float, finished: set[int]) -> Fault | None:
-        """A hang or stall among the ranks still running, if any."""
+        """A hang or stall among the ranks still running, if any. In a stuck collective every
+        rank stalls at the same step: the one blamed is the one that arrived at the fewest steps."""
+        stalled, running = [], []
         for rank in range(len(self.keys)):
             if rank in finished:
                 continue
+            running.append(rank)
             state = self.records.get(rank, {}).get("state")
             if state == "diverged":  # said before the exit, which may wait on JAX's shutdown
                 return Fault("diverged", rank, "non-finite loss or gradient norm (see its log)", self.arrived[rank], now)
@@ -188,9 +191,15 @@ class HeartbeatMonitor:
             # The first step after (re)compiling may be slow: until a step finished, allow the startup time.
             limit = self.hang_timeout_s if advanced else self.startup_timeout_s
             if self.records[rank]["state"] == "training" and now - since > limit:
-                return Fault("stall", rank, f"heartbeats continue but step {step} has not advanced for "
-                             f"{now - since:.1f}s", since, now)
-        return None
+                stalled.append(Fault("stall", rank, f"heartbeats continue but step {step} has not advanced for "
+                                     f"{now - since:.1f}s", since, now))
+        if not stalled:
+            return None
+        # Peers stuck at the same step stall within a poll of each other; blame among all of them.
+        fault, step = stalled[0], self.step_since[stalled[0].rank][0]
+        stuck = [r for r in running if r in self.step_since and self.step_since[r][0] == step]
+        fault.rank = min(stuck, key=lambda r: (self.records[r].get("arrived_step", -1), r))
+        return fault
 
 
 # ============================================================================ the driver
