@@ -140,7 +140,7 @@ class SupervisorConfig:
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
     max_restarts: int = 3  # recoveries before the driver gives up with a report
     straggler_check_s: float = 10.0  # the driver runs the straggler statistic on the timings this often (0 = never)
-    evict_stragglers: bool = False  # a flagged straggler is a fault: restart without it (on a cluster: replace its node)
+    evict_stragglers: bool = False  # a flagged straggler is a fault (all ranks restart; node replacement not yet)
 
 
 @dataclass(frozen=True)
