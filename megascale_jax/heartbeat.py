@@ -22,10 +22,10 @@ import threading
 import time
 
 import jax
-import numpy as np
 import psutil
 import redis
 
+from megascale_jax.mesh import process_device_coords
 from megascale_jax.observers import LoopObserver
 from megascale_jax.rendezvous import connect, key
 
@@ -127,9 +127,7 @@ def _log_tail() -> list[str]:
 
 def mesh_coords(mesh) -> list[dict]:
     """(dp, pp, tp) of every device of this process in `mesh`."""
-    mine = {d.id for d in jax.local_devices()}
-    return [{"device": d.id, **dict(zip(mesh.axis_names, map(int, index)))}
-            for index, d in np.ndenumerate(mesh.devices) if d.id in mine]
+    return [{"device": device, **coords} for device, coords in process_device_coords(mesh, jax.process_index())]
 
 
 def observers(cfg, mesh) -> list[LoopObserver]:

@@ -30,6 +30,12 @@ def mesh_devices(cfg: MeshConfig) -> list:
     return devices
 
 
+def process_device_coords(mesh: Mesh, process: int) -> list[tuple[int, dict[str, int]]]:
+    """(device id, {axis: index}) of every device of `process` in `mesh`."""
+    return [(d.id, dict(zip(mesh.axis_names, map(int, index))))
+            for index, d in np.ndenumerate(mesh.devices) if d.process_index == process]
+
+
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """A classic GSPMD mesh (`AxisType.Auto`): shardings are constraints XLA propagates."""
     devices = mesh_devices(cfg) if devices is None else list(devices)

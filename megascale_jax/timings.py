@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megascale_jax.mesh import AXES, process_device_coords
 from megascale_jax.observers import LoopObserver
 
 COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
@@ -76,9 +77,8 @@ def write_device_table(run_dir: str, mesh, process: int) -> None:
     with open(os.path.join(timings_dir(run_dir), f"devices-{process}.csv"), "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(DEVICE_COLUMNS)
-        for (dp, pp, tp), device in np.ndenumerate(mesh.devices):
-            if device.process_index == process:
-                out.writerow([process, host, device.id, dp, pp, tp])
+        for device, coords in process_device_coords(mesh, process):
+            out.writerow([process, host, device, *(coords[axis] for axis in AXES)])
 
 
 class TensorBoardScalars(LoopObserver):
