@@ -202,6 +202,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         return float(jnp.mean(jnp.stack(losses)))
 
     tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
+    mfu_per_token_s = flops.mfu(1.0, cfg.model, mesh.devices.flat)  # MFU is linear in tokens/s: look peaks up once
     records: list[dict] = []
     if is_main:
         keep_records_up_to(os.path.join(run_dir, "metrics.jsonl"), start)
@@ -228,7 +229,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         step_time = now - last_time
         record = {"step": step, **values, "step_time_s": step_time,
                   "tokens_per_s": tokens_per_step / step_time,
-                  "mfu": flops.mfu(tokens_per_step / step_time, cfg.model, mesh.devices.flat),
+                  "mfu": None if mfu_per_token_s is None else mfu_per_token_s * tokens_per_step / step_time,
                   "data_wait_s": data_wait}
         if params is not None:
             watch.state("evaluating", step)
