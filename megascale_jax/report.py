@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from megascale_jax.config import ObserveConfig  # noqa: E402
+from megascale_jax.config import ObserveConfig, from_dict  # noqa: E402
 from megascale_jax.hangs import RankState, rank_states  # noqa: E402
 from megascale_jax.stragglers import (append_events, arrival_lateness, clock_offsets,  # noqa: E402
                                       flag_stragglers, window_lateness)
@@ -214,11 +214,10 @@ def summary_text(run_dir, t, offsets, stragglers, states, threshold, window) -> 
 def observe_settings(run_dir: str) -> ObserveConfig:
     """The run's observe.* settings (defaults for runs without them)."""
     path = os.path.join(run_dir, "config.yaml")
-    given = {}
-    if os.path.exists(path):
-        with open(path) as f:
-            given = (yaml.safe_load(f) or {}).get("observe") or {}
-    return ObserveConfig(**{k: v for k, v in given.items() if k in ObserveConfig.__dataclass_fields__})
+    if not os.path.exists(path):
+        return ObserveConfig()
+    with open(path) as f:
+        return from_dict(yaml.safe_load(f) or {}).observe
 
 
 def write_report(run_dir: str, threshold: float | None = None, window: int | None = None,
