@@ -7,7 +7,8 @@ ranks at the furthest arrival are waiting for it. If every rank arrived at the s
 hang is inside the step (on the devices) and host timings cannot name a rank.
 
 A run counts as stalled when no process wrote a row for `hang_after` seconds and not every
-process reached ``state:done``. Files alone cannot tell a hang from a job killed while healthy;
+process reached ``state:done``. A resumed run appends to the same files, so only each process's
+rows since its latest ``state:initialising`` mark (its current attempt) are judged. Files alone cannot tell a hang from a job killed while healthy;
 the supervisor's events can.
 """
 
@@ -44,6 +45,9 @@ def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
     states = []
     for p in t.processes:
         mine = np.flatnonzero(t.process == p)  # never empty: a writer starts with a state row
+        starts = mine[t.phase[mine] == STATE_PREFIX + "initialising"]
+        if len(starts):  # rows of earlier attempts (their arrivals, failed/done marks) are history
+            mine = mine[t.start[mine] >= t.start[starts].max()]
         last = mine[np.argmax(ends[mine])]
         arrivals = [(int(t.step[i]), t.phase[i]) for i in mine if t.phase[i] in ARRIVAL_STAGES]
         seen = set(t.phase[mine])

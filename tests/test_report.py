@@ -224,3 +224,27 @@ def test_two_processes_straggler_then_hang(tmp_path):
 def _stopped(pid: int) -> bool:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_resumed_run_is_judged_on_its_current_attempt_only(tmp_path):
+    """Attempt 1 ran to step 50 (and wrote state:done); attempt 2 resumed from step 40 into the
+    same files and rank 1 stopped at step 45. Stale rows of attempt 1 (its arrivals up to 50, its
+    done mark) must not hide the hang."""
+    write_synthetic_run(tmp_path, [0.0, 0.0, 0.0], lambda p, k: 0.0, steps=50)
+    t1 = 1.7e9 + 100.0
+    for p in range(3):
+        rows = [(0, "state:initialising", t1, 0.0), (40, "state:training", t1 + 1, 0.0)]
+        for k in range(41, 46):
+            arrive = t1 + 2 + (k - 41) * STEP
+            rows.append((k, "data_wait", arrive - 0.001, 0.001))
+            if (p, k) == (1, 45):
+                break
+            rows.append((k, "dispatch", arrive, 0.002))
+            if k < 45:
+                rows.append((k, "step", arrive, STEP))
+        with open(os.path.join(timings.timings_dir(tmp_path), f"process-{p}.csv"), "a", newline="") as f:
+            csv.writer(f).writerows([k, p, -1, -1, -1, -1, phase, f"{start:.6f}", d] for k, phase, start, d in rows)
+    t = timings.read_timings(tmp_path)
+    states = hangs.rank_states(t, now=float((t.start + t.duration).max()) + 61, hang_after=60)
+    assert [s.status for s in states] == ["waiting", "hung", "waiting"], [s.describe() for s in states]
+    assert states[1].arrived == (45, "data_wait") and states[0].arrived == (45, "dispatch")
