@@ -200,7 +200,10 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
     restart, rest = after(log, "redis_restart")
     assert restart["latency_s"] <= 1.0
     # Training went on (no fault, no restart) and every rank's heartbeat reached the new server.
-    assert [e["kind"] for e in rest] == ["heartbeats_resumed", "done"]
+    # Straggler events are observations, not faults: on a loaded 2-core CI box one rank can fall
+    # behind for a window, and the supervisor rightly says so without restarting anything.
+    kinds = [e["kind"] for e in rest if e["kind"] != "straggler"]
+    assert kinds == ["heartbeats_resumed", "done"], rest
 
 
 @pytest.mark.slow
