@@ -1,0 +1,124 @@
+"""Per-device busy time from a JAX profiler trace: which device computed what, and when.
+
+XLA records every executed HLO op (a "thunk" on CPU, a kernel on GPU) in the trace with the op
+name (`hlo_op` stat), its module (`hlo_module`) and the device that ran it (`device_ordinal` stat
+on CPU, the `/device:GPU:N` plane on GPU). `read_ops` collects those; `busy_ns` is the union of
+a device's compute intervals, so nested ops (a fusion inside a `conditional` inside a `while`)
+count once and collectives, which mostly wait for peers, count as idle.
+
+`per_tick` cuts a device's ops into the ticks of a pipeline (`megascale_jax.pipeline`): every
+tick ends with the same number of permutes (activations forward, cotangents back),
+so the k-th group of them closes tick k. From the busy time of every (stage, tick),
+`lockstep_bubble` is the bubble of the table's lockstep execution with the measured costs: each
+tick lasts as long as its busiest stage (`bench/pipeline_bubble.py` compares it with the table).
+
+On XLA:CPU simulated devices share the host's cores, so busy times there are stretched by the
+other devices' work; the per-(stage, tick) *pattern* is exact, the absolute times are not.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import os
+import re
+
+import jax
+
+# Ops whose duration is waiting for other devices, or that only contain other (traced) ops.
+# Collectives carry XLA's opcode or, on recent jax, the primitive's name ("ppermute", "psum").
+PERMUTES = ("collective-permute", "ppermute")
+COLLECTIVES = (*PERMUTES, "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-broadcast",
+               "send", "recv", "psum", "all_gather", "all_to_all", "reduce_scatter")
+CONTAINERS = ("while", "conditional", "call", "async")
+_GPU_PLANE = re.compile(r"/device:GPU:(\d+)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    device: int
+    name: str  # the HLO instruction, e.g. "fusion.3", "collective-permute.1"
+    start_ns: float
+    end_ns: float
+
+    @property
+    def kind(self) -> str:
+        """The instruction's opcode-like stem: "collective-permute.1-start" -> "collective-permute"."""
+        return re.sub(r"(\.\d+)+(\.clone)?(-start|-done)?$", "", self.name)
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind.startswith(COLLECTIVES)
+
+    @property
+    def is_compute(self) -> bool:
+        return not self.is_collective and not self.kind.startswith(CONTAINERS)
+
+
+def latest_trace(trace_dir: str) -> str:
+    """The newest `.xplane.pb` written under `trace_dir` by `jax.profiler.trace`."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}: was jax.profiler.trace(...) run there?")
+    return max(paths, key=os.path.getmtime)
+
+
+def read_ops(trace_path: str, module: str | None = None) -> dict[int, list[Op]]:
+    """device -> its HLO ops in start order, for modules whose name contains `module`."""
+    ops: dict[int, list[Op]] = {}
+    for plane in jax.profiler.ProfileData.from_file(trace_path).planes:
+        gpu = _GPU_PLANE.search(plane.name)
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" not in stats or (module and module not in str(stats.get("hlo_module", ""))):
+                    continue
+                device = int(gpu.group(1)) if gpu else int(stats.get("device_ordinal", -1))
+                ops.setdefault(device, []).append(
+                    Op(device, str(stats["hlo_op"]), event.start_ns, event.start_ns + event.duration_ns))
+    return {d: sorted(v, key=lambda o: o.start_ns) for d, v in sorted(ops.items())}
+
+
+def busy_ns(ops: list[Op]) -> float:
+    """Length of the union of the compute ops' intervals."""
+    total, end = 0.0, float("-inf")
+    for op in sorted((o for o in ops if o.is_compute), key=lambda o: o.start_ns):
+        if op.end_ns > end:
+            total += op.end_ns - max(op.start_ns, end)
+            end = op.end_ns
+    return total
+
+
+def per_tick(ops: list[Op], ticks: int, steps: int = 1) -> list[list[Op]]:
+    """A device's ops over `steps` runs of a pipeline step, cut into `steps * ticks` ticks at the
+    tick loop's permutes: the permute instructions that ran exactly once per tick (others, e.g.
+    re-laying out weights for v > 1, run once per step). Ops after the last tick (the gradient
+    reductions, the optimizer) are dropped; ops before the first are counted in tick 0."""
+    runs = collections.Counter(o.name for o in ops if o.kind in PERMUTES and not o.name.endswith("-start"))
+    in_loop = {name for name, count in runs.items() if count == steps * ticks}
+    if not in_loop:
+        raise ValueError(f"no permute on device {ops[0].device if ops else '?'} ran once per tick "
+                         f"({steps}x{ticks} times; counts {dict(runs)}): is this a pipeline step?")
+    permutes = [o for o in ops if o.name in in_loop]
+    per = len(in_loop)
+    ends = [permutes[i * per + per - 1].end_ns for i in range(steps * ticks)]
+    cut, i = [[] for _ in ends], 0
+    for op in ops:
+        while i < len(ends) and op.start_ns >= ends[i]:
+            i += 1
+        if i == len(ends):
+            break
+        cut[i].append(op)
+    return cut
+
+
+def lockstep_bubble(busy: list[list[float]], working: list[list[bool]]) -> float:
+    """busy[stage][tick] (measured) and working[stage][tick] (the table) -> the idle share of a
+    lockstep step in which every tick lasts as long as its busiest stage. Time a stage spends in
+    a tick where the table gives it no work (masked junk, zero-filled gradients) is bubble too:
+    1 - busy in working cells / (stages * sum over ticks of the busiest stage)."""
+    stages, ticks = len(busy), len(busy[0])
+    step = sum(max(busy[s][t] for s in range(stages)) for t in range(ticks))
+    useful = sum(busy[s][t] for s in range(stages) for t in range(ticks) if working[s][t])
+    return 1.0 - useful / (stages * step)
