@@ -24,6 +24,7 @@ from typing import Iterable, Optional, Sequence
 
 
 from megascale_jax.config import Config, ConfigError, ModelConfig, load_config
+from megascale_jax import pipeline_schedule
 
 # ----------------------------------------------------------------------------- parameters
 
@@ -110,8 +111,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
     tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
-    assume no rematerialisation; pipeline stage 0 keeps min(pp, microbatches) microbatches in flight
-    (all of them for gpipe); the fp32 logits of one microbatch are added for the last stage."""
+    assume no rematerialisation. With pp > 1 they follow the pipeline table: its stash slots per
+    stage (flat in m for 1F1B, m·v for gpipe) each hold one chunk's input (`pp_stash=inputs`, plus
+    one chunk's residuals live while its backward recomputes it) or one chunk's residuals and
+    output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, m.d_model * m.vocab + final_norm
@@ -125,10 +128,13 @@ def memory_estimate(cfg: Config) -> dict:
     if m.attention == "xla":
         per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
     if mesh.pp == 1:
-        in_flight = 1
+        values = m.layers * per_layer
     else:
-        in_flight = par.microbatches if par.pp_schedule == "gpipe" else min(mesh.pp, par.microbatches)
-    activations = in_flight * m.layers // mesh.pp * per_layer * _DTYPE_BYTES[m.dtype]
+        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
+        chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
+        chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
+        values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
+    activations = values * _DTYPE_BYTES[m.dtype]
     activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}

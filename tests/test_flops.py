@@ -131,6 +131,21 @@ def test_memory_estimate_sharding():
     assert micro["activations"] == pytest.approx(one["activations"] / 2)
 
 
+def test_memory_estimate_follows_the_pipeline_table():
+    """Stash slots come from the schedule table: 1F1B's activations are flat in m (at a fixed
+    microbatch size), gpipe's grow with it; stashing residuals costs more than stashing inputs."""
+    def activations(schedule, m, stash="inputs", virtual=1):
+        cfg = Config(model=dataclasses.replace(SMALL, layers=8), mesh=MeshConfig(pp=4),
+                     train=TrainConfig(global_batch=2 * m),
+                     parallel=ParallelConfig(pp_schedule=schedule, pp_virtual=virtual, microbatches=m, pp_stash=stash))
+        return flops.memory_estimate(cfg)["activations"]
+
+    assert activations("1f1b", 8) == activations("1f1b", 32)
+    assert activations("interleaved_1f1b", 8, virtual=2) == activations("interleaved_1f1b", 32, virtual=2)
+    assert activations("gpipe", 32) > activations("gpipe", 16) > activations("gpipe", 8)
+    assert activations("1f1b", 8, "residuals") > activations("1f1b", 8, "inputs")
+
+
 # ----------------------------------------------------------------------------- CLI
 
 def _cli(*args):
