@@ -7,7 +7,7 @@
   run into the same --run-dir is refused without touching what is there.
 * A diverging run stops with exit 3 and one line naming the step; the finite steps stay recorded.
 
-Each subprocess imports JAX (~2 s), so the cases run two at a time in a thread pool.
+Mistakes are checked through `train.main` in-process, and a few through the real command line\n(a fresh process imports JAX in ~2-4 s); the long runs go two at a time in a thread pool.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -143,41 +144,68 @@ def _write_inputs(tmp: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def error_runs(tmp_path_factory):
-    """All ERROR_CASES through the real CLI, two subprocesses at a time: id -> (result, run_dir)."""
-    tmp = tmp_path_factory.mktemp("cli_errors")
+def inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli_inputs")
     _write_inputs(tmp)
-
-    def one(case):
-        case_id, overrides, config, _ = case
-        run_dir = tmp / "runs" / case_id
-        overrides = [o.replace("{tmp}", str(tmp)) for o in overrides]
-        config = config.replace("{tmp}", str(tmp)) if config else None
-        return case_id, (run_cli(run_dir, overrides, config), run_dir)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        return dict(pool.map(one, ERROR_CASES))
+    return tmp
 
 
-@pytest.mark.parametrize("case_id, expected", [(c[0], c[3]) for c in ERROR_CASES], ids=[c[0] for c in ERROR_CASES])
-def test_user_mistake_is_one_line_and_exit_2_before_compiling(error_runs, case_id, expected):
-    result, run_dir = error_runs[case_id]
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = message_lines(result.stderr)
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{result.stderr}"
+def case_args(case, tmp: Path) -> tuple[list[str], str | None]:
+    _, overrides, config, _ = case
+    return [o.replace("{tmp}", str(tmp)) for o in overrides], (config.replace("{tmp}", str(tmp)) if config else None)
+
+
+def assert_one_error_line(returncode: int, stdout: str, stderr: str, expected: list[str], run_dir: Path):
+    assert "Traceback" not in stderr, stderr
+    lines = message_lines(stderr)
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}:\n{stderr}"
     line = lines[0]
     assert line.startswith("error: "), line
     for part in expected:
         assert part in line, f"{part!r} missing from {line!r}"
-    assert result.returncode == 2, (result.returncode, result.stderr)
-    assert "compiled in" not in result.stdout, "the error must come before compilation"
+    assert returncode == 2, (returncode, stderr)
+    assert "compiled in" not in stdout, "the error must come before compilation"
     assert not (run_dir / "metrics.jsonl").exists()
 
 
-def test_stderr_has_no_logger_chatter(error_runs):
-    """The one line is the whole of stderr: no JAX/absl warning lines around it."""
-    result, _ = error_runs["unknown-key"]
-    assert result.stderr.strip().splitlines() == message_lines(result.stderr)
+@pytest.mark.parametrize("case", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_user_mistake_is_one_line_and_exit_2_before_compiling(inputs, case, tmp_path, capsys, monkeypatch):
+    """`train.main` in this process (a fresh process per case would cost ~4 s of JAX import each;
+    the test below runs a few through the real command line)."""
+    from megascale_jax import train
+
+    jax.devices()  # the backend is up with the suite's 8 CPU devices before main() looks
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # main() may add flags; undone after
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the mistake was not caught before training started")
+
+    monkeypatch.setattr(train, "train", no_training)
+    overrides, config = case_args(case, inputs)
+    argv = ["--run-dir", str(tmp_path / "run")] + (["--config", config] if config else []) + overrides
+    returncode = train.main(argv)
+    out = capsys.readouterr()
+    assert_one_error_line(returncode, out.out, out.err, case[3], tmp_path / "run")
+
+
+SUBPROCESS_CASES = ("unknown-key", "cudnn-on-cpu", "tokens-missing-file")  # config, runtime, data
+
+
+def test_mistakes_through_the_real_command_line(inputs, tmp_path):
+    """A fresh `python -m megascale_jax.train`, a few cases run side by side: exit code 2 and one
+    line that is the whole of stderr (no JAX/absl logger chatter around it)."""
+    cases = [c for c in ERROR_CASES if c[0] in SUBPROCESS_CASES]
+    assert len(cases) == len(SUBPROCESS_CASES)
+
+    def one(case):
+        overrides, config = case_args(case, inputs)
+        return run_cli(tmp_path / case[0], overrides, config)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(one, cases))
+    for case, result in zip(cases, results):
+        assert_one_error_line(result.returncode, result.stdout, result.stderr, case[3], tmp_path / case[0])
+        assert result.stderr.strip().splitlines() == message_lines(result.stderr)
 
 
 # ============================================================================ smoke run
