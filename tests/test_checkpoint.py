@@ -278,6 +278,7 @@ def reference(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.xdist_group("checkpoint-reference")
 def test_saves_record_blocking_and_total_time(reference):
     saves = [json.loads(line) for line in (reference / "checkpoints.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saves] == [5, 10, 15, 20]
@@ -286,6 +287,7 @@ def test_saves_record_blocking_and_total_time(reference):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-reference")
 def test_kill_during_background_write_then_resume_is_bitwise_exact(reference, tmp_path):
     run_dir = tmp_path / "killed"
     killed = run_cli(run_dir, [*TINY, *DP8], driver=KILL_DRIVER, env={"KILL_STEP": "15"})
@@ -317,6 +319,7 @@ OTHER_MESHES = {
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-reference")
 def test_dp8_checkpoint_resumes_on_other_meshes(reference, tmp_path):
     def one(name):
         run_dir = tmp_path / name
@@ -338,6 +341,7 @@ def test_dp8_checkpoint_resumes_on_other_meshes(reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-reference")
 def test_failing_saves_keep_training_and_the_last_good_checkpoint(reference, tmp_path):
     """RLIMIT_FSIZE makes every checkpoint data file too large to write (EFBIG, as on a full disk)."""
     run_dir = tmp_path / "full"

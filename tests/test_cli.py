@@ -235,6 +235,7 @@ def long_runs(tmp_path_factory):
         return {name: (f.result(), run_dir) for name, (f, run_dir) in futures.items()}
 
 
+@pytest.mark.xdist_group("cli-long-runs")
 def test_smoke_run_writes_schema_valid_metrics(long_runs):
     result, run_dir = long_runs["smoke"]
     assert result.returncode == 0, result.stderr[-3000:]
@@ -257,6 +258,7 @@ def test_smoke_run_writes_schema_valid_metrics(long_runs):
     assert f"run directory: {run_dir}" in result.stdout
 
 
+@pytest.mark.xdist_group("cli-long-runs")
 def test_smoke_run_saves_the_resolved_config(long_runs):
     _, run_dir = long_runs["smoke"]
     with open(run_dir / "config.yaml") as f:
@@ -264,6 +266,7 @@ def test_smoke_run_saves_the_resolved_config(long_runs):
     assert saved == load_config(None, SMOKE).to_dict()
 
 
+@pytest.mark.xdist_group("cli-long-runs")
 def test_second_run_into_the_same_run_dir_is_refused(long_runs):
     _, run_dir = long_runs["smoke"]
     metrics_before = (run_dir / "metrics.jsonl").read_bytes()
@@ -282,6 +285,7 @@ def test_second_run_into_the_same_run_dir_is_refused(long_runs):
 # ============================================================================ divergence
 
 
+@pytest.mark.xdist_group("cli-long-runs")
 def test_non_finite_loss_stops_the_run_naming_the_step(long_runs):
     result, run_dir = long_runs["diverge"]
     assert result.returncode == 3, (result.returncode, result.stderr[-3000:])
