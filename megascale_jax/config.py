@@ -151,6 +151,9 @@ class ObserveConfig:
     tensorboard: bool = True  # RUN_DIR/tensorboard/: loss, lr, grad norm, MFU, tokens/s, step time
     straggler_threshold: float = 0.05  # a rank this much slower than the median of its peers is flagged
     straggler_window: int = 20  # steps in the sliding window of the straggler statistic
+    # Every N steps one step runs synchronously under jax.profiler; each device's compute, collective
+    # and span seconds go to the timings (device rows) and the report's device heat map. 0 = off.
+    profile_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -380,6 +383,9 @@ def validate(cfg: Config, planning: bool = False) -> None:
             "(stragglers are found in the timings)")
     require(ob.straggler_threshold > 0, f"observe.straggler_threshold={ob.straggler_threshold} must be > 0")
     require(ob.straggler_window >= 3, f"observe.straggler_window={ob.straggler_window} must be >= 3")
+    require(ob.profile_every >= 0, f"observe.profile_every={ob.profile_every} must be >= 0 (0 = off)")
+    require(not (ob.profile_every and not ob.timings),
+            f"observe.profile_every={ob.profile_every} needs observe.timings=true (device times go to the timings)")
     if d.source == "stdlib":
         require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
     elif d.source == "files":

@@ -12,6 +12,10 @@ so the k-th group of them closes tick k. From the busy time of every (stage, tic
 `lockstep_bubble` is the bubble of the table's lockstep execution with the measured costs: each
 tick lasts as long as its busiest stage (`bench/pipeline_bubble.py` compares it with the table).
 
+`StepProfiler` samples the train loop (`observe.profile_every`): one step in N is traced and
+every device's compute, collective and span seconds go to the timings as device rows, so the
+report can show which *device* is slow, not only which process arrives late.
+
 On XLA:CPU simulated devices share the host's cores, so busy times there are stretched by the
 other devices' work; the per-(stage, tick) *pattern* is exact, the absolute times are not.
 """
@@ -23,6 +27,8 @@ import dataclasses
 import glob
 import os
 import re
+import shutil
+import time
 
 import jax
 
@@ -65,14 +71,14 @@ def latest_trace(trace_dir: str) -> str:
 
 
 def read_ops(trace_path: str, module: str | None = None) -> dict[int, list[Op]]:
-    """device -> its HLO ops in start order, for modules whose name contains `module`."""
+    """device -> its HLO ops in start order (of HLO module `module` only, if given)."""
     ops: dict[int, list[Op]] = {}
     for plane in jax.profiler.ProfileData.from_file(trace_path).planes:
         gpu = _GPU_PLANE.search(plane.name)
         for line in plane.lines:
             for event in line.events:
                 stats = dict(event.stats)
-                if "hlo_op" not in stats or (module and module not in str(stats.get("hlo_module", ""))):
+                if "hlo_op" not in stats or (module and str(stats.get("hlo_module")) != module):
                     continue
                 device = int(gpu.group(1)) if gpu else int(stats.get("device_ordinal", -1))
                 ops.setdefault(device, []).append(
@@ -82,12 +88,7 @@ def read_ops(trace_path: str, module: str | None = None) -> dict[int, list[Op]]:
 
 def busy_ns(ops: list[Op]) -> float:
     """Length of the union of the compute ops' intervals."""
-    total, end = 0.0, float("-inf")
-    for op in sorted((o for o in ops if o.is_compute), key=lambda o: o.start_ns):
-        if op.end_ns > end:
-            total += op.end_ns - max(op.start_ns, end)
-            end = op.end_ns
-    return total
+    return _union_ns([o for o in ops if o.is_compute])
 
 
 def per_tick(ops: list[Op], ticks: int, steps: int = 1) -> list[list[Op]]:
@@ -122,3 +123,68 @@ def lockstep_bubble(busy: list[list[float]], working: list[list[bool]]) -> float
     step = sum(max(busy[s][t] for s in range(stages)) for t in range(ticks))
     useful = sum(busy[s][t] for s in range(stages) for t in range(ticks) if working[s][t])
     return 1.0 - useful / (stages * step)
+
+
+# ============================================================================ sampling the train loop
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTimes:
+    """One device's share of a traced step, in seconds. `start` is on the host's wall clock
+    (`time.time()` when tracing started, plus the op's offset in the trace: good to ~1 ms)."""
+
+    device: int  # global device id
+    start: float
+    compute_s: float  # union of compute ops
+    collective_s: float  # union of collectives (transfer and waiting for peers)
+    span_s: float  # first op start to last op end
+
+
+def device_times(ops: dict[int, list[Op]], device_ids: dict[int, int], wall_at_zero: float) -> list[DeviceTimes]:
+    """Per device of `ops` (keyed by local ordinal; `device_ids` maps it to the global id)."""
+    zero = min((o.start_ns for v in ops.values() for o in v), default=0.0)
+    out = []
+    for ordinal, device_ops in ops.items():
+        if ordinal not in device_ids or not device_ops:
+            continue
+        collectives = [o for o in device_ops if o.is_collective]
+        first, last = min(o.start_ns for o in device_ops), max(o.end_ns for o in device_ops)
+        out.append(DeviceTimes(device_ids[ordinal], wall_at_zero + (first - zero) / 1e9, busy_ns(device_ops) / 1e9,
+                               _union_ns(collectives) / 1e9, (last - first) / 1e9))
+    return out
+
+
+def _union_ns(ops: list[Op]) -> float:
+    total, end = 0.0, float("-inf")
+    for op in sorted(ops, key=lambda o: o.start_ns):
+        if op.end_ns > end:
+            total += op.end_ns - max(op.start_ns, end)
+            end = op.end_ns
+    return total
+
+
+class StepProfiler:
+    """Traces every `every`-th train step with `jax.profiler` (0 = never) and returns its devices'
+    times. The loop runs a traced step alone (the previous step finished first, the step itself
+    finished before `stop`), so the trace holds that step's ops and nothing else of training;
+    `module` (the compiled step's HLO module name) filters out anything else, e.g. evaluation."""
+
+    def __init__(self, every: int, module: str, trace_root: str):
+        self.every, self.module, self.trace_root = every, module, trace_root
+        self.trace_dir = None
+        self.wall_at_start = 0.0
+
+    def wants(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    def start(self, step: int) -> None:
+        self.trace_dir = os.path.join(self.trace_root, f"step-{step}")
+        self.wall_at_start = time.time()
+        jax.profiler.start_trace(self.trace_dir)
+
+    def stop(self) -> list[DeviceTimes]:
+        jax.profiler.stop_trace()
+        ops = read_ops(latest_trace(self.trace_dir), self.module)
+        shutil.rmtree(self.trace_dir, ignore_errors=True)  # the numbers go to the timings; traces are large
+        ids = {ordinal: d.id for ordinal, d in enumerate(jax.local_devices())}
+        return device_times(ops, ids, self.wall_at_start)

@@ -26,6 +26,10 @@ class LoopObserver:
     def before_step(self, step: int) -> None:
         """Called right before step `step` is dispatched (fault injection hooks in here)."""
 
+    def device_phase(self, step: int, device: int, name: str, start: float, duration: float) -> None:
+        """Phase `name` (device_compute, device_collective, device_span) of global device `device`
+        in step `step`, from a profiled step (`observe.profile_every`)."""
+
     def record(self, record: dict[str, Any]) -> None:
         """The metrics record of a finished step (the line written to metrics.jsonl)."""
 
@@ -50,6 +54,10 @@ class Observers(LoopObserver):
     def before_step(self, step):
         for o in self.observers:
             o.before_step(step)
+
+    def device_phase(self, step, device, name, start, duration):
+        for o in self.observers:
+            o.device_phase(step, device, name, start, duration)
 
     def record(self, record):
         for o in self.observers:

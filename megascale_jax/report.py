@@ -9,6 +9,8 @@ Writes ``RUN_DIR/report/``:
 * ``parallel_view.txt`` / ``parallel_view.png`` — the (dp, pp, tp) mesh per step window, each
   device marked ok / slow / hung / waiting with its rank and host.
 * ``throughput.png`` — tokens/s and MFU over steps (from metrics.jsonl).
+* ``device_heatmap.png`` / ``.csv`` — devices × profiled steps: compute and collective seconds
+  (runs with ``observe.profile_every``); slow devices are named in the summary.
 * ``summary.txt`` — stragglers, hung ranks, clock offsets; also printed.
 
 Flagged stragglers are appended to ``RUN_DIR/events.jsonl`` (kind "straggler") for the supervisor.
@@ -67,6 +69,43 @@ def write_heatmap(t: Timings, offsets: np.ndarray, out: str) -> None:
     fig.tight_layout()
     fig.savefig(os.path.join(out, "heatmap.png"), dpi=100)
     plt.close(fig)
+
+
+def device_labels(t: Timings, devices: np.ndarray) -> list[str]:
+    coords = {int(d["device"]): f"dp{d['dp']} pp{d['pp']} tp{d['tp']}" for d in t.devices}
+    return [f"device {d} ({coords.get(int(d), '?')})" for d in devices]
+
+
+def write_device_heatmap(t: Timings, out: str) -> bool:
+    """devices × profiled steps: compute and collective seconds (`observe.profile_every`)."""
+    compute, devices, steps = t.device_matrix("device_compute")
+    if not devices.size:
+        return False
+    collective, _, _ = t.device_matrix("device_collective")
+    np.savetxt(os.path.join(out, "device_heatmap.csv"), compute, delimiter=",", fmt="%.6f",
+               header=f"device compute seconds; rows = devices {devices.tolist()}; columns = steps {steps.tolist()}")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 1.5 + 0.35 * len(devices)), sharey=True, squeeze=True)
+    for ax, matrix, label in ((axes[0], compute, "compute, s"), (axes[1], collective, "collectives, s")):
+        image = ax.imshow(matrix, aspect="auto", interpolation="nearest", cmap="viridis")
+        ax.set_xticks(range(len(steps)), [str(x) for x in steps])
+        ax.set_xlabel("profiled step")
+        fig.colorbar(image, ax=ax, label=label)
+    axes[0].set_yticks(range(len(devices)), device_labels(t, devices))
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "device_heatmap.png"), dpi=100)
+    plt.close(fig)
+    return True
+
+
+def slow_devices(t: Timings, threshold: float) -> list[tuple[str, float]]:
+    """Devices whose median compute time over the profiled steps exceeds the median device's by
+    more than `threshold` (a device that computes slowly but dispatches on time)."""
+    compute, devices, _ = t.device_matrix("device_compute")
+    if devices.size < 2:
+        return []
+    per_device = np.nanmedian(compute, axis=1)
+    excess = per_device / np.median(per_device) - 1
+    return [(label, float(x)) for label, x in zip(device_labels(t, devices), excess) if x > threshold]
 
 
 def write_throughput(run_dir: str, out: str) -> bool:
@@ -201,6 +240,12 @@ def summary_text(run_dir, t, offsets, stragglers, states, threshold, window) -> 
                      f"in steps {spans}")
     if not by_rank:
         lines.append("  none")
+    compute, devices, profiled = t.device_matrix("device_compute")
+    if devices.size:
+        slow = slow_devices(t, threshold)
+        lines += ["", f"device compute ({len(devices)} devices, profiled steps {profiled.tolist()}; "
+                      f"median {np.nanmedian(compute):.4f} s per step):"]
+        lines += [f"  SLOW DEVICE {label}: compute {x:+.1%} vs the median device" for label, x in slow] or ["  none slow"]
     hung = [s for s in states if s.status == "hung"]
     waiting = [s for s in states if s.status == "waiting"]
     verdict = ("finished" if all(s.status == "done" for s in states) else
@@ -241,6 +286,7 @@ def write_report(run_dir: str, threshold: float | None = None, window: int | Non
     append_events(run_dir, stragglers)
 
     write_heatmap(t, offsets, out)
+    write_device_heatmap(t, out)
     with open(os.path.join(out, "trace.json"), "w") as f:
         json.dump(chrome_trace(t, offsets), f)
     statuses = view_statuses(windows, t, states, threshold)

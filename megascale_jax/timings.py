@@ -15,8 +15,11 @@ it wrote):
 * The host loop measures phases per process, not per device: such rows carry
   ``device=dp=pp=tp=-1``, meaning "every mesh device of this process". Which devices those
   are is in ``RUN_DIR/timings/devices-<i>.csv``: ``process,host,device,dp,pp,tp`` (global
-  device id and its mesh coordinates). Rows with ``device>=0`` are reserved for per-device
-  phases (profiler events).
+  device id and its mesh coordinates).
+* Rows with ``device>=0`` come from profiled steps (``observe.profile_every``): per device
+  ``device_compute`` (union of its compute ops), ``device_collective`` (union of its
+  collectives: transfer plus waiting for peers) and ``device_span`` (first op to last), with the
+  device's own ``dp,pp,tp``.
 
 Rows are appended in the order they happen; a resumed run appends to the same file and a
 later row of the same (process, step, phase) replaces an earlier one when read.
@@ -55,6 +58,7 @@ class TimingsWriter(LoopObserver):
         self.process = process
         os.makedirs(timings_dir(run_dir), exist_ok=True)
         write_device_table(run_dir, mesh, process)
+        self.coords = {device: tuple(c[axis] for axis in AXES) for device, c in process_device_coords(mesh, process)}
         path = os.path.join(timings_dir(run_dir), f"process-{process}.csv")
         new = not os.path.exists(path) or os.path.getsize(path) == 0
         self.file = open(path, "a", buffering=1)  # line-buffered: every row reaches the OS at once
@@ -63,6 +67,10 @@ class TimingsWriter(LoopObserver):
 
     def phase(self, step, name, start, duration):
         self.file.write(f"{step},{self.process},-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
+
+    def device_phase(self, step, device, name, start, duration):
+        dp, pp, tp = self.coords.get(device, (-1, -1, -1))
+        self.file.write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
 
     def state(self, state, step):
         self.phase(step, STATE_PREFIX + state, time.time(), 0.0)
@@ -123,6 +131,7 @@ class Timings:
 
     step: np.ndarray
     process: np.ndarray
+    device: np.ndarray  # -1 for host rows (every device of the process)
     phase: np.ndarray  # str
     start: np.ndarray
     duration: np.ndarray
@@ -131,6 +140,15 @@ class Timings:
 
     def select(self, phase: str) -> np.ndarray:
         return self.phase == phase
+
+    def device_matrix(self, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Durations of a device phase as a (device, step) matrix (NaN where missing), its device
+        ids and its steps."""
+        mask = self.select(phase) & (self.device >= 0)
+        devices, steps = np.unique(self.device[mask]), np.unique(self.step[mask])
+        out = np.full((len(devices), len(steps)), np.nan)
+        out[np.searchsorted(devices, self.device[mask]), np.searchsorted(steps, self.step[mask])] = self.duration[mask]
+        return out, devices, steps
 
     def matrix(self, phase: str, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`values` of `phase` rows as a (process, step) matrix (NaN where missing) and its steps."""
@@ -152,7 +170,7 @@ def read_timings(run_dir: str) -> Timings:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 try:
-                    key = (int(row["step"]), int(row["process"]), row["phase"])
+                    key = (int(row["step"]), int(row["process"]), int(row["device"]), row["phase"])
                     latest[key] = (float(row["start"]), float(row["duration"]))
                 except (TypeError, ValueError):
                     continue
@@ -164,6 +182,7 @@ def read_timings(run_dir: str) -> Timings:
     values = np.array(list(latest.values()), dtype=float).reshape(-1, 2)
     process = np.array([k[1] for k in keys], dtype=int)
     return Timings(step=np.array([k[0] for k in keys], dtype=int), process=process,
-                   phase=np.array([k[2] for k in keys], dtype=object), start=values[:, 0],
+                   device=np.array([k[2] for k in keys], dtype=int),
+                   phase=np.array([k[3] for k in keys], dtype=object), start=values[:, 0],
                    duration=values[:, 1], devices=devices,
                    processes=sorted(set(process.tolist()) | {int(d["process"]) for d in devices}))

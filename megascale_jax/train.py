@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import checkpoint, data, flops, heartbeat, pipeline, rendezvous, sharding
+from megascale_jax import checkpoint, data, device_profile, flops, heartbeat, pipeline, rendezvous, sharding
 from megascale_jax.observers import observers_for
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
@@ -190,6 +190,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
+    profiler = device_profile.StepProfiler(cfg.observe.profile_every, hlo_module_name(train_step),
+                                           os.path.join(run_dir, "profiles", f"process-{jax.process_index()}"))
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
@@ -264,6 +266,12 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             data_wait = time.perf_counter() - t_data
             watch.phase(step, "data_wait", wall_data, data_wait)
             watch.before_step(step)
+            profiling = profiler.wants(step)
+            if profiling and pending:  # a traced step runs alone: the previous one is finished first
+                last_time = finish(*pending, last_time)
+                pending = None
+            if profiling:
+                profiler.start(step)
             wall_dispatch, t_dispatch = time.time(), time.perf_counter()
             state, metrics = train_step(state, batch)
             watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
@@ -273,10 +281,15 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             saving = ckpt is not None and ckpt.should_save(step)
             if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 last_time = finish(step, metrics, data_wait, last_time, params=state.params)
-            elif saving:
+            elif saving or profiling:
                 last_time = finish(step, metrics, data_wait, last_time)
             else:
                 pending = (step, metrics, data_wait)
+            if profiling:
+                for t in profiler.stop():
+                    for name, seconds in (("compute", t.compute_s), ("collective", t.collective_s),
+                                          ("span", t.span_s)):
+                        watch.device_phase(step, t.device, f"device_{name}", t.start, seconds)
             if saving:
                 watch.state("checkpointing", step)
                 t_save = time.time()
@@ -294,6 +307,11 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             log_saves(ckpt.close())
     watch.state("done", cfg.train.steps)
     return records
+
+
+def hlo_module_name(compiled) -> str:
+    """The HLO module name of a compiled function, as profiler events name it (e.g. "jit_step")."""
+    return compiled.as_text().split(None, 2)[1].rstrip(",")
 
 
 def keep_records_up_to(path: str, step: int) -> None:

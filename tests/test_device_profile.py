@@ -1,8 +1,13 @@
-"""Per-device busy time from profiler traces: the interval arithmetic on hand-made ops, and a real
+"""Per-device busy time from profiler traces: the interval arithmetic on hand-made ops, a real
 trace of a pp=4 pipeline step cut into the schedule table's ticks (no timing is asserted: only
-which stage ran matmuls in which tick, which the table decides)."""
+which stage ran matmuls in which tick, which the table decides), and sampled profiling in the
+train loop (`observe.profile_every`) through to the report's device heat map."""
+
+import csv
+import os
 
 import jax
+import numpy as np
 import pytest
 
 from megascale_jax import data, device_profile, pipeline
@@ -70,3 +75,63 @@ def test_a_traced_pipeline_step_runs_matmuls_exactly_in_the_tables_working_ticks
             working = table.forward[t][stage] is not None or table.backward[t][stage] is not None
             assert any(map(is_matmul, cell)) == working, (stage, t)
             assert device_profile.busy_ns(cell) > 0  # even an idle cell does bookkeeping
+
+
+# ============================================================================ sampled steps in training
+
+
+def test_profiled_steps_write_device_rows_that_the_report_reads(tmp_path):
+    """observe.profile_every=2 over 4 steps on dp=2 x tp=2: every mesh device gets compute,
+    collective and span rows for steps 2 and 4, with its own coordinates; the report draws the
+    device heat map; every step is still recorded once, in order."""
+    from megascale_jax import report, timings
+    from megascale_jax.train import prepare_run_dir, train
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=32", "model.heads=4", "model.kv_heads=2",
+                             "model.seq_len=16", "train.global_batch=4", "train.steps=4", "train.eval_every=0",
+                             "mesh.dp=2", "mesh.pp=1", "mesh.tp=2", "mesh.cpu_devices=4", "checkpoint.every=0",
+                             "observe.profile_every=2", "observe.tensorboard=false"])
+    tokens = data.load_tokens(cfg)
+    run_dir = prepare_run_dir(str(tmp_path / "run"), cfg, None)
+    records = train(cfg, run_dir, data.SequenceBatches.from_config(cfg, tokens, "train"),
+                    data.SequenceBatches.from_config(cfg, tokens, "val"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+
+    t = timings.read_timings(run_dir)
+    table = {int(d["device"]): (int(d["dp"]), int(d["pp"]), int(d["tp"])) for d in t.devices}
+    assert len(table) == 4
+    compute, devices, steps = t.device_matrix("device_compute")
+    collective, _, _ = t.device_matrix("device_collective")
+    span, _, _ = t.device_matrix("device_span")
+    assert devices.tolist() == sorted(table) and steps.tolist() == [2, 4]
+    assert (compute > 0).all() and (collective > 0).all()  # dp=2 and tp=2 both all-reduce
+    assert (compute <= span * (1 + 1e-9)).all() and (collective <= span * (1 + 1e-9)).all()
+    with open(os.path.join(run_dir, "timings", "process-0.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if int(r["device"]) >= 0]
+    assert len(rows) == 2 * 4 * 3
+    assert all(table[int(r["device"])] == (int(r["dp"]), int(r["pp"]), int(r["tp"])) for r in rows)
+
+    summary = report.write_report(run_dir)
+    assert "device compute (4 devices, profiled steps [2, 4]" in summary
+    assert os.path.getsize(os.path.join(run_dir, "report", "device_heatmap.png")) > 0
+    assert not os.listdir(os.path.join(run_dir, "profiles", "process-0"))  # traces are not kept
+
+
+def test_a_device_that_computes_slowly_is_named(tmp_path):
+    """Synthetic device rows on dp=2 x tp=2: device 3 computes 30% longer at every profiled step."""
+    from megascale_jax import report, timings
+    from megascale_jax.config import MeshConfig
+
+    mesh = make_mesh(MeshConfig(dp=2, pp=1, tp=2, cpu_devices=4))
+    writer = timings.TimingsWriter(str(tmp_path), mesh, process=0)
+    rng = np.random.default_rng(3)
+    for step in (10, 20, 30):
+        for device in range(4):
+            compute = 0.5 * (1.3 if device == 3 else 1.0) * rng.uniform(0.99, 1.01)
+            writer.device_phase(step, device, "device_compute", 1.7e9 + step, compute)
+            writer.device_phase(step, device, "device_collective", 1.7e9 + step, 0.1)
+        writer.phase(step, "step", 1.7e9 + step, 1.0)
+    writer.close()
+    slow = report.slow_devices(timings.read_timings(str(tmp_path)), threshold=0.05)
+    assert [label for label, _ in slow] == ["device 3 (dp1 pp0 tp1)"]
+    assert slow[0][1] == pytest.approx(0.3, abs=0.03)
