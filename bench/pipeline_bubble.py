@@ -8,11 +8,14 @@ pipeline's ppermutes (`megascale_jax.device_profile`). Per (stage, tick) the bus
 union of the compute ops (median over steps). From it:
 
 * `bubble_measured`: the lockstep bubble with these busy times (a tick lasts as long as its
-  busiest stage; busy time in a tick the table leaves idle — masked junk, zero-filled gradient
-  accumulation — counts as bubble);
-* `bubble_table`: the table's bubble with its nominal F:B = 1:2, and `bubble_table_fitted` with
-  the measured median F-only and B-only tick costs; `bubble_closed_form` = (p-1)/(m·v+p-1);
-* `idle_tick_us`: what a stage spends in a tick where it has no work.
+  busiest stage), split into `bubble_idle_cells` (ticks the table leaves a stage idle; what it
+  computes there — masked junk, zero-filled gradient accumulation — counts as bubble) and
+  `bubble_imbalance` (waiting, in a tick with work, for a slower stage);
+* `bubble_table`: the table's bubble, = `bubble_closed_form` (p-1)/(m·v+p-1) for these
+  schedules whatever the F:B cost ratio;
+* `idle_tick_us`: what a stage computes in a tick where it has no work; `outside_loop_ms`: a
+  stage's busy time outside the tick loop (the v > 1 weight re-layout, gradient reductions and
+  the optimizer step), not counted in the bubble.
 
 On simulated CPU devices the p stages share the host's cores, so a busy tick's ops are slower
 when other stages are busy too: the pattern is exact, the absolute times are contended. JSON goes
@@ -31,8 +34,9 @@ from compiled_step import compile_train_step  # bench/compiled_step.py
 from provenance import write_result  # bench/provenance.py
 
 
-def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[list[float]], float]:
-    """busy[stage][tick] in µs (median over steps) and the median step wall time in s."""
+def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[list[float]], list[float], float]:
+    """busy[stage][tick] in µs (median over steps), each stage's busy µs outside the tick loop
+    (median over steps) and the median step wall time in s."""
     from megascale_jax import device_profile
 
     compiled.median_time_s(1)  # warm
@@ -45,12 +49,13 @@ def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[li
                 metrics["loss"].block_until_ready()
                 walls.append(time.perf_counter() - start)
         ops = device_profile.read_ops(device_profile.latest_trace(trace_dir))
-    busy = []
+    busy, outside = [], []
     for stage in range(stages):
         cut = device_profile.per_tick(ops[stage], ticks, steps)
         busy.append([statistics.median(device_profile.busy_ns(cut[k * ticks + t]) / 1e3 for k in range(steps))
                      for t in range(ticks)])
-    return busy, statistics.median(walls)
+        outside.append(device_profile.outside_ticks_ns(ops[stage], cut) / 1e3 / steps)
+    return busy, outside, statistics.median(walls)
 
 
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
@@ -64,7 +69,7 @@ def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
         f"parallel.microbatches={m}", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
         f"parallel.pp_stash={stash}"])
     table = schedule_for(compiled.cfg)
-    busy, wall = profile_busy(compiled, table.ticks, args.pp, args.steps)
+    busy, outside, wall = profile_busy(compiled, table.ticks, args.pp, args.steps)
     fwd = lambda s, t: table.forward[t][s] is not None
     bwd = lambda s, t: table.backward[t][s] is not None
     working = [[fwd(s, t) or bwd(s, t) for t in range(table.ticks)] for s in range(args.pp)]
@@ -72,10 +77,12 @@ def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
     f_cost = statistics.median(cells(lambda s, t: fwd(s, t) and not bwd(s, t)) or [float("nan")])
     b_cost = statistics.median(cells(lambda s, t: bwd(s, t) and not fwd(s, t)) or [float("nan")])
     idle = cells(lambda s, t: not working[s][t])
+    bubble = device_profile.lockstep_bubble(busy, working)
     return {"schedule": schedule, "virtual": virtual, "stash": stash, "microbatches": m, "ticks": table.ticks,
-            "bubble_measured": device_profile.lockstep_bubble(busy, working),
-            "bubble_table": table.bubble_fraction(), "bubble_table_fitted": table.bubble_fraction(f_cost, b_cost),
+            "bubble_measured": bubble["total"], "bubble_idle_cells": bubble["idle"],
+            "bubble_imbalance": bubble["imbalance"], "bubble_table": table.bubble_fraction(),
             "bubble_closed_form": bubble_closed_form(args.pp, virtual, m),
+            "outside_loop_ms": statistics.median(outside) / 1e3,
             "forward_tick_us": f_cost, "backward_tick_us": b_cost,
             "idle_tick_us": statistics.median(idle) if idle else 0.0,
             "lockstep_step_s": sum(max(busy[s][t] for s in range(args.pp)) for t in range(table.ticks)) / 1e6,
@@ -91,8 +98,8 @@ def main() -> int:
     jax.config.update("jax_num_cpu_devices", args.pp)  # simulated devices if on CPU; before JAX starts
 
     rows = []
-    print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>4}{'measured':>10}{'fitted':>8}{'table':>7}{'closed':>8}"
-          f"{'F us':>8}{'B us':>8}{'idle us':>9}{'lockstep s':>12}{'wall s':>8}")
+    print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>4}{'measured':>10}{'=idle':>7}{'+wait':>7}{'table':>7}"
+          f"{'F us':>8}{'B us':>8}{'idle us':>9}{'outside ms':>11}{'lockstep s':>12}{'wall s':>8}")
     for schedule, virtual, stash in (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
                                      ("interleaved_1f1b", 2, "inputs")):
         for m in args.microbatches:
@@ -101,9 +108,9 @@ def main() -> int:
             r = measure(schedule, virtual, stash, m, args)
             rows.append(r)
             print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>4}{r['bubble_measured']:>10.1%}"
-                  f"{r['bubble_table_fitted']:>8.1%}{r['bubble_table']:>7.1%}{r['bubble_closed_form']:>8.1%}"
+                  f"{r['bubble_idle_cells']:>7.1%}{r['bubble_imbalance']:>7.1%}{r['bubble_table']:>7.1%}"
                   f"{r['forward_tick_us']:>8.0f}{r['backward_tick_us']:>8.0f}{r['idle_tick_us']:>9.0f}"
-                  f"{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
+                  f"{r['outside_loop_ms']:>11.1f}{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
     write_result(f"pipeline_bubble_{jax.default_backend()}", {"pp": args.pp, "rows": rows})
     return 0
 

@@ -94,8 +94,9 @@ def busy_ns(ops: list[Op]) -> float:
 def per_tick(ops: list[Op], ticks: int, steps: int = 1) -> list[list[Op]]:
     """A device's ops over `steps` runs of a pipeline step, cut into `steps * ticks` ticks at the
     tick loop's permutes: the permute instructions that ran exactly once per tick (others, e.g.
-    re-laying out weights for v > 1, run once per step). Ops after the last tick (the gradient
-    reductions, the optimizer) are dropped; ops before the first are counted in tick 0."""
+    re-laying out weights for v > 1, run once per step). Ops after a step's last tick (gradient
+    reductions, the optimizer) and before its first (up to the weight re-layout's last permute)
+    are in no tick."""
     runs = collections.Counter(o.name for o in ops if o.kind in PERMUTES and not o.name.endswith("-start"))
     in_loop = {name for name, count in runs.items() if count == steps * ticks}
     if not in_loop:
@@ -104,25 +105,47 @@ def per_tick(ops: list[Op], ticks: int, steps: int = 1) -> list[list[Op]]:
     permutes = [o for o in ops if o.name in in_loop]
     per = len(in_loop)
     ends = [permutes[i * per + per - 1].end_ns for i in range(steps * ticks)]
+    # XLA:CPU traces no event spanning the whole tick loop, so a step's loop is taken to start
+    # after the last other permute before its first tick (the v > 1 weight re-layout).
+    others = [o for o in ops if o.kind in PERMUTES and o.name not in in_loop]
+    loop_starts = []
+    for k in range(steps):
+        first, previous = permutes[k * ticks * per], ends[k * ticks - 1] if k else float("-inf")
+        loop_starts.append(max([o.end_ns for o in others if previous <= o.start_ns and o.end_ns <= first.start_ns],
+                               default=previous))
     cut, i = [[] for _ in ends], 0
     for op in ops:
         while i < len(ends) and op.start_ns >= ends[i]:
             i += 1
         if i == len(ends):
             break
-        cut[i].append(op)
+        if i % ticks or op.start_ns >= loop_starts[i // ticks]:
+            cut[i].append(op)
     return cut
 
 
-def lockstep_bubble(busy: list[list[float]], working: list[list[bool]]) -> float:
+def outside_ticks_ns(ops: list[Op], cut: list[list[Op]]) -> float:
+    """Busy time of a device's compute ops that fall in no tick (see `per_tick`)."""
+    inside = {id(o) for tick in cut for o in tick}
+    return busy_ns([o for o in ops if id(o) not in inside])
+
+
+def lockstep_bubble(busy: list[list[float]], working: list[list[bool]]) -> dict[str, float]:
     """busy[stage][tick] (measured) and working[stage][tick] (the table) -> the idle share of a
-    lockstep step in which every tick lasts as long as its busiest stage. Time a stage spends in
-    a tick where the table gives it no work (masked junk, zero-filled gradients) is bubble too:
-    1 - busy in working cells / (stages * sum over ticks of the busiest stage)."""
+    lockstep step in which every tick lasts as long as its busiest stage, split in two:
+
+    * `idle`: ticks where the table gives a stage no work (whatever it computes there — masked
+      junk, zero-filled gradients — is bubble too); the table's own bubble is this share with
+      equal costs per forward and per backward;
+    * `imbalance`: waiting, in a tick where the stage had work, for a slower stage.
+
+    `total` = idle + imbalance = 1 - useful busy time / (stages * step)."""
     stages, ticks = len(busy), len(busy[0])
-    step = sum(max(busy[s][t] for s in range(stages)) for t in range(ticks))
-    useful = sum(busy[s][t] for s in range(stages) for t in range(ticks) if working[s][t])
-    return 1.0 - useful / (stages * step)
+    longest = [max(busy[s][t] for s in range(stages)) for t in range(ticks)]
+    whole = stages * sum(longest)
+    idle = sum(longest[t] for s in range(stages) for t in range(ticks) if not working[s][t]) / whole
+    imbalance = sum(longest[t] - busy[s][t] for s in range(stages) for t in range(ticks) if working[s][t]) / whole
+    return {"total": idle + imbalance, "idle": idle, "imbalance": imbalance}
 
 
 # ============================================================================ sampling the train loop
