@@ -21,6 +21,18 @@ from provenance import write_result  # bench/provenance.py
 
 
 
+VARIANTS = (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
+            ("interleaved_1f1b", 2, "inputs"), ("interleaved_1f1b", 2, "residuals"))
+
+
+def configurations(pp: int, microbatches: list[int], variants=VARIANTS):
+    """(schedule, virtual, stash, m) for every variant and every m the schedule accepts."""
+    for schedule, virtual, stash in variants:
+        for m in microbatches:
+            if m >= pp and not (schedule == "interleaved_1f1b" and m % pp):
+                yield schedule, virtual, stash, m
+
+
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
     from megascale_jax.pipeline import schedule_for
 
@@ -48,16 +60,12 @@ def main() -> int:
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'GFLOP':>8}{'step s':>9}"
           f"{'slots':>7}{'bubble':>8}")
-    for schedule, virtual, stash in (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
-                                     ("interleaved_1f1b", 2, "inputs"), ("interleaved_1f1b", 2, "residuals")):
-        for m in args.microbatches:
-            if m < args.pp or (schedule == "interleaved_1f1b" and m % args.pp):
-                continue
-            r = measure(schedule, virtual, stash, m, args)
-            rows.append(r)
-            print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
-                  f"{r['flops'] / 1e9:>8.2f}{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}",
-                  flush=True)
+    for schedule, virtual, stash, m in configurations(args.pp, args.microbatches):
+        r = measure(schedule, virtual, stash, m, args)
+        rows.append(r)
+        print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
+              f"{r['flops'] / 1e9:>8.2f}{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}",
+              flush=True)
     write_result(f"pipeline_{jax.default_backend()}", {"pp": args.pp, "tp": args.tp, "rows": rows})
     return 0
 

@@ -31,6 +31,7 @@ import time
 import jax
 
 from compiled_step import compile_train_step  # bench/compiled_step.py
+from pipeline import VARIANTS, configurations  # bench/pipeline.py
 from provenance import write_result  # bench/provenance.py
 
 
@@ -100,17 +101,13 @@ def main() -> int:
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>4}{'measured':>10}{'=idle':>7}{'+wait':>7}{'table':>7}"
           f"{'F us':>8}{'B us':>8}{'idle us':>9}{'outside ms':>11}{'lockstep s':>12}{'wall s':>8}")
-    for schedule, virtual, stash in (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
-                                     ("interleaved_1f1b", 2, "inputs")):
-        for m in args.microbatches:
-            if m < args.pp or (schedule == "interleaved_1f1b" and m % args.pp):
-                continue
-            r = measure(schedule, virtual, stash, m, args)
-            rows.append(r)
-            print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>4}{r['bubble_measured']:>10.1%}"
-                  f"{r['bubble_idle_cells']:>7.1%}{r['bubble_imbalance']:>7.1%}{r['bubble_table']:>7.1%}"
-                  f"{r['forward_tick_us']:>8.0f}{r['backward_tick_us']:>8.0f}{r['idle_tick_us']:>9.0f}"
-                  f"{r['outside_loop_ms']:>11.1f}{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
+    for schedule, virtual, stash, m in configurations(args.pp, args.microbatches, VARIANTS[:4]):
+        r = measure(schedule, virtual, stash, m, args)
+        rows.append(r)
+        print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>4}{r['bubble_measured']:>10.1%}"
+              f"{r['bubble_idle_cells']:>7.1%}{r['bubble_imbalance']:>7.1%}{r['bubble_table']:>7.1%}"
+              f"{r['forward_tick_us']:>8.0f}{r['backward_tick_us']:>8.0f}{r['idle_tick_us']:>9.0f}"
+              f"{r['outside_loop_ms']:>11.1f}{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
     write_result(f"pipeline_bubble_{jax.default_backend()}", {"pp": args.pp, "rows": rows})
     return 0
 
