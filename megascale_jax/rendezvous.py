@@ -47,10 +47,16 @@ def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
 
 
 def job_id_from_env() -> str:
-    """The job id a cluster scheduler gives all workers of one job alike."""
-    for name in ("MEGASCALE_JOB", "SLURM_JOB_ID", "JOBSET_NAME"):
-        if os.environ.get(name):
-            return os.environ[name]
+    """The job id a cluster scheduler gives all workers of one job attempt alike. A requeued SLURM
+    job keeps its SLURM_JOB_ID and a restarted JobSet its name, so the restart count is part of
+    the id (as in configs/cluster/): a new attempt never meets the old attempt's registrations."""
+    env = os.environ
+    if env.get("MEGASCALE_JOB"):
+        return env["MEGASCALE_JOB"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT') or 0}"
+    if env.get("JOBSET_NAME"):
+        return f"{env['JOBSET_NAME']}-{env.get('JOBSET_RESTART_ATTEMPT') or 0}"
     return "default"
 
 

@@ -352,8 +352,9 @@ def parse_args(argv):
                         help="rendezvous through Redis (rank, coordinator, barriers) instead of --coordinator, "
                              "and send heartbeats to the supervisor there")
     parser.add_argument("--job", default=None,
-                        help="job id shared by the workers of one launch (default: $MEGASCALE_JOB, "
-                             "$SLURM_JOB_ID, $JOBSET_NAME or 'default')")
+                        help="job id shared by the workers of one launch (default: $MEGASCALE_JOB, else "
+                             "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT, $JOBSET_NAME-$JOBSET_RESTART_ATTEMPT "
+                             "or 'default')")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
     return parser.parse_args(argv)
 

@@ -109,6 +109,18 @@ def test_rendezvous_hands_out_ranks_and_one_coordinator(server):
         rendezvous.join(server.url, "rdv", 3, timeout_s=1)
 
 
+def test_job_id_changes_with_the_schedulers_restart_count(monkeypatch):
+    for name in ("MEGASCALE_JOB", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "JOBSET_NAME", "JOBSET_RESTART_ATTEMPT"):
+        monkeypatch.delenv(name, raising=False)
+    assert rendezvous.job_id_from_env() == "default"
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    first = rendezvous.job_id_from_env()
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")  # the same job, requeued
+    assert first != rendezvous.job_id_from_env() and "4242" in first
+    monkeypatch.setenv("MEGASCALE_JOB", "mine")
+    assert rendezvous.job_id_from_env() == "mine"
+
+
 def test_barrier_times_out_with_the_count(server):
     with pytest.raises(rendezvous.RendezvousError, match="1 of 2 workers arrived"):
         rendezvous.join(server.url, "lonely", 2, timeout_s=0.5)
