@@ -35,7 +35,7 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from megascale_jax.config import ObserveConfig, from_dict  # noqa: E402
 from megascale_jax.hangs import RankState, rank_states  # noqa: E402
 from megascale_jax.stragglers import (append_events, arrival_lateness, clock_offsets,  # noqa: E402
-                                      flag_stragglers, window_lateness)
+                                      flag_stragglers, slow_devices, window_lateness)
 from megascale_jax.timings import STATE_PREFIX, Timings, read_timings  # noqa: E402
 
 STATUSES = ("ok", "slow", "waiting", "hung")
@@ -95,17 +95,6 @@ def write_device_heatmap(t: Timings, out: str) -> bool:
     fig.savefig(os.path.join(out, "device_heatmap.png"), dpi=100)
     plt.close(fig)
     return True
-
-
-def slow_devices(t: Timings, threshold: float) -> list[tuple[str, float]]:
-    """Devices whose median compute time over the profiled steps exceeds the median device's by
-    more than `threshold` (a device that computes slowly but dispatches on time)."""
-    compute, devices, _ = t.device_matrix("device_compute")
-    if devices.size < 2:
-        return []
-    per_device = np.nanmedian(compute, axis=1)
-    excess = per_device / np.median(per_device) - 1
-    return [(label, float(x)) for label, x in zip(device_labels(t, devices), excess) if x > threshold]
 
 
 def write_throughput(run_dir: str, out: str) -> bool:
@@ -245,7 +234,8 @@ def summary_text(run_dir, t, offsets, stragglers, states, threshold, window) -> 
         slow = slow_devices(t, threshold)
         lines += ["", f"device compute ({len(devices)} devices, profiled steps {profiled.tolist()}; "
                       f"median {np.nanmedian(compute):.4f} s per step):"]
-        lines += [f"  SLOW DEVICE {label}: compute {x:+.1%} vs the median device" for label, x in slow] or ["  none slow"]
+        lines += [f"  SLOW DEVICE {label}: compute {x:+.1%} vs the median device"
+                  for label, x in zip(device_labels(t, [d for d, _ in slow]), [x for _, x in slow])] or ["  none slow"]
     hung = [s for s in states if s.status == "hung"]
     waiting = [s for s in states if s.status == "waiting"]
     verdict = ("finished" if all(s.status == "done" for s in states) else

@@ -13,6 +13,8 @@ step (the start of its ``dispatch`` row): a slow host arrives late and the other
   as a fraction of the median step time of the window. A window's statistic is the median over
   its steps — robust to the odd hiccup — and a rank is flagged when it is ≥ `threshold`, i.e.
   it was late by that much at more than half of the window's steps.
+* A device that computes slowly but whose host dispatches on time is invisible to lateness; in
+  profiled steps (`observe.profile_every`) its compute time shows it (`slow_devices`).
 """
 
 from __future__ import annotations
@@ -103,6 +105,17 @@ def append_events(run_dir: str, stragglers: list[dict]) -> None:
     if new:
         with open(path, "a") as f:
             f.writelines(json.dumps({"time": time.time(), "kind": "straggler", **s}) + "\n" for s in new)
+
+
+def slow_devices(t: Timings, threshold: float) -> list[tuple[int, float]]:
+    """(device id, excess) of devices whose median compute time over the profiled steps exceeds
+    the median device's by more than `threshold` (e.g. 0.3 = 30% slower)."""
+    compute, devices, _ = t.device_matrix("device_compute")
+    if devices.size < 2:
+        return []
+    per_device = np.nanmedian(compute, axis=1)
+    excess = per_device / np.median(per_device) - 1
+    return [(int(d), float(x)) for d, x in zip(devices, excess) if x > threshold]
 
 
 def _nanmedian(a: np.ndarray, axis: int | None) -> np.ndarray:
