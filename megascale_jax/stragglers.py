@@ -73,11 +73,23 @@ def window_lateness(t: Timings, offsets: np.ndarray, window: int) -> list[dict]:
     return out
 
 
-def find_stragglers(run_dir: str, threshold: float = 0.05, window: int = 20) -> list[dict]:
+def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int = 20) -> list[dict]:
     """Ranks (processes) whose median arrival lateness over a step window is ≥ `threshold` of
     the step time: one dict per (rank, window), oldest window first. For the supervisor."""
-    t = read_timings(run_dir)
+    t = read_timings(run_dir) if isinstance(run_dir, str) else run_dir
     return flag_stragglers(t, window_lateness(t, clock_offsets(t), window), threshold)
+
+
+def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:
+    """`slow_devices` with each device's rank (process), host and mesh coordinates."""
+    table = {int(d["device"]): d for d in t.devices}
+    out = []
+    for device, excess in slow_devices(t, threshold):
+        row = table.get(device, {})
+        out.append({"device": device, "rank": int(row.get("process", -1)), "host": row.get("host", "?"),
+                    **{axis: int(row.get(axis, -1)) for axis in ("dp", "pp", "tp")},
+                    "excess": round(excess, 4), "threshold": threshold})
+    return out
 
 
 def flag_stragglers(t: Timings, windows: list[dict], threshold: float) -> list[dict]:

@@ -12,9 +12,10 @@ else the last sign of health):
 * config_error — exit code 2: a user mistake, reported and never retried.
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
   the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
-  (rank, step window) as a `straggler` event; with `supervisor.evict_stragglers=true` a flagged
-  rank is also a fault (locally all ranks restart on this machine; on a cluster its node would be
-  excluded and replaced).
+  (rank, step window) as a `straggler` event, and each device that computes slowly in profiled
+  steps (`observe.profile_every`, `stragglers.flag_slow_devices`) as a `slow_device` event;
+  with `supervisor.evict_stragglers=true` the first of them is also a fault (locally all ranks
+  restart on this machine; on a cluster its node would be excluded and replaced).
 Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line.
 """
 
@@ -30,6 +31,7 @@ import redis
 
 from megascale_jax.config import Config
 from megascale_jax.heartbeat import FIELDS, heartbeat_key
+from megascale_jax.timings import read_timings
 from megascale_jax.workers import WorkerGroup, describe_exit
 
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
@@ -230,6 +232,7 @@ class Supervisor:
         self.drill_at: float | None = None  # injection time of the drill fired in this attempt
         self.redis_restarted_at: float | None = None  # until every heartbeat reached the new server
         self.stragglers_seen: set[tuple] = set()  # (rank, first_step, last_step) already logged
+        self.slow_devices_seen: set[int] = set()  # device ids already logged
         self.straggler_check_at = 0.0
 
     def run(self) -> int:
@@ -339,22 +342,29 @@ class Supervisor:
         from megascale_jax import stragglers
 
         try:
-            flagged = stragglers.find_stragglers(self.job.run_dir, observe.straggler_threshold,
-                                                 observe.straggler_window)
+            t = read_timings(self.job.run_dir)
+            flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window)
+            slow = stragglers.flag_slow_devices(t, observe.straggler_threshold)
         except (OSError, ValueError) as e:  # timings not written yet, or a torn row
             print(f"[supervisor] warning: straggler check skipped: {e}", flush=True)
             return None
         complete = [f for f in flagged if f["last_step"] - f["first_step"] + 1 == observe.straggler_window]
         new = [f for f in complete if (f["rank"], f["first_step"], f["last_step"]) not in self.stragglers_seen]
+        faults = []
         for f in new:
             self.stragglers_seen.add((f["rank"], f["first_step"], f["last_step"]))
             self.events.log("straggler", f"rank {f['rank']} on {f['host']} arrived {f['lateness']:.0%} of a step "
                             f"late over steps {f['first_step']}-{f['last_step']}", **f)
-        if new and sv.evict_stragglers:
-            f = new[0]
-            return Fault("straggler", f["rank"], f"{f['lateness']:.0%} of a step late over steps "
-                         f"{f['first_step']}-{f['last_step']} (threshold {f['threshold']:.0%})", now, now)
-        return None
+            faults.append(Fault("straggler", f["rank"], f"{f['lateness']:.0%} of a step late over steps "
+                                f"{f['first_step']}-{f['last_step']} (threshold {f['threshold']:.0%})", now, now))
+        # A device that computes slowly while its host dispatches on time (profiled steps only).
+        for d in (d for d in slow if d["device"] not in self.slow_devices_seen):
+            self.slow_devices_seen.add(d["device"])
+            where = f"device {d['device']} (dp{d['dp']} pp{d['pp']} tp{d['tp']}) of rank {d['rank']} on {d['host']}"
+            self.events.log("slow_device", f"{where} computes {d['excess']:.0%} longer than the median device", **d)
+            faults.append(Fault("straggler", d["rank"], f"{where} computes {d['excess']:.0%} longer than the "
+                                f"median device (threshold {d['threshold']:.0%})", now, now))
+        return faults[0] if faults and sv.evict_stragglers else None
 
     def _keep_redis_alive(self, monitor: HeartbeatMonitor, now: float) -> None:
         """Restart the embedded server if it died; the workers' next heartbeats land in the new one."""

@@ -4,6 +4,7 @@ which stage ran matmuls in which tick, which the table decides), and sampled pro
 train loop (`observe.profile_every`) through to the report's device heat map."""
 
 import csv
+import json
 import os
 
 import jax
@@ -122,22 +123,48 @@ def test_profiled_steps_write_device_rows_that_the_report_reads(tmp_path):
     assert not os.listdir(os.path.join(run_dir, "profiles", "process-0"))  # traces are not kept
 
 
-def test_a_device_that_computes_slowly_is_named(tmp_path):
-    """Synthetic device rows on dp=2 x tp=2: device 3 computes 30% longer at every profiled step."""
-    from megascale_jax import report, stragglers, timings
+def write_slow_device_rows(run_dir: str) -> None:
+    """Synthetic timings on dp=2 x tp=2 (one process): device 3 computes 30% longer at every
+    profiled step; every process arrives on time."""
+    from megascale_jax import timings
     from megascale_jax.config import MeshConfig
 
     mesh = make_mesh(MeshConfig(dp=2, pp=1, tp=2, cpu_devices=4))
-    writer = timings.TimingsWriter(str(tmp_path), mesh, process=0)
+    writer = timings.TimingsWriter(run_dir, mesh, process=0)
     rng = np.random.default_rng(3)
-    for step in (10, 20, 30):
-        for device in range(4):
-            compute = 0.5 * (1.3 if device == 3 else 1.0) * rng.uniform(0.99, 1.01)
-            writer.device_phase(step, device, "device_compute", 1.7e9 + step, compute)
-            writer.device_phase(step, device, "device_collective", 1.7e9 + step, 0.1)
+    for step in range(1, 31):
+        writer.phase(step, "dispatch", 1.7e9 + step, 0.001)
         writer.phase(step, "step", 1.7e9 + step, 1.0)
+        if step % 10 == 0:
+            for device in range(4):
+                compute = 0.5 * (1.3 if device == 3 else 1.0) * rng.uniform(0.99, 1.01)
+                writer.device_phase(step, device, "device_compute", 1.7e9 + step, compute)
+                writer.device_phase(step, device, "device_collective", 1.7e9 + step, 0.1)
     writer.close()
+
+
+def test_a_device_that_computes_slowly_is_named(tmp_path):
+    from megascale_jax import report, stragglers, timings
+
+    write_slow_device_rows(str(tmp_path))
     t = timings.read_timings(str(tmp_path))
     slow = stragglers.slow_devices(t, threshold=0.05)
     assert [device for device, _ in slow] == [3] and slow[0][1] == pytest.approx(0.3, abs=0.03)
     assert report.device_labels(t, [3]) == ["device 3 (dp1 pp0 tp1)"]
+    assert stragglers.find_stragglers(t, 0.05, 10) == []  # on time: invisible to arrival lateness
+
+
+def test_the_supervisor_logs_a_slow_device_once_and_evicts_it_when_configured(tmp_path):
+    from megascale_jax.supervisor import Job, Supervisor
+
+    write_slow_device_rows(str(tmp_path))
+    cfg = load_config(None, ["supervisor.straggler_check_s=1", "supervisor.evict_stragglers=true",
+                             "observe.straggler_window=10"])
+    job = Job(cfg, str(tmp_path), nprocs=1, worker_args=[], job_id="slow", env={}, diagnose_args=None)
+    supervisor = Supervisor(job, "redis://127.0.0.1:1")  # the check reads timings only, never Redis
+    fault = supervisor._check_stragglers(now=100.0)
+    assert (fault.cause, fault.rank) == ("straggler", 0) and "device 3 (dp1 pp0 tp1)" in fault.detail
+    assert supervisor._check_stragglers(now=200.0) is None  # logged and acted on once
+    with open(tmp_path / "events.jsonl") as f:
+        events = [json.loads(line) for line in f]
+    assert [(e["kind"], e["device"], e["tp"]) for e in events] == [("slow_device", 3, 1)]
