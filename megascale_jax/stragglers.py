@@ -8,7 +8,8 @@ step (the start of its ``dispatch`` row): a slow host arrives late and the other
   blocked on it sees its ``step`` row end right then; so, per process, the median over steps of
   (its step end − the median step end of all processes) is its clock offset. A rank that is so
   slow that it never waits sees its steps end when it gets round to fetching them; its offset
-  then absorbs part of its lateness (it is still flagged, with a smaller lateness).
+  then absorbs part of its lateness (it is still flagged, with a smaller lateness). Processes on
+  one host share one clock, so they get their host's median offset — on a single host, none.
 * Lateness of rank p at step k: its corrected arrival minus the median arrival of its peers,
   as a fraction of the median step time of the window. A window's statistic is the median over
   its steps — robust to the odd hiccup — and a rank is flagged when it is ≥ `threshold`, i.e.
@@ -37,6 +38,12 @@ def clock_offsets(t: Timings) -> np.ndarray:
         return np.zeros(len(t.processes))
     reference = _nanmedian(ends, axis=0)
     offsets = np.nan_to_num(_nanmedian(ends - reference, axis=1))
+    # Processes on one host read one clock: they share their host's (median) offset. Left per
+    # process, the estimate would absorb part of a slow process's lateness.
+    hosts = t.hosts()
+    for host in set(hosts.values()):
+        same = [i for i, p in enumerate(t.processes) if hosts.get(p) == host]
+        offsets[same] = np.median(offsets[same])
     return offsets - offsets[0]
 
 

@@ -201,7 +201,9 @@ def test_two_processes_straggler_then_hang(tmp_path):
             assert time.time() < deadline and all(p.poll() is None for p in procs), \
                 [open(tmp_path / f"out{i}.txt").read()[-3000:] for i in range(2)]
             time.sleep(0.5)
-        time.sleep(3)  # rank 1 dispatches step 45 and blocks on rank 0
+        while not _dispatched(run_dir, 1, STOP_AT):  # rank 1 dispatches step 45 and blocks on rank 0
+            assert time.time() < deadline, "rank 1 never dispatched the step rank 0 stopped at"
+            time.sleep(0.5)
     finally:
         for p in procs:
             p.send_signal(signal.SIGKILL)
@@ -219,6 +221,11 @@ def test_two_processes_straggler_then_hang(tmp_path):
     assert "r0:hung" in view and "r1:waiting" in view and "r1:slow" in view
     events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
     assert {(e["kind"], e["rank"]) for e in events} == {("straggler", 1)}
+
+
+def _dispatched(run_dir, process: int, step: int) -> bool:
+    with open(os.path.join(timings.timings_dir(run_dir), f"process-{process}.csv")) as f:
+        return any(row.get("phase") == "dispatch" and row.get("step") == str(step) for row in csv.DictReader(f))
 
 
 def _stopped(pid: int) -> bool:
