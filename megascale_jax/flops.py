@@ -130,8 +130,7 @@ def memory_estimate(cfg: Config) -> dict:
     if mesh.pp == 1:
         values = m.layers * per_layer
     else:
-        # The table's slots plus the executor's scratch slot, where idle ticks write.
-        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots + 1
+        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
         chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
         chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
         values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)

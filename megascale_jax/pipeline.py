@@ -17,7 +17,7 @@ manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls
   (3) sends the activation to stage s+1 and the cotangent to stage s−1 (ring).
 * Stash, `parallel.pp_stash`:
   - `inputs` (default): a slot holds the chunk's input only; the backward recomputes the chunk's
-    forward inside its `jax.vjp`. Residual memory is `(slots + 1) × one microbatch activation` (flat
+    forward inside its `jax.vjp`. Residual memory is `slots × one microbatch activation` (flat
     in m for 1F1B), at the price of one extra chunk forward per backward (reported MFU counts
     model FLOPs only, so it shows this cost).
   - `residuals`: the forward is the chunk's `jax.vjp`; a slot holds the vjp residuals that depend
@@ -60,16 +60,12 @@ def schedule_for(cfg: Config) -> Schedule:
 
 
 def _table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
-    """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs. An empty entry
-    points at the scratch slot (index `schedule.slots`), so the stash is written and read
-    unconditionally every tick: an idle stage writes its junk there, and no live slot is read
-    back just to be kept."""
+    """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs."""
     out = {}
     for direction, table in (("f", schedule.forward), ("b", schedule.backward)):
         for field in FIELDS:
-            empty = schedule.slots if field == "slot" else 0
             out[f"{direction}_{field}"] = np.array(
-                [[empty if w is None else (1 if field == "valid" else getattr(w, field)) for w in row] for row in table],
+                [[0 if w is None else (1 if field == "valid" else getattr(w, field)) for w in row] for row in table],
                 dtype=np.int32)
     return out
 
@@ -196,7 +192,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
 
             # --- forward: stash the chunk input, run the chunk (the last chunk runs in its backward)
             x_in = forward_input(f, f_valid, act_in)
-            stash = jax.lax.dynamic_update_index_in_dim(stash, x_in, f["slot"], 0)
+            kept = jax.lax.dynamic_index_in_dim(stash, f["slot"], keepdims=False)
+            stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_valid, x_in, kept), f["slot"], 0)
             run_forward = f_valid & ~((stage == last_stage) & (f["chunk"] == last_chunk))
             forward = lambda x: fn(chunk_params_of(stage_layers, f["chunk"]), x)
             act_out = when(run_forward, forward, lambda x: x, x_in)
@@ -242,7 +239,9 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
                 return x, [jnp.zeros(a.shape, a.dtype) for a in stashed_avals]
 
             act_out, res = when(f_valid, forward, skip, x_in)
-            put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(buf, new, f["slot"], 0)
+            put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(
+                buf, jnp.where(f_valid, new, jax.lax.dynamic_index_in_dim(buf, f["slot"], keepdims=False)),
+                f["slot"], 0)
             stash = [put(buf, r) for buf, r in zip(stash, res)]
             outputs = put(outputs, act_out)
 
@@ -271,7 +270,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
             act_next, cot_next = communicate(act_out, dx)
             return (act_next, cot_next, (stash, outputs), grads, loss + loss_add), None
 
-        slots = lambda shape, dtype: jnp.zeros((schedule.slots + 1, *shape), dtype)  # + the scratch slot
+        slots = lambda shape, dtype: jnp.zeros((schedule.slots, *shape), dtype)
         zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
         grads = (zeros(stage_layers), zeros(embed), zeros((final_norm, head)))
         with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
