@@ -29,7 +29,6 @@ from megascale_jax.mesh import process_device_coords
 from megascale_jax.observers import LoopObserver
 from megascale_jax.rendezvous import connect, key
 
-REDIS_ENV, JOB_ENV = "MEGASCALE_REDIS", "MEGASCALE_JOB"
 LOG_TAIL_BYTES = 2048
 FIELDS = ("rank", "pid", "host", "seq", "time", "state", "step")  # what the driver relies on
 
@@ -130,9 +129,9 @@ def mesh_coords(mesh) -> list[dict]:
     return [{"device": device, **coords} for device, coords in process_device_coords(mesh, jax.process_index())]
 
 
-def observers(cfg, mesh) -> list[LoopObserver]:
-    """The heartbeat of this process, when it joined a supervised job through Redis."""
-    url, job = os.environ.get(REDIS_ENV), os.environ.get(JOB_ENV)
+def observers(cfg, mesh, url: str | None, job: str | None) -> list[LoopObserver]:
+    """The heartbeat of this process, when it joined job `job` of a supervised launch through the
+    Redis server at `url` (`train --redis URL --job JOB`)."""
     if not (url and job):
         return []
     sv = cfg.supervisor

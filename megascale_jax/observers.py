@@ -68,12 +68,13 @@ class Observers(LoopObserver):
             o.close()
 
 
-def observers_for(cfg, run_dir: str, mesh) -> Observers:
-    """The observers this process runs for `cfg`. Each capability adds its own line here."""
+def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | None = None) -> Observers:
+    """The observers this process runs for `cfg` (and, under a supervisor, for the Redis server
+    `redis` and job id `job` it joined). Each capability adds its own line here."""
     from megascale_jax import faults, timings  # they import this module
 
     found: list[LoopObserver] = []
     found += timings.observers(cfg, run_dir, mesh) + faults.from_env()
     from megascale_jax import heartbeat  # imports this module
-    found += heartbeat.observers(cfg, mesh)
+    found += heartbeat.observers(cfg, mesh, redis, job)
     return Observers(found)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import checkpoint, data, device_profile, flops, heartbeat, pipeline, rendezvous, sharding
+from megascale_jax import checkpoint, data, device_profile, flops, pipeline, rendezvous, sharding
 from megascale_jax.observers import observers_for
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
@@ -148,10 +148,11 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
 
 
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
-          val_batches: data.SequenceBatches) -> list[dict]:
-    """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl."""
+          val_batches: data.SequenceBatches, redis: str | None = None, job: str | None = None) -> list[dict]:
+    """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl.
+    Under a supervisor, `redis` and `job` say where this process sends its heartbeats."""
     mesh = make_mesh(cfg.mesh)
-    watch = observers_for(cfg, run_dir, mesh)
+    watch = observers_for(cfg, run_dir, mesh, redis, job)
     try:
         return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
     except TrainingDiverged:
@@ -391,12 +392,11 @@ def main(argv=None) -> int:
             use_cpu_devices(cfg.mesh.cpu_devices)
         except RuntimeError:
             pass  # backend already started (called in-process); check_runtime reports a mismatch
-        coordinator, process_id = args.coordinator, args.process_id or 0
+        coordinator, process_id, job = args.coordinator, args.process_id or 0, None
         if args.redis:
             job = args.job or rendezvous.job_id_from_env()
             member = rendezvous.join(args.redis, job, args.num_processes, args.process_id)
             coordinator, process_id = member.coordinator, member.rank
-            os.environ.update({heartbeat.REDIS_ENV: args.redis, heartbeat.JOB_ENV: job})
         if coordinator:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
             jax.distributed.initialize(coordinator, args.num_processes, process_id)
@@ -412,7 +412,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        train(cfg, run_dir, train_batches, val_batches)
+        train(cfg, run_dir, train_batches, val_batches, args.redis, job)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
         print(f"error: {e}", file=sys.stderr)
         return 2
