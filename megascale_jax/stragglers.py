@@ -82,9 +82,11 @@ def window_lateness(t: Timings, offsets: np.ndarray, window: int) -> list[dict]:
 
 def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int = 20) -> list[dict]:
     """Ranks (processes) whose median arrival lateness over a step window is ≥ `threshold` of
-    the step time: one dict per (rank, window), oldest window first. For the supervisor."""
+    the step time: one dict per (rank, window), oldest window first. For the supervisor, which
+    acts on them: the run's first window is warm-up (first executions, process 0's writers
+    starting) and is not judged."""
     t = read_timings(run_dir) if isinstance(run_dir, str) else run_dir
-    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window), threshold)
+    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window)[1:], threshold)
 
 
 def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:

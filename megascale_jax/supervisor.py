@@ -197,9 +197,12 @@ class HeartbeatMonitor:
                                      f"{now - since:.1f}s", since, now))
         if not stalled:
             return None
-        # Peers stuck at the same step stall within a poll of each other; blame among all of them.
+        # Peers in one stuck collective stop within a poll of each other, at finished steps at most
+        # one apart (metrics are fetched one step late); blame among all of them, whether or not
+        # their own stall clock has run out (a rank never seen advancing waits the startup time).
         fault, step = stalled[0], self.step_since[stalled[0].rank][0]
-        stuck = [r for r in running if r in self.step_since and self.step_since[r][0] == step]
+        stuck = [r for r in running if r in self.step_since and abs(self.step_since[r][0] - step) <= 1
+                 and self.records[r]["state"] == "training"]
         fault.rank = min(stuck, key=lambda r: (self.records[r].get("arrived_step", -1), r))
         return fault
 

@@ -6,7 +6,9 @@ it wrote):
 ``RUN_DIR/timings/process-<i>.csv``: ``step,process,device,dp,pp,tp,phase,start,duration``
 
 * ``phase``: ``data_wait`` (waiting for the batch), ``dispatch`` (enqueuing the compiled step;
-  its ``start`` is the moment the process *arrived* at the step), ``step`` (finish-to-finish time
+  its ``start`` is the moment the process *arrived* at the step; a zero-duration row is written
+  as the dispatch starts and the full row when it returns, so a dispatch blocked behind a hung
+  peer still shows the arrival), ``step`` (finish-to-finish time
   of the compiled forward+backward+optimizer step), ``checkpoint`` (blocking part of a save),
   ``eval``, and ``state:<name>`` (zero-duration marks where the loop entered a state:
   initialising, compiling, training, checkpointing, evaluating, done, failed).

@@ -274,6 +274,9 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             if profiling:
                 profiler.start(step)
             wall_dispatch, t_dispatch = time.time(), time.perf_counter()
+            # Arrival is marked before the call: a dispatch can block (XLA:CPU runs multi-process
+            # steps in the caller), and one stuck behind a hung peer must still count as arrived.
+            watch.phase(step, "dispatch", wall_dispatch, 0.0)
             state, metrics = train_step(state, batch)
             watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
             if pending:

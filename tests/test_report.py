@@ -67,8 +67,9 @@ def test_clock_offsets_are_estimated_from_step_ends(tmp_path):
 def test_the_late_rank_and_no_other_is_flagged(tmp_path):
     write_synthetic_run(tmp_path, OFFSETS, lambda p, k: 0.2 * (p == 2))
     flagged = stragglers.find_stragglers(str(tmp_path), threshold=0.05, window=10)
+    # The first window is warm-up and not judged (find_stragglers is what the supervisor acts on).
     assert [(s["rank"], s["first_step"], s["last_step"]) for s in flagged] == \
-        [(2, 1, 10), (2, 11, 20), (2, 21, 30), (2, 31, 40)]
+        [(2, 11, 20), (2, 21, 30), (2, 31, 40)]
     np.testing.assert_allclose([s["lateness"] for s in flagged], 0.2, atol=0.02)
     assert stragglers.find_stragglers(str(tmp_path), threshold=0.3, window=10) == []
 
@@ -90,11 +91,11 @@ def test_events_are_appended_once_and_a_torn_row_is_skipped(tmp_path):
         f.write("41,1,-1,-1,-1,-1,dispa")  # killed mid-write
     with open(tmp_path / "events.jsonl", "w") as f:
         f.write(json.dumps({"time": 1.0, "kind": "restart", "rank": 0}) + "\n")
-    flagged = stragglers.find_stragglers(str(tmp_path), threshold=0.05, window=20)
+    flagged = stragglers.find_stragglers(str(tmp_path), threshold=0.05, window=10)
     stragglers.append_events(str(tmp_path), flagged)
     stragglers.append_events(str(tmp_path), flagged)
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
-    assert [(e["kind"], e["rank"]) for e in events] == [("restart", 0), ("straggler", 1), ("straggler", 1)]
+    assert [(e["kind"], e["rank"]) for e in events] == [("restart", 0)] + [("straggler", 1)] * 3
     assert all({"time", "kind", "rank", "host", "first_step", "last_step"} <= set(e) for e in events[1:])
 
 
@@ -213,7 +214,7 @@ def test_two_processes_straggler_then_hang(tmp_path):
     summary, view = check_report_files(run_dir, [0, 1], STOP_AT)
     flagged = stragglers.find_stragglers(str(run_dir), threshold=0.05, window=10)
     assert {s["rank"] for s in flagged} == {1}, summary
-    assert len(flagged) >= 4, summary  # of the 5 windows
+    assert len(flagged) >= 3, summary  # of the 4 judged windows (the first is warm-up)
     assert "rank 0 on" in summary and "never arrived" in summary, summary
     states = hangs.rank_states(timings.read_timings(run_dir), time.time(), hang_after=0)
     assert [s.status for s in states] == ["hung", "waiting"], summary
