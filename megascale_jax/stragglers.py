@@ -82,11 +82,9 @@ def window_lateness(t: Timings, offsets: np.ndarray, window: int) -> list[dict]:
 
 def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int = 20) -> list[dict]:
     """Ranks (processes) whose median arrival lateness over a step window is ≥ `threshold` of
-    the step time: one dict per (rank, window), oldest window first. For the supervisor, which
-    acts on them: the run's first window is warm-up (first executions, process 0's writers
-    starting) and is not judged."""
+    the step time: one dict per (rank, window), oldest window first. For the supervisor."""
     t = read_timings(run_dir) if isinstance(run_dir, str) else run_dir
-    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window)[1:], threshold)
+    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window), threshold)
 
 
 def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:
@@ -102,10 +100,12 @@ def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:
 
 
 def flag_stragglers(t: Timings, windows: list[dict], threshold: float) -> list[dict]:
+    """The (rank, window) pairs at or above `threshold`. The run's first window is warm-up (first
+    executions, process 0 starting its writers) and is not judged, by the report or the supervisor."""
     hosts = t.hosts()
     return [{"rank": rank, "host": hosts.get(rank, "?"), "first_step": w["first_step"],
              "last_step": w["last_step"], "lateness": round(float(late), 4), "threshold": threshold}
-            for w in windows for rank, late in zip(t.processes, w["lateness"]) if late >= threshold]
+            for w in windows[1:] for rank, late in zip(t.processes, w["lateness"]) if late >= threshold]
 
 
 def append_events(run_dir: str, stragglers: list[dict]) -> None:
