@@ -153,8 +153,9 @@ def lockstep_bubble(busy: list[list[float]], working: list[list[bool]]) -> dict[
 
 @dataclasses.dataclass(frozen=True)
 class DeviceTimes:
-    """One device's share of a traced step, in seconds. `start` is on the host's wall clock
-    (`time.time()` when tracing started, plus the op's offset in the trace: good to ~1 ms)."""
+    """One device's share of a traced step, in seconds. `start` is on the host's wall clock, taken
+    as `time.time()` when tracing started plus the first op's offset in the trace (approximate:
+    the trace's own start is not exactly that moment)."""
 
     device: int  # global device id
     start: float
@@ -187,13 +188,15 @@ def _union_ns(ops: list[Op]) -> float:
 
 
 class StepProfiler:
-    """Traces every `every`-th train step with `jax.profiler` (0 = never) and returns its devices'
-    times. The loop runs a traced step alone (the previous step finished first, the step itself
-    finished before `stop`), so the trace holds that step's ops and nothing else of training;
-    `module` (the compiled step's HLO module name) filters out anything else, e.g. evaluation."""
+    """Traces every `every`-th train step with `jax.profiler` (0 = never) and reports its devices'
+    times to the loop's observers. The loop runs a traced step alone (the previous step finished
+    first, the step itself finished before `stop`), so the trace holds that step's ops and
+    nothing else of training; the compiled step's HLO module name filters out anything else,
+    e.g. evaluation."""
 
-    def __init__(self, every: int, module: str, trace_root: str):
-        self.every, self.module, self.trace_root = every, module, trace_root
+    def __init__(self, every: int, compiled_step, trace_root: str):
+        self.every, self.compiled_step, self.trace_root = every, compiled_step, trace_root
+        self.module = None  # read from the compiled step's HLO text at the first traced step only
         self.trace_dir = None
         self.wall_at_start = 0.0
 
@@ -201,13 +204,24 @@ class StepProfiler:
         return self.every > 0 and step % self.every == 0
 
     def start(self, step: int) -> None:
+        if self.module is None:
+            self.module = hlo_module_name(self.compiled_step)
         self.trace_dir = os.path.join(self.trace_root, f"step-{step}")
         self.wall_at_start = time.time()
         jax.profiler.start_trace(self.trace_dir)
 
-    def stop(self) -> list[DeviceTimes]:
+    def stop(self, step: int, watch) -> None:
+        """Stop tracing and hand each device's compute, collective and span seconds to
+        `watch.device_phase` as `device_<name>` phases of `step`."""
         jax.profiler.stop_trace()
         ops = read_ops(latest_trace(self.trace_dir), self.module)
         shutil.rmtree(self.trace_dir, ignore_errors=True)  # the numbers go to the timings; traces are large
         ids = {ordinal: d.id for ordinal, d in enumerate(jax.local_devices())}
-        return device_times(ops, ids, self.wall_at_start)
+        for t in device_times(ops, ids, self.wall_at_start):
+            for name, seconds in (("compute", t.compute_s), ("collective", t.collective_s), ("span", t.span_s)):
+                watch.device_phase(step, t.device, f"device_{name}", t.start, seconds)
+
+
+def hlo_module_name(compiled) -> str:
+    """The HLO module name of a compiled function, as profiler events name it (e.g. "jit_step")."""
+    return compiled.as_text().split(None, 2)[1].rstrip(",")

@@ -191,7 +191,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
-    profiler = device_profile.StepProfiler(cfg.observe.profile_every, hlo_module_name(train_step),
+    profiler = device_profile.StepProfiler(cfg.observe.profile_every, train_step,
                                            os.path.join(run_dir, "profiles", f"process-{jax.process_index()}"))
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
@@ -290,10 +290,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             else:
                 pending = (step, metrics, data_wait)
             if profiling:
-                for t in profiler.stop():
-                    for name, seconds in (("compute", t.compute_s), ("collective", t.collective_s),
-                                          ("span", t.span_s)):
-                        watch.device_phase(step, t.device, f"device_{name}", t.start, seconds)
+                profiler.stop(step, watch)
             if saving:
                 watch.state("checkpointing", step)
                 t_save = time.time()
@@ -311,11 +308,6 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             log_saves(ckpt.close())
     watch.state("done", cfg.train.steps)
     return records
-
-
-def hlo_module_name(compiled) -> str:
-    """The HLO module name of a compiled function, as profiler events name it (e.g. "jit_step")."""
-    return compiled.as_text().split(None, 2)[1].rstrip(",")
 
 
 def keep_records_up_to(path: str, step: int) -> None:
