@@ -34,7 +34,16 @@ class MeshConfig:
     dp: int = 1
     pp: int = 1
     tp: int = 1
-    cpu_devices: int = 8  # simulated XLA host devices when running on the CPU
+    # Simulated XLA devices per process when running on the CPU. None (the default) follows the
+    # mesh: dp*pp*tp divided by the number of processes. Give a number only to pin it.
+    cpu_devices: Optional[int] = None
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def cpu_devices_per_process(self, process_count: int = 1) -> int:
+        return self.cpu_devices if self.cpu_devices is not None else max(1, self.size // process_count)
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,9 @@ class TrainConfig:
     log_every: int = 10
     eval_every: int = 50  # validation loss every N steps (0 = only at the end)
     eval_batches: int = 2
+    # Before compiling, compare flops.memory_estimate with the device's memory (GPU: its bytes
+    # limit; CPU: the RAM available to the simulated devices) and refuse a config that cannot fit.
+    memory_check: bool = True
 
 
 @dataclass(frozen=True)
@@ -305,8 +317,10 @@ def validate(cfg: Config, planning: bool = False) -> None:
         if not ok:
             raise ConfigError(msg)
 
-    for key in ("dp", "pp", "tp", "cpu_devices"):
+    for key in ("dp", "pp", "tp"):
         require(getattr(m, key) >= 1, f"mesh.{key}={getattr(m, key)} must be >= 1")
+    require(m.cpu_devices is None or m.cpu_devices >= 1,
+            f"mesh.cpu_devices={m.cpu_devices} must be >= 1 (or null to follow the mesh)")
     for key in ("layers", "d_model", "heads", "kv_heads", "seq_len", "vocab"):
         require(getattr(mo, key) > 0, f"model.{key}={getattr(mo, key)} must be > 0")
     require(mo.mlp_ratio > 0, f"model.mlp_ratio={mo.mlp_ratio} must be > 0")
@@ -404,21 +418,23 @@ def validate(cfg: Config, planning: bool = False) -> None:
 def check_runtime(cfg: Config, platform: str, device_count: int, process_count: int = 1) -> None:
     """Checks that need the backend: device count and platform-specific features.
 
-    On the CPU each process simulates `mesh.cpu_devices` devices, so the mesh must have
-    cpu_devices x (number of processes) of them."""
+    On the CPU each process simulates `mesh.cpu_devices_per_process` devices, so the mesh must
+    have that many x (number of processes) of them."""
     m = cfg.mesh
-    product = m.dp * m.pp * m.tp
+    product = m.size
     if platform == "cpu":
-        wanted = m.cpu_devices * process_count
-        if product != wanted:
-            per = f" x {process_count} processes" if process_count > 1 else ""
+        per_process = m.cpu_devices_per_process(process_count)
+        if per_process * process_count != product:
+            given = (f"mesh.cpu_devices={m.cpu_devices}" if m.cpu_devices is not None
+                     else f"{process_count} processes")
+            fix = ("leave mesh.cpu_devices unset (it follows the mesh)" if m.cpu_devices is not None
+                   else f"choose a mesh divisible by {process_count}")
+            per = f" per process x {process_count} processes" if process_count > 1 and m.cpu_devices else ""
+            raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} devices do not match {given}{per}; {fix}")
+        if product > device_count:
             raise ConfigError(
-                f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but mesh.cpu_devices={m.cpu_devices}{per}="
-                f"{wanted}; make them equal (e.g. mesh.cpu_devices={product // process_count})")
-        if wanted > device_count:
-            raise ConfigError(
-                f"mesh.cpu_devices={m.cpu_devices} but this process has only {device_count // process_count} "
-                "CPU devices; set mesh.cpu_devices before JAX starts (fresh process)")
+                f"the mesh needs {per_process} CPU devices per process but this process has only "
+                f"{device_count // process_count}; set mesh.cpu_devices before JAX starts (fresh process)")
     elif product != device_count:
         raise ConfigError(
             f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but {device_count} {platform} devices are "

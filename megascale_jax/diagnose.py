@@ -127,7 +127,7 @@ def worker_main(args) -> int:
     from megascale_jax.mesh import make_mesh, use_cpu_devices
 
     cfg = load_config(args.config, args.overrides)
-    use_cpu_devices(cfg.mesh.cpu_devices)
+    use_cpu_devices(cfg.mesh.cpu_devices_per_process(args.num_processes))
     member = rendezvous.join(args.redis, args.job, args.num_processes, args.process_id)
     if args.num_processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 mesh.tp=2")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if args.worker:
         return worker_main(args)
     import tempfile

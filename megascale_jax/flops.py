@@ -142,6 +142,32 @@ def memory_estimate(cfg: Config) -> dict:
     return parts
 
 
+def check_fits(cfg: Config, limit_bytes: Optional[float], devices_sharing: int = 1, where: str = "device") -> None:
+    """Refuse (ConfigError) a config whose `memory_estimate` cannot fit: before compiling, not as a
+    RESOURCE_EXHAUSTED after it. `devices_sharing` devices draw on the same `limit_bytes` (the
+    simulated CPU devices of one process share its RAM). The estimate is rough and assumes no
+    rematerialisation, so it errs high: `train.memory_check=false` lets a user try anyway."""
+    if limit_bytes is None or not cfg.train.memory_check:
+        return
+    parts = memory_estimate(cfg)
+    needed = parts["total"] * devices_sharing
+    if needed <= limit_bytes:
+        return
+    biggest = max((k for k in parts if k != "total"), key=parts.get)
+    shared = f" ({devices_sharing} devices x {format_bytes(parts['total'])})" if devices_sharing > 1 else ""
+    raise ConfigError(
+        f"estimated memory {format_bytes(needed)}{shared}, mostly {biggest} {format_bytes(parts[biggest])}, exceeds "
+        f"the {format_bytes(limit_bytes)} of {where}; shrink model.seq_len or train.global_batch, raise "
+        "mesh.tp/mesh.pp or parallel.microbatches, or set train.memory_check=false to try anyway")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -150,7 +176,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
     parser.add_argument("--target-mfu", type=float, default=0.5, help="MFU assumed for the step-time line")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides, planning=True)
     except ConfigError as e:

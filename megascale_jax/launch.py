@@ -42,7 +42,7 @@ def parse_args(argv):
     parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
                         help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv=None) -> int:

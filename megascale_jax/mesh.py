@@ -26,7 +26,7 @@ def mesh_devices(cfg: MeshConfig) -> list:
     """The devices the mesh uses, host-major and in id order within a host."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if jax.default_backend() == "cpu" and jax.process_count() == 1:
-        devices = devices[: cfg.cpu_devices]  # a test process may simulate more than it uses
+        devices = devices[: cfg.size]  # a test process may simulate more than it uses
     return devices
 
 

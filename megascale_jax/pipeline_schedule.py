@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--virtual", type=int, default=1)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         print(timeline(build(args.schedule, args.pp, args.virtual, args.microbatches)))
     except ValueError as e:

@@ -19,8 +19,10 @@ from megascale_jax.rendezvous import free_port
 
 class EmbeddedRedis:
     def __init__(self, directory: str, start_timeout_s: float = 10.0):
-        self.directory, self.start_timeout_s = directory, start_timeout_s
-        os.makedirs(directory, exist_ok=True)
+        # redis-server resolves --logfile against its own --dir and refuses a relative one it
+        # cannot open: it only ever sees absolute paths.
+        self.directory, self.start_timeout_s = os.path.abspath(directory), start_timeout_s
+        os.makedirs(self.directory, exist_ok=True)
         self.port = free_port("127.0.0.1")  # kept across restarts: workers know the URL
         self.process: subprocess.Popen | None = None
         self.start()

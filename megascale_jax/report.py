@@ -298,7 +298,7 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, help="steps per window (default: observe.straggler_window)")
     parser.add_argument("--hang-after", type=float, help="seconds without any row before a run counts as stalled "
                                                          "(default: max(60, 20 median steps))")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if not os.path.isdir(args.run_dir):
         print(f"error: run directory {args.run_dir} does not exist", file=sys.stderr)
         return 2

@@ -16,11 +16,13 @@ from megascale_jax.config import Config, ConfigError
 
 
 def per_process_overrides(cfg: Config, overrides: list[str], nprocs: int) -> list[str]:
-    """A launched job's `mesh.cpu_devices` is the total; each of the `nprocs` workers simulates its share."""
-    if cfg.mesh.cpu_devices % nprocs:
-        raise ConfigError(f"mesh.cpu_devices={cfg.mesh.cpu_devices} (devices of the whole job) must be divisible "
-                          f"by --nprocs={nprocs}")
-    return [*overrides, f"mesh.cpu_devices={cfg.mesh.cpu_devices // nprocs}"]
+    """A launched job's `mesh.cpu_devices` (default: the mesh size) is the total; each of the `nprocs`
+    workers simulates its share."""
+    total = cfg.mesh.cpu_devices if cfg.mesh.cpu_devices is not None else cfg.mesh.size
+    if total % nprocs:
+        name = "mesh.cpu_devices" if cfg.mesh.cpu_devices is not None else "mesh dp*pp*tp"
+        raise ConfigError(f"{name}={total} (devices of the whole job) must be divisible by --nprocs={nprocs}")
+    return [*overrides, f"mesh.cpu_devices={total // nprocs}"]
 
 
 def worker_env() -> dict:

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import yaml
 
-from megascale_jax.config import load_config
+from megascale_jax.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -73,7 +73,10 @@ ERROR_CASES = [
     ("wrong-type-number", ["optim.lr=fast"], None, ["optim.lr", "number"]),
     ("bad-enum", ["model.block=foo"], None, ["model.block", "foo", "parallel", "serial"]),
     # mesh and divisibility
-    ("mesh-product-vs-devices", ["mesh.dp=2"], None, ["mesh", "dp*pp*tp", "cpu_devices=8"]),
+    ("mesh-product-vs-devices", ["mesh.dp=2", "mesh.cpu_devices=8"], None,
+     ["dp*pp*tp=2*1*2=4", "mesh.cpu_devices=8", "leave mesh.cpu_devices unset"]),
+    ("does-not-fit-in-memory", ["model.seq_len=100000"], None,
+     ["estimated memory", "TiB", "activations", "available RAM", "train.memory_check=false"]),
     ("heads-vs-tp", ["model.heads=6", "model.d_model=96", "mesh.tp=4", "mesh.dp=2"], None,
      ["model.heads=6", "mesh.tp=4"]),
     ("kv-heads-vs-tp", ["model.kv_heads=1"], None, ["model.kv_heads=1", "mesh.tp=2"]),
@@ -163,6 +166,7 @@ def assert_one_error_line(returncode: int, stdout: str, stderr: str, expected: l
     assert line.startswith("error: "), line
     for part in expected:
         assert part in line, f"{part!r} missing from {line!r}"
+    assert not re.search(r"=(\d+)=\1\b", line), f"a value printed twice: {line!r}"
     assert returncode == 2, (returncode, stderr)
     assert "compiled in" not in stdout, "the error must come before compilation"
     assert not (run_dir / "metrics.jsonl").exists()
@@ -186,6 +190,47 @@ def test_user_mistake_is_one_line_and_exit_2_before_compiling(inputs, case, tmp_
     returncode = train.main(argv)
     out = capsys.readouterr()
     assert_one_error_line(returncode, out.out, out.err, case[3], tmp_path / "run")
+
+
+def test_options_and_overrides_mix_in_any_order(tmp_path, monkeypatch):
+    """`train.steps=10 --run-dir D mesh.dp=8`: overrides after an option are overrides, in every CLI."""
+    from megascale_jax import flops, launch, train
+
+    jax.devices()
+    seen = {}
+
+    def capture(cfg, run_dir, *args, **kwargs):
+        seen.update(cfg=cfg, run_dir=run_dir)
+
+    monkeypatch.setattr(train, "train", capture)
+    assert train.main(["model.layers=1", "--run-dir", str(tmp_path / "run"), "mesh.dp=8", "mesh.tp=1"]) == 0
+    assert (seen["cfg"].model.layers, seen["cfg"].mesh.dp, seen["cfg"].mesh.tp) == (1, 8, 1)
+    assert seen["run_dir"] == str(tmp_path / "run")
+    args = launch.parse_args(["mesh.dp=2", "--nprocs", "2", "train.steps=3", "--run-dir", "r", "mesh.tp=1"])
+    assert (args.nprocs, args.run_dir, args.overrides) == (2, "r", ["mesh.dp=2", "train.steps=3", "mesh.tp=1"])
+    assert flops.main(["mesh.dp=8", "--config", str(REPO / "configs" / "gpt_175b.yaml"), "mesh.pp=8", "mesh.tp=8"]) == 0
+
+
+def test_cpu_devices_follow_the_mesh_unless_given():
+    from megascale_jax.config import check_runtime
+
+    cfg = load_config(None, ["mesh.dp=2", "mesh.tp=2"])
+    assert cfg.mesh.cpu_devices is None and cfg.mesh.cpu_devices_per_process() == 4
+    check_runtime(cfg, "cpu", 4)  # no error: the simulated devices are the mesh's
+    assert load_config(None, ["mesh.dp=4", "mesh.tp=2"]).mesh.cpu_devices_per_process(2) == 4  # per process
+    with pytest.raises(ConfigError, match="mesh.cpu_devices=8"):
+        check_runtime(load_config(None, ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=8"]), "cpu", 8)
+
+
+def test_memory_check_refuses_only_what_cannot_fit():
+    from megascale_jax import flops
+
+    cfg = load_config(None, ["model.seq_len=4096"])
+    total = flops.memory_estimate(cfg)["total"]
+    flops.check_fits(cfg, 2 * total + 1, devices_sharing=2)  # fits: no error
+    with pytest.raises(ConfigError, match="estimated memory"):
+        flops.check_fits(cfg, 2 * total - 1, devices_sharing=2)
+    flops.check_fits(load_config(None, ["model.seq_len=4096", "train.memory_check=false"]), 1.0)  # the override
 
 
 SUBPROCESS_CASES = ("unknown-key", "cudnn-on-cpu", "tokens-missing-file")  # config, runtime, data
