@@ -19,7 +19,7 @@ import statistics
 import sys
 import time
 
-from provenance import write_result  # bench/provenance.py
+from provenance import result_path, write_result  # bench/provenance.py
 
 
 
@@ -137,6 +137,8 @@ def main() -> int:
     parser.add_argument("--allow-cpu", action="store_true",
                         help="run anyway on the CPU (interpret mode; only to smoke-test this script)")
     parser.add_argument("--out", default=None, help="result file (default bench/results/attention_<device>.json)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the result file if it exists (committed results are kept otherwise)")
     args = parser.parse_args()
 
     import jax
@@ -148,6 +150,8 @@ def main() -> int:
         return 2
 
     device = jax.devices()[0].device_kind
+    name = f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}"
+    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
     print(f"{device}, jax {jax.__version__}, batch {args.batch}, heads {args.heads}/{args.kv_heads}, "
           f"head dim {args.head_dim}, bf16, fwd+bwd")
     print(f"{'seq':>7}{'window':>8}  {'impl':<18}{'ms':>10}{'TFLOP/s':>9}")
@@ -161,10 +165,10 @@ def main() -> int:
     except ImportError:
         triton_version = None
     out = write_result(
-        f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}",
+        name,
         {"triton": triton_version, "attention": attention, "fused": fused,
-         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "allow_cpu")}},
-        path=args.out)
+         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "allow_cpu")}},
+        path=args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 

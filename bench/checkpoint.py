@@ -20,7 +20,7 @@ import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from provenance import write_result  # bench/provenance.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 ARRAY_MB = 64  # the state is split into arrays of this size, like a model's layers
 
@@ -87,7 +87,9 @@ def main() -> int:
     parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 1.0, 4.0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default="/tmp/megascale-ckpt-bench")
+    add_output_flags(parser, "checkpoint_cpu")
     args = parser.parse_args()
+    result_path("checkpoint_cpu", args.out, args.overwrite)  # refuse before the run, not after it
 
     import jax
 
@@ -130,7 +132,7 @@ def main() -> int:
         "repeats": args.repeats, "sizes": rows,
         "loader": {"config": "configs/tiny_cpu.yaml", "batches_per_s": loader_steps_per_s,
                    "note": "compare with 1/step_time_s of bench/results/tiny_cpu.json"},
-        "cpu_count": os.cpu_count()})
+        "cpu_count": os.cpu_count()}, args.out, args.overwrite)
     return 0
 
 

@@ -17,7 +17,7 @@ import sys
 import jax
 
 from compiled_step import compile_train_step  # bench/compiled_step.py
-from provenance import write_result  # bench/provenance.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 
 
@@ -54,8 +54,11 @@ def main() -> int:
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--steps", type=int, default=5)
+    add_output_flags(parser, "pipeline_<platform>")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.pp * args.tp)  # simulated devices if on CPU; before JAX starts
+    name = f"pipeline_{jax.default_backend()}"
+    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
 
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'GFLOP':>8}{'step s':>9}"
@@ -66,7 +69,7 @@ def main() -> int:
         print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
               f"{r['flops'] / 1e9:>8.2f}{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}",
               flush=True)
-    write_result(f"pipeline_{jax.default_backend()}", {"pp": args.pp, "tp": args.tp, "rows": rows})
+    write_result(name, {"pp": args.pp, "tp": args.tp, "rows": rows}, args.out, args.overwrite)
     return 0
 
 

@@ -32,7 +32,7 @@ import jax
 
 from compiled_step import compile_train_step  # bench/compiled_step.py
 from pipeline import VARIANTS, configurations  # bench/pipeline.py
-from provenance import write_result  # bench/provenance.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 
 def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[list[float]], list[float], float]:
@@ -95,8 +95,11 @@ def main() -> int:
     parser.add_argument("--pp", type=int, default=4)
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--steps", type=int, default=3)
+    add_output_flags(parser, "pipeline_bubble_<platform>")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.pp)  # simulated devices if on CPU; before JAX starts
+    name = f"pipeline_bubble_{jax.default_backend()}"
+    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
 
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>4}{'measured':>10}{'=idle':>7}{'+wait':>7}{'table':>7}"
@@ -108,7 +111,7 @@ def main() -> int:
               f"{r['bubble_idle_cells']:>7.1%}{r['bubble_imbalance']:>7.1%}{r['bubble_table']:>7.1%}"
               f"{r['forward_tick_us']:>8.0f}{r['backward_tick_us']:>8.0f}{r['idle_tick_us']:>9.0f}"
               f"{r['outside_loop_ms']:>11.1f}{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
-    write_result(f"pipeline_bubble_{jax.default_backend()}", {"pp": args.pp, "rows": rows})
+    write_result(name, {"pp": args.pp, "rows": rows}, args.out, args.overwrite)
     return 0
 
 

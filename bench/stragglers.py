@@ -21,7 +21,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from provenance import write_result  # noqa: E402
+from provenance import add_output_flags, result_path, write_result  # noqa: E402
 from supervisor import DRILL_MODEL  # noqa: E402  (bench/supervisor.py)
 
 from megascale_jax import stragglers  # noqa: E402
@@ -62,7 +62,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--window", type=int, default=10)
     parser.add_argument("--threshold", type=float, default=0.05)
+    add_output_flags(parser, "stragglers_cpu")
     args = parser.parse_args()
+    result_path("stragglers_cpu", args.out, args.overwrite)  # refuse before the run, not after it
     rows = []
     print(f"{'N':>3}{'injected':>10}{'measured':>10}{'flagged':>9}{'healthy max':>13}{'healthy flags':>15}"
           f"{'step s':>8}")
@@ -75,7 +77,7 @@ def main() -> int:
             print(f"{nprocs:>3}{slow:>10.0%}{measured:>10}{flagged:>9}{r['healthy_max_lateness']:>13.1%}"
                   f"{r['healthy_flagged']:>15}{r['step_time_s']:>8.3f}", flush=True)
     write_result("stragglers_cpu", {"threshold": args.threshold, "window": args.window, "steps": args.steps,
-                                    "rows": rows})
+                                    "rows": rows}, args.out, args.overwrite)
     return 0
 
 

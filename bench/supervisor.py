@@ -20,7 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from provenance import write_result  # noqa: E402
+from provenance import add_output_flags, result_path, write_result  # noqa: E402
 
 from megascale_jax import rendezvous  # noqa: E402
 from megascale_jax.redis_server import EmbeddedRedis  # noqa: E402
@@ -96,9 +96,11 @@ def main():
     parser.add_argument("--job", help=argparse.SUPPRESS)
     parser.add_argument("--nprocs", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    add_output_flags(parser, "supervisor_cpu")
     args = parser.parse_args()
     if args.probe:
         return probe(args)
+    result_path("supervisor_cpu", args.out, args.overwrite)  # refuse before the run, not after it
     work = tempfile.mkdtemp(prefix="bench-supervisor-")
     server = EmbeddedRedis(os.path.join(work, "redis"))
     try:
@@ -123,7 +125,7 @@ def main():
     path = write_result("supervisor_cpu", {
         "start_time_vs_nprocs": start_table, "start_time_runs": starts, "drills": drills, "drill_rounds": rounds,
         "drill_config": DRILL_MODEL + ["train.steps=20", "--nprocs 2", "kill:1@3 stop:0@7 redis@11", "--no-diagnose"],
-        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()})
+        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()}, args.out, args.overwrite)
     print(f"wrote {path}")
 
 

@@ -14,7 +14,7 @@ import sys
 import jax
 
 from compiled_step import compile_train_step  # bench/compiled_step.py
-from provenance import write_result  # bench/provenance.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 # (tp_overlap, sequence_parallel, collective-matmul pieces per device shard)
 MODES = [("none", False, 2), ("none", True, 2), ("collective_matmul", True, 1), ("collective_matmul", True, 2),
@@ -40,8 +40,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    add_output_flags(parser, "tensor_parallel_<platform>")
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", args.tp)  # simulated devices if on CPU; before JAX starts
+    name = f"tensor_parallel_{jax.default_backend()}"
+    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
     rows = []
     print(f"{'block':<10}{'tp_overlap':<19}{'SP':<4}{'pieces':>7}{'GFLOP/layer':>12}{'MB/layer':>10}{'step s':>9}  collectives")
     for block in ("parallel", "serial"):
@@ -54,7 +57,7 @@ def main() -> int:
                   f"{r['bytes_per_layer'] / 1e6:>10.1f}{r['step_time_s']:>9.3f}  "
                   f"AR {c['all-reduce']} AG {c['all-gather']} RS {c['reduce-scatter']} CP {c['collective-permute']}",
                   flush=True)
-    write_result(f"tensor_parallel_{jax.default_backend()}", {"rows": rows})
+    write_result(name, {"rows": rows}, args.out, args.overwrite)
     return 0
 
 

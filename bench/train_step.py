@@ -15,7 +15,7 @@ import statistics
 import sys
 import tempfile
 
-from provenance import write_result  # bench/provenance.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 
 
@@ -25,7 +25,10 @@ def main() -> int:
     parser.add_argument("--name", default=None, help="result file name (default: config name)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the summary")
     parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
+    add_output_flags(parser, "<name>")
+    args = parser.parse_intermixed_args()  # key=value overrides may follow options, as in train
+    name = args.name or os.path.splitext(os.path.basename(args.config))[0]
+    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
 
     from megascale_jax import train
 
@@ -56,7 +59,7 @@ def main() -> int:
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
     print(f"{os.path.basename(args.config):<28}{result['device'][:27]:<28}"
           f"{result['step_time_s']:>9.3f}{result['tokens_per_s']:>12.0f}{mfu:>8}")
-    write_result(args.name or os.path.splitext(os.path.basename(args.config))[0], result)
+    write_result(name, result, args.out, args.overwrite)
     return 0
 
 

@@ -194,6 +194,7 @@ class Checkpointer:
     def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
         """(state, meta) of the newest checkpoint that verifies, placed per `abstract_state`'s
         shardings; None when there is none. Bad ones are reported and moved aside."""
+        _quiet_late_tensorstore_callbacks()
         for step in reversed(committed_steps(self.directory)):
             try:
                 return self.restore(step, abstract_state)
@@ -201,8 +202,8 @@ class Checkpointer:
                 aside = os.path.join(self.directory, f"{step}.corrupt")
                 if jax.process_index() == 0:
                     os.rename(os.path.join(self.directory, str(step)), aside)
-                self.warn(f"warning: checkpoint {os.path.join(self.directory, str(step))} is unreadable ({e}); "
-                          f"moved to {aside}, trying the previous one")
+                self.warn(f"warning: checkpoint step {step} ({os.path.join(self.directory, str(step))}) is "
+                          f"unreadable: {e}; moved to {aside}, trying the previous one")
         self.manager.reload()  # forget the steps moved aside
         return None
 
@@ -229,7 +230,7 @@ class Checkpointer:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), checksums=ocp.args.StandardRestore(abstract_sums)))
         except Exception as e:
-            raise CorruptCheckpoint(_one_line(e)) from None
+            raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
         if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
             mode = "single-replica" if self.cfg.checkpoint.single_replica_restore else "every-replica"
             print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
@@ -323,6 +324,65 @@ def _bytes_read() -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
     except OSError:
         return 0
+
+
+def _describe_read_error(e: BaseException, step_dir: str) -> str:
+    """The array and the file a failed read names, from TensorStore's nested message.
+
+    TensorStore reports e.g. `OUT_OF_RANGE: Error opening "cast" driver: ... Error reading
+    "opt_state.4.count/.zarray" in OCDBT database at local file ".../10/state/": Error reading
+    Byte range [0, 29537) of local file ".../10/state/d/5f1...": Requested byte range ... is not
+    valid [tensorstore_spec=...]` (several hundred characters): the user needs the array, the
+    innermost file (relative to the checkpoint) and the innermost reason."""
+    import re
+    text = str(e).strip().replace("\n", " ")
+    code = re.match(r"([A-Z][A-Z_]+): ", text)
+    text = re.split(r"\s*\[tensorstore_spec", text)[0]
+    array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/\.z(?:array|attrs|group)"', text)
+    files = list(re.finditer(r'file "([^"]+)"', text))
+    if not (array or files):
+        return _one_line(e)
+    parts = []
+    if array:
+        parts.append(f"array {array.group(1)}")
+    reason = ""
+    if files:
+        path = files[-1].group(1).rstrip("/")
+        parts.append(f"file {os.path.relpath(path, step_dir) if path.startswith(step_dir) else path}")
+        reason = text[files[-1].end():].lstrip(": ").strip()  # what the innermost error says of that file
+    detail = "; ".join(x for x in ((code.group(1) if code else ""), reason[:120]) if x)
+    return f"{', '.join(parts)}: {detail}" if detail else ", ".join(parts)
+
+
+_FILTER_INSTALLED = False
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+    """Drop one known-harmless traceback, keep every other unraisable exception.
+
+    When one array of a restore fails, orbax's asyncio.gather raises and its event loop closes
+    while TensorStore still has the other reads in flight; as each completes, TensorStore calls
+    `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError through
+    sys.unraisablehook, from its own threads and possibly after restore returned: one 6-line
+    traceback per pending read (~300 lines for a real model) after our one warning line. The
+    read's own error is what we report, so those are noise. Installed once, process-wide."""
+    global _FILTER_INSTALLED
+    if _FILTER_INSTALLED:
+        return
+    _FILTER_INSTALLED = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        exc, tb = unraisable.exc_value, unraisable.exc_traceback
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _one_line(e: BaseException) -> str:

@@ -171,6 +171,14 @@ def format_bytes(n: float) -> str:
 # ----------------------------------------------------------------------------- CLI
 
 
+def format_count(n: float) -> str:
+    """A parameter count in the largest unit it reaches: 175.53B, 1.27M, 9.47K, 640."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
@@ -188,7 +196,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     params, per_token = param_count(m), model_flops_per_token(m)
     step_flops = per_token * cfg.train.global_batch * m.seq_len
     h100 = peak_flops("NVIDIA H100 80GB HBM3")
-    print(f"parameters:           {params:,} ({params / 1e9:.2f}B)")
+    print(f"parameters:           {params:,} ({format_count(params)})")
     print(f"FLOPs/token (train):  {per_token:.4g}  (forward {forward_flops_per_token(m):.4g}, window={m.window})")
     print(f"FLOPs/step (train):   {step_flops:.4g}  (global_batch {cfg.train.global_batch} x seq_len {m.seq_len})")
     print(f"step time at {args.target_mfu:.0%} MFU on {n_devices} x H100 SXM ({h100 / 1e12:.0f} TFLOP/s bf16): "
@@ -196,7 +204,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"memory per device (rough), mesh dp={mesh.dp} pp={mesh.pp} tp={mesh.tp}, "
           f"microbatches={cfg.parallel.microbatches}, zero1={cfg.parallel.zero1}:")
     for part, nbytes in memory_estimate(cfg).items():
-        print(f"  {part:<12} {nbytes / 2**30:10.2f} GiB")
+        print(f"  {part:<12} {format_bytes(nbytes):>10}")  # a tiny model's MiB, not 0.00 GiB
     return 0
 
 

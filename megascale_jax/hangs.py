@@ -8,8 +8,13 @@ hang is inside the step (on the devices) and host timings cannot name a rank.
 
 A run counts as stalled when no process wrote a row for `hang_after` seconds and not every
 process reached ``state:done``. A resumed run appends to the same files, so only each process's
-rows since its latest ``state:initialising`` mark (its current attempt) are judged. Files alone cannot tell a hang from a job killed while healthy;
-the supervisor's events can.
+rows since its latest ``state:initialising`` mark (its current attempt) are judged.
+
+When a stalled run has every rank at the same furthest point, no rank is behind: the processes
+were killed (Ctrl-C before it was handled, SIGKILL, OOM killer), crashed natively, or hang
+inside the step on the devices. Timings cannot tell these apart and a killed job is far more
+common, so those ranks are "stopped" — not "waiting" for anyone. The report refines this with
+the supervisor's events.jsonl (exit codes) when there are any.
 """
 
 from __future__ import annotations
@@ -27,14 +32,16 @@ ARRIVAL_STAGES = {"data_wait": 0, "dispatch": 1}  # order within one step on the
 class RankState:
     rank: int
     host: str
-    status: str  # running | done | failed | hung | waiting
+    status: str  # running | done | failed | hung | waiting | stopped
     arrived: tuple[int, str]  # (step, phase) of its furthest arrival
     last_phase: str  # its last row: phase ...
     last_step: int  # ... of this step
     last_time: float  # ... ending at this time (its own clock)
+    exit_note: str = ""  # how it exited, when the supervisor saw it (status "exited")
 
     def describe(self) -> str:
-        return (f"rank {self.rank} on {self.host}: {self.status}; arrived at step {self.arrived[0]} "
+        status = f"{self.status} ({self.exit_note})" if self.exit_note else self.status
+        return (f"rank {self.rank} on {self.host}: {status}; arrived at step {self.arrived[0]} "
                 f"({self.arrived[1]}); last phase {self.last_phase} of step {self.last_step}")
 
 
@@ -59,10 +66,11 @@ def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
     stalled = all(s.status != "running" or now - s.last_time > hang_after for s in states) \
         and any(s.status == "running" for s in states)
     if stalled:
-        furthest = max(_position(s.arrived) for s in states if s.status == "running")
-        for s in states:
-            if s.status == "running":
-                s.status = "waiting" if _position(s.arrived) == furthest else "hung"
+        running = [s for s in states if s.status == "running"]
+        furthest = max(_position(s.arrived) for s in running)
+        behind = any(_position(s.arrived) != furthest for s in running)
+        for s in running:
+            s.status = "hung" if _position(s.arrived) != furthest else "waiting" if behind else "stopped"
     return states
 
 

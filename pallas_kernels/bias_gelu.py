@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import default_interpret, pad_axis
+from pallas_kernels import by_platform, gpu_params, pad_axis
 
 DEFAULT_BLOCKS = {"gpu": (8, 1024), "cpu": (256, 1024)}  # (rows, cols); GPU values untuned
 _TANH_C = math.sqrt(2 / math.pi)
@@ -58,7 +58,7 @@ def _call(kernel, cfg: _Cfg, x, n_in, name):
     return pl.pallas_call(functools.partial(kernel, cfg=cfg),
                           grid=(n // cfg.block_rows, f // cfg.block_cols), in_specs=in_specs,
                           out_specs=tile, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-                          interpret=cfg.interpret, name=name)
+                          interpret=cfg.interpret, compiler_params=gpu_params(cfg.interpret), name=name)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -86,13 +86,20 @@ def bias_gelu(x, bias, *, approximate: bool = True, block_rows: int | None = Non
     if bias.shape != (f,):
         raise ValueError(f"bias_gelu: bias {bias.shape} must be ({f},) for x {shape}")
     n = x.size // f
-    default_rows, default_cols = DEFAULT_BLOCKS["cpu" if jax.default_backend() == "cpu" else "gpu"]
-    block_rows = min(block_rows or default_rows, max(8, pl.next_power_of_2(n)))
-    block_cols = min(block_cols or default_cols, max(8, pl.next_power_of_2(f)))
-    cfg = _Cfg(approximate, block_rows, block_cols, default_interpret(interpret))
-    x2 = pad_axis(pad_axis(x.reshape(n, f), 0, block_rows), 1, block_cols)
-    y = _bias_gelu(x2, pad_axis(bias, 0, block_cols), cfg)
-    return y[:n, :f].reshape(shape)
+
+    def build(platform: str, interpret: bool):
+        default_rows, default_cols = DEFAULT_BLOCKS[platform]
+        rows = min(block_rows or default_rows, max(8, pl.next_power_of_2(n)))
+        cols = min(block_cols or default_cols, max(8, pl.next_power_of_2(f)))
+        cfg = _Cfg(approximate, rows, cols, interpret)
+
+        def run(x, bias):
+            x2 = pad_axis(pad_axis(x.reshape(n, f), 0, rows), 1, cols)
+            y = _bias_gelu(x2, pad_axis(bias, 0, cols), cfg)
+            return y[:n, :f].reshape(shape)
+        return run
+
+    return by_platform(build, x, bias, interpret=interpret)
 
 
 def bias_gelu_reference(x, bias, *, approximate: bool = True):

@@ -18,8 +18,9 @@ Sequences are zero-padded to a multiple of both block sizes. Padded keys are inv
 queries by causality (j <= i < seq_len), padded query rows are sliced off, and their cotangent
 is zero, so they contribute nothing to dk/dv.
 
-On the CPU the kernels run in Pallas interpret mode. On a GPU they are lowered through the
-Pallas Triton backend (`pallas.triton.CompilerParams`); that path has not been run yet.
+Lowered for the CPU the kernels run in Pallas interpret mode. Lowered for a GPU they go through
+the Pallas Triton backend (`pallas.triton.CompilerParams`); tests/test_cuda_lowering.py lowers
+them for CUDA on a CPU-only machine, but they have not been compiled or run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import default_interpret, pad_axis
+from pallas_kernels import by_platform, gpu_params, pad_axis
 
 # Finite "minus infinity": exp(MASKED - m) underflows to 0 without producing NaNs from inf - inf.
 MASKED = -0.7 * float(np.finfo(np.float32).max)
@@ -209,12 +210,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
 # ---------------------------------------------------------------------------------------------
 
 def _call(kernel, cfg: _Cfg, grid, in_specs, out_specs, out_shape, name):
-    params = None
-    if not cfg.interpret:
-        # Select the Pallas Triton lowering: the kernels are written in its style (whole-block
-        # loads, dynamic loop bounds), not Mosaic GPU's. Deprecated since jax 0.11, still works.
-        from jax.experimental.pallas import triton as pltriton
-        params = pltriton.CompilerParams(num_warps=4 if cfg.head_dim <= 64 else 8, num_stages=2)
+    # The Pallas Triton lowering (`gpu_params` says why not Mosaic GPU).
+    params = gpu_params(cfg.interpret, num_warps=4 if cfg.head_dim <= 64 else 8, num_stages=2)
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), grid=grid, in_specs=in_specs, out_specs=out_specs,
         out_shape=out_shape, interpret=cfg.interpret, compiler_params=params, name=name)
@@ -289,7 +286,7 @@ def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None =
     """Causal (window=None) or sliding-window attention; same contract as `attention_reference`.
 
     block_q, block_k: tile sizes (default per backend, `DEFAULT_BLOCKS`), clamped to the padded
-    sequence for short inputs. interpret: None = Pallas interpret mode iff the backend is CPU.
+    sequence for short inputs. interpret: None = Pallas interpret mode iff lowered for the CPU.
     """
     batch, seq, heads, d = q.shape
     if k.shape != v.shape or k.shape[:2] != (batch, seq) or k.shape[3] != d or heads % k.shape[2]:
@@ -297,12 +294,19 @@ def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None =
                          f"shapes, equal batch/seq/head_dim and kv_heads dividing heads")
     if window is not None and window < 1:
         raise ValueError(f"flash_attention: window={window} must be >= 1 or None")
-    default_q, default_k = DEFAULT_BLOCKS["cpu" if jax.default_backend() == "cpu" else "gpu"]
     cap = max(8, pl.next_power_of_2(seq))  # no point in blocks longer than the sequence
-    block_q, block_k = min(block_q or default_q, cap), min(block_k or default_k, cap)
-    cfg = _Cfg(seq, window, block_q, block_k, d, default_interpret(interpret))
-    q, k, v = (pad_axis(x, 1, math.lcm(block_q, block_k)) for x in (q, k, v))
-    return _flash(q, k, v, cfg)[:, :seq]
+
+    def build(platform: str, interpret: bool):
+        default_q, default_k = DEFAULT_BLOCKS[platform]
+        bq, bk = min(block_q or default_q, cap), min(block_k or default_k, cap)
+        cfg = _Cfg(seq, window, bq, bk, d, interpret)
+
+        def run(q, k, v):
+            q, k, v = (pad_axis(x, 1, math.lcm(bq, bk)) for x in (q, k, v))
+            return _flash(q, k, v, cfg)[:, :seq]
+        return run
+
+    return by_platform(build, q, k, v, interpret=interpret)
 
 
 def attention_reference(q, k, v, *, window: int | None = None):

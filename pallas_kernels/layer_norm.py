@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import default_interpret, pad_axis
+from pallas_kernels import by_platform, gpu_params, pad_axis
 
 DEFAULT_BLOCK_ROWS = {"gpu": 8, "cpu": 256}  # GPU value untuned
 
@@ -90,7 +90,7 @@ def _forward(x, r, scale, bias, cfg: _Cfg):
         out_shape, out_specs = [y, *stats], [rows, stat, stat]
     outs = pl.pallas_call(functools.partial(_fwd_kernel, cfg=cfg), grid=(n // cfg.block_rows,),
                           in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-                          interpret=cfg.interpret, name="layer_norm_fwd")(*ins)
+                          interpret=cfg.interpret, compiler_params=gpu_params(cfg.interpret), name="layer_norm_fwd")(*ins)
     return outs if cfg.residual else (outs[0], None, *outs[1:])
 
 
@@ -120,7 +120,7 @@ def _ln_bwd(cfg: _Cfg, residuals, cotangents):
         functools.partial(_bwd_kernel, cfg=cfg), grid=(blocks,), in_specs=in_specs,
         out_specs=[rows, partial, partial],
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype), partials, partials],
-        interpret=cfg.interpret, name="layer_norm_bwd")(*ins)
+        interpret=cfg.interpret, compiler_params=gpu_params(cfg.interpret), name="layer_norm_bwd")(*ins)
     dr = dx.astype(r.dtype) if cfg.residual else None
     return dx, dr, dscale.sum(0).astype(scale.dtype), dbias.sum(0).astype(bias.dtype)
 
@@ -134,13 +134,19 @@ def _apply(x, r, scale, bias, eps, block_rows, out_dtype, interpret):
         raise ValueError(f"layer_norm: x {shape}, residual {None if r is None else r.shape}, "
                          f"scale {scale.shape}, bias {bias.shape} do not match")
     n = x.size // d
-    block_rows = block_rows or DEFAULT_BLOCK_ROWS["cpu" if jax.default_backend() == "cpu" else "gpu"]
-    block_rows = min(block_rows, max(8, pl.next_power_of_2(n)))
-    cfg = _Cfg(eps, block_rows, r is not None, jnp.dtype(out_dtype or x.dtype), default_interpret(interpret))
-    flat = lambda a: pad_axis(a.reshape(n, d), 0, block_rows)  # noqa: E731
-    y, h = _ln(flat(x), None if r is None else flat(r), scale, bias, cfg)
-    unflat = lambda a: a[:n].reshape(shape)  # noqa: E731
-    return unflat(y), None if h is None else unflat(h)
+
+    def build(platform: str, interpret: bool):
+        rows = min(block_rows or DEFAULT_BLOCK_ROWS[platform], max(8, pl.next_power_of_2(n)))
+        cfg = _Cfg(eps, rows, r is not None, jnp.dtype(out_dtype or x.dtype), interpret)
+
+        def run(x, r, scale, bias):
+            flat = lambda a: pad_axis(a.reshape(n, d), 0, rows)  # noqa: E731
+            y, h = _ln(flat(x), None if r is None else flat(r), scale, bias, cfg)
+            unflat = lambda a: a[:n].reshape(shape)  # noqa: E731
+            return unflat(y), None if h is None else unflat(h)
+        return run
+
+    return by_platform(build, x, r, scale, bias, interpret=interpret)
 
 
 def layer_norm_residual(x, residual, scale, bias, *, eps: float = 1e-5, block_rows: int | None = None,

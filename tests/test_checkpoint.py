@@ -128,7 +128,19 @@ def _truncate(step_dir: Path):
     os.truncate(path, os.path.getsize(path) // 2)
 
 
-@pytest.mark.parametrize("damage", [_flip_one_bit, _truncate], ids=["bit-flip", "truncated"])
+def _delete_data_file(step_dir: Path):
+    _biggest_data_file(step_dir).unlink()
+
+
+def _garble_manifest(step_dir: Path):
+    path = step_dir / "state" / "manifest.ocdbt"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+@pytest.mark.parametrize("damage", [_flip_one_bit, _truncate, _delete_data_file, _garble_manifest],
+                         ids=["bit-flip", "truncated", "deleted", "garbled-manifest"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, damage):
     cfg = tiny_cfg()
     mesh = make_mesh(cfg.mesh)
@@ -146,6 +158,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     expected = tiny_state(mesh, 1)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(expected)))
     assert len(warnings) == 1 and "\n" not in warnings[0] and str(tmp_path / "2") in warnings[0], warnings
+    # Names the bad file, briefly (the length leaves out the temporary directory's own length).
+    assert "state/" in warnings[0] and len(warnings[0].replace(str(tmp_path), "")) < 300, warnings
     # Kept for inspection, out of resume's way, and a new save of step 2 works.
     assert (tmp_path / "2.corrupt").is_dir() and checkpoint.committed_steps(str(tmp_path)) == [1]
     ckpt.save(2, tiny_state(mesh, 2), {"next_index": 2})
@@ -419,3 +433,32 @@ def test_single_replica_restore_reads_on_one_replica_only(tmp_path):
     assert read[0] > params_bytes, read
     assert read[1] < 0.2 * read[0], read
     assert len(records(tmp_path / "run")) == 4
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-reference")
+def test_damaged_checkpoints_give_one_warning_line_each_then_resume_from_the_good_one(reference, tmp_path):
+    """Two damaged checkpoints (a truncated data file, a deleted one; the in-process test above
+    covers more kinds of damage) in the real CLI: TensorStore's errors and the asyncio tracebacks of its reads still in flight
+    (~300 lines before) become one line per checkpoint naming its step and the bad array/file, and
+    training resumes from step 5, bitwise equal to the uninterrupted run."""
+    run_dir = tmp_path / "damaged"
+    for step in (5, 10, 15):  # not 20: a checkpoint at train.steps is a finished run
+        shutil.copytree(reference / "checkpoints" / str(step), run_dir / "checkpoints" / str(step))
+    shutil.copy(reference / "metrics.jsonl", run_dir / "metrics.jsonl")
+    for step, damage in ((15, _truncate), (10, _delete_data_file)):
+        damage(run_dir / "checkpoints" / str(step))
+    result = run_cli(run_dir, [*TINY, *DP8])
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "warning" in line.lower() or "Traceback" in line
+             or "Error" in line]
+    assert len(lines) == 2, result.stderr[-5000:]
+    for line, step, bad in zip(lines, (15, 10), ("state/d/", "state/d/")):
+        assert line.startswith(f"warning: checkpoint step {step} ") and bad in line, line
+    assert "array " in lines[0] and "OUT_OF_RANGE" in lines[0] and "NOT_FOUND" in lines[1], lines
+    assert "resumed from checkpoint step 5" in result.stderr + result.stdout
+    got, want = records(run_dir), records(reference)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    assert [(g["loss"], g["grad_norm"]) for g in got] == [(w["loss"], w["grad_norm"]) for w in want]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".corrupt")) == \
+        ["10.corrupt", "15.corrupt"]

@@ -160,6 +160,24 @@ def test_cli_175b_with_mesh_overrides():
     assert "dp=8 pp=8 tp=8" in r.stdout and "total" in r.stdout
 
 
+@pytest.mark.parametrize("n, text", [
+    (175_532_040_192, "175.53B"), (2_000_000_000_000, "2.00T"), (791_808, "791.81K"),
+    (1_270_000, "1.27M"), (999, "999"), (0, "0"),
+])
+def test_format_count_picks_the_largest_unit_reached(n, text):
+    assert flops.format_count(n) == text
+
+
+def test_cli_tiny_model_in_k_and_mib_not_zero_billions(capsys):
+    assert flops.main(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    params = flops.param_count(load_config(os.path.join(REPO, "configs", "tiny_cpu.yaml"), []).model)
+    assert params < 1e6  # a K-sized model: the case that printed "(0.00B)"
+    assert f"{params:,} ({params / 1e3:.2f}K)" in out
+    assert "0.00B" not in out and "0.00 GiB" not in out
+    assert "MiB" in out
+
+
 @pytest.mark.parametrize("override, words", [
     ("mesh.foo=1", "mesh.foo"), ("mesh.pp=7", "mesh.pp=7"), ("model.heads=many", "model.heads"),
     ("nodot=1", "section.key=value"),

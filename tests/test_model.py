@@ -19,6 +19,7 @@ import os
 import re
 import zlib
 
+import chex
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -273,7 +274,8 @@ def test_forward_matches_float64_reference(kw):
     params = _random_params(cfg, seed)
     tokens = _random_tokens(seed + 1, (BATCH, cfg.seq_len), cfg.vocab)
     logits = _apply(cfg, params, tokens)
-    assert logits.shape == (BATCH, cfg.seq_len, cfg.vocab) and logits.dtype == jnp.float32
+    chex.assert_shape(logits, (BATCH, cfg.seq_len, cfg.vocab))
+    chex.assert_type(logits, jnp.float32)
     expected = ref_forward(params, tokens, cfg)
     assert np.std(expected) > 0.3  # the random parameters give logits of order one, not ~0
     _assert_close(logits, expected)
@@ -308,7 +310,8 @@ def test_loss_fn_matches_reference_cross_entropy(block):
     batch = _random_tokens(22, (3, cfg.seq_len + 1), cfg.vocab)
     lowered = jax.jit(lambda p, b: loss_fn(Transformer(cfg), p, b)).lower(params, batch)
     loss = lowered.compile(compiler_options=FAST_COMPILE)(params, batch)
-    assert loss.shape == () and loss.dtype == jnp.float32
+    chex.assert_shape(loss, ())
+    chex.assert_type(loss, jnp.float32)
     expected = ref_loss(params, batch, cfg)
     # Scalar mean cross entropy (~4-6 here): same fp32-vs-fp64 tolerance as the logits.
     _assert_close(loss, expected)

@@ -7,6 +7,7 @@ ZeRO-1, and gradient accumulation over microbatches matches one big batch.
 
 import functools
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -67,7 +68,7 @@ def test_mesh_layouts_match_one_device(reference, dp, tp, zero1):
     assert ref_losses[-1] < ref_losses[0]  # the comparison is about a run that actually learns
     np.testing.assert_allclose(losses[0], ref_losses[0], rtol=1e-5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5), params, ref_params)
+    chex.assert_trees_all_close(params, ref_params, rtol=2e-3, atol=2e-5)  # also: same tree structure
 
 
 @pytest.mark.slow
@@ -91,6 +92,6 @@ def test_initialisation_depends_on_seed_not_mesh():
 
     one = params(mesh_overrides(1, 1, False))
     sharded = params(mesh_overrides(2, 4, True))
-    jax.tree.map(np.testing.assert_array_equal, one, sharded)
+    chex.assert_trees_all_equal(one, sharded)
     other_seed = params(mesh_overrides(1, 1, False) + ["train.seed=1"])
     assert not np.allclose(one["layers"]["attn"]["wq"], other_seed["layers"]["attn"]["wq"])

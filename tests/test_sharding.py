@@ -4,6 +4,9 @@ Megatron layout (stacked layers split over pp): column-parallel q/k/v and w1 sha
 wo and w2 shard their input features over tp, the vocabulary is split over tp, batch over dp.
 """
 
+import math
+
+import chex
 import flax.linen as nn
 import jax
 import pytest
@@ -87,6 +90,27 @@ def test_parameter_specs(trained):
     assert set(params) == set(PARAM_SPECS)
     for name, array in params.items():
         assert normalized(array.sharding.spec) == normalized(PARAM_SPECS[name]), name
+
+
+def shard_shape(shape, spec, mesh) -> tuple:
+    """The per-device block of an array of `shape` laid out by `spec` (even splits only)."""
+    spec = list(spec) + [None] * (len(shape) - len(spec))
+    return tuple(n // math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s or ()))
+                 for n, s in zip(shape, spec))
+
+
+def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained):
+    zero1, trainer, state = trained
+    mesh = trainer.mesh
+    # Every leaf (params, moments, step, count) lives on all 8 devices in mesh order: nothing
+    # was left on one device by init.
+    chex.assert_tree_is_sharded(state, devices=tuple(mesh.devices.flat))
+    adam = state.opt_state[1]
+    moment_specs = ZERO1_MOMENT_SPECS if zero1 else PARAM_SPECS
+    for tree, specs in ((state.params, PARAM_SPECS), (adam.mu, moment_specs), (adam.nu, moment_specs)):
+        for name, array in flat(tree).items():
+            chex.assert_shape([s.data for s in array.addressable_shards],
+                              shard_shape(array.shape, specs[name], mesh))
 
 
 def test_optimizer_moment_specs(trained):

@@ -264,7 +264,7 @@ def test_a_stuck_step_with_live_heartbeats_is_detected_as_a_stall(tmp_path):
     assert not any(e["kind"] == "fault" and e["cause"] in ("crash", "hang") for e in log), log
     # max_restarts=0: the driver gives up at once, with the report naming the fault.
     assert rest[-1]["kind"] == "give_up" and rest[-1]["restarts"] == 0
-    assert "gave up — fault report" in done.stdout and "1. stall of rank 1:" in done.stdout
+    assert "gave up — fault report" in done.stdout and "1. stall of rank 1 at step " in done.stdout
 
 
 @pytest.mark.slow
@@ -299,3 +299,76 @@ def test_a_diverged_run_is_not_restarted_when_the_devices_are_healthy(tmp_path):
     assert diagnosis["faulty"] == {}
     assert rest[-1]["kind"] == "give_up" and "optim.lr" in rest[-1]["summary"]
     assert not any(e["kind"] == "restart" for e in log)
+
+
+# ============================================================================ crash reports
+
+# What a worker's log looked like when XLA:CPU aborted on bf16 with tp=2 (issue 12), shortened:
+# tqdm redraws, glog's fatal line, the C++ frames, faulthandler's dump.
+XLA_ABORT_LOG = [
+    "===== attempt 0, job j-0 =====",
+    "mesh dp=4 pp=1 tp=2 on 8 cpu devices; 0.79M parameters",
+    "  0%|          | 0/3 [00:00<?, ?step/s]\r 33%|███▎      | 1/3 [00:01<00:02,  1.00step/s, loss=5.6]",
+    # stderr is shared: the fatal line lands right after a progress bar's last redraw
+    " 67%|██████▋   | 2/3 [00:02<00:01,  1.00step/s, loss=5.5]"
+    "F1122 17:01:02.123456   48213 hlo_instruction.cc:1615] Invalid binary instruction opcode copy",
+    "*** Check failure stack trace: ***",
+    *[f"    @     0x7f3c{i:08x}  xla::HloInstruction::CreateBinary()" for i in range(28)],
+    "Fatal Python error: Aborted",
+    "",
+    "Current thread 0x00007f3c5d1fe740 (most recent call first):",
+    '  File "/venv/lib/python3.11/site-packages/jax/_src/compiler.py", line 266 in backend_compile',
+    '  File "/venv/lib/python3.11/site-packages/jax/_src/interpreters/pxla.py", line 2879 in _cached_compilation',
+    "",
+    "Extension modules: numpy.core._multiarray_umath, jaxlib.cpu_feature_guard (total: 14)",
+]
+
+PY_ERROR_LOG = [
+    "Traceback (most recent call last):",
+    '  File "/repo/megascale_jax/train.py", line 300, in main',
+    "    state = step(state, batch)",
+    "            ^^^^^^^^^^^^^^^^^^",
+    "jax.errors.JaxRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel",
+    "",
+    " 40%|████      | 2/5 [00:03<00:04,  1.50step/s]",
+]
+
+
+def test_the_error_line_of_a_native_crash_is_picked_from_its_log(tmp_path):
+    from megascale_jax.workers import WorkerGroup, error_key, last_error_line
+
+    fatal = "F1122 17:01:02.123456   48213 hlo_instruction.cc:1615] Invalid binary instruction opcode copy"
+    assert last_error_line(XLA_ABORT_LOG) == fatal
+    assert last_error_line(PY_ERROR_LOG) == "jax.errors.JaxRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel"
+    assert last_error_line(["step 1 loss 5.6", " 10%|█         | 1/10 [00:01<00:09, 1.0step/s]"]) == ""
+    # The same crash in another process, at another time, compares equal; another message does not.
+    again = "F1123 09:12:44.000001    771 hlo_instruction.cc:1615] Invalid binary instruction opcode copy"
+    assert error_key(again) == error_key(fatal) != error_key(again.replace("copy", "add"))
+    # The group reads the current attempt only and its tail leaves out frames and progress bars.
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    (log_dir / "worker0.log").write_text("\n".join(PY_ERROR_LOG + XLA_ABORT_LOG) + "\n")
+    group = WorkerGroup.__new__(WorkerGroup)
+    group.log_paths = [str(log_dir / "worker0.log")]
+    assert group.last_error(0) == fatal
+    tail = group.log_tail(0, lines=5)
+    assert fatal in tail and not any("0x7f3c" in line or "File " in line for line in tail), tail
+
+
+@pytest.mark.slow
+def test_a_deterministic_native_crash_is_given_up_after_the_second_time(tmp_path):
+    """The worker aborts (SIGABRT, glog fatal line, stack) before step 3 every time it gets
+    there: restarted once from the step-2 checkpoint, it aborts at the same step with the same
+    message, so the driver gives up with that message instead of restarting max_restarts times."""
+    done = run_module("megascale_jax.launch", ["--nprocs", "1", "--run-dir", str(tmp_path), "--no-diagnose", *SMALL,
+                                               "train.steps=6", "checkpoint.every=2", "supervisor.max_restarts=5"],
+                      env={"MEGASCALE_FAULT_ABORT": "0:3"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    log = events(tmp_path)
+    faults = [e for e in log if e["kind"] == "fault"]
+    assert [(f["cause"], f["exit_code"]) for f in faults] == [("aborted", -6)] * 2, log
+    assert all("injected abort before step 3" in f["error"] for f in faults), faults
+    assert [e["kind"] for e in log].count("restart") == 1 and log[-1]["kind"] == "give_up", log
+    assert "injected abort before step 3" in log[-1]["summary"] and "deterministic" in log[-1]["summary"]
+    assert "error: F" in done.stdout and "injected abort before step 3" in done.stdout
+    assert "0x7f0000001234" not in done.stdout  # the report leaves the native frames out
