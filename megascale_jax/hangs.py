@@ -32,7 +32,7 @@ ARRIVAL_STAGES = {"data_wait": 0, "dispatch": 1}  # order within one step on the
 class RankState:
     rank: int
     host: str
-    status: str  # running | done | failed | hung | waiting | stopped
+    status: str  # running | done | failed | interrupted | hung | waiting | stopped
     arrived: tuple[int, str]  # (step, phase) of its furthest arrival
     last_phase: str  # its last row: phase ...
     last_step: int  # ... of this step
@@ -59,7 +59,8 @@ def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
         arrivals = [(int(t.step[i]), t.phase[i]) for i in mine if t.phase[i] in ARRIVAL_STAGES]
         seen = set(t.phase[mine])
         ended_by_error = {STATE_PREFIX + "failed", STATE_PREFIX + "diverged"} & seen
-        status = "done" if STATE_PREFIX + "done" in seen else "failed" if ended_by_error else "running"
+        status = ("done" if STATE_PREFIX + "done" in seen else "failed" if ended_by_error else
+                  "interrupted" if STATE_PREFIX + "interrupted" in seen else "running")  # SIGINT/SIGTERM, saved
         states.append(RankState(p, hosts.get(p, "?"), status,
                                 max(arrivals, key=_position, default=(0, "none")),
                                 str(t.phase[last]), int(t.step[last]), float(ends[last])))

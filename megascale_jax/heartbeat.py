@@ -63,6 +63,10 @@ class Heartbeat(LoopObserver):
         elif name == "dispatch":  # arrived at `step`: in a stuck collective, who never arrived
             self.loop.update(arrived_step=step)
 
+    def record(self, record):
+        # The driver prints rank 0's progress on its console (launch): loss and throughput.
+        self.loop.update(loss=record["loss"], tokens_per_s=record["tokens_per_s"])
+
     def close(self):
         self.stopping.set()
         self.wake.set()

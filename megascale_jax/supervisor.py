@@ -16,7 +16,12 @@ else the last sign of health):
   steps (`observe.profile_every`, `stragglers.flag_slow_devices`) as a `slow_device` event;
   with `supervisor.evict_stragglers=true` the first of them is also a fault (locally all ranks
   restart on this machine; on a cluster its node would be excluded and replaced).
-Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line.
+Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line; rank 0's
+progress (step, loss, tokens/s, every `train.log_every` steps) is printed too.
+
+A stop request (`request_stop`: SIGINT/SIGTERM to the launcher) is passed on to every worker,
+which finishes its step in flight and checkpoints it; the driver waits for them, judging no
+faults meanwhile, and exits 128 + the signal. A second request kills the workers at once.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import redis
 from megascale_jax.config import Config
 from megascale_jax.heartbeat import FIELDS, heartbeat_key
 from megascale_jax.timings import read_timings
-from megascale_jax.workers import WorkerGroup, describe_exit
+from megascale_jax.workers import WorkerGroup, describe_exit, error_key
 
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
@@ -45,6 +50,9 @@ class Fault:
     at: float  # wall time of the fault
     detected: float  # wall time of its detection
     log_tail: list[str] = dataclasses.field(default_factory=list)  # the faulty rank's last log lines
+    error: str = ""  # the line of its log that names the cause (workers.last_error_line)
+    step: int | None = None  # the highest step any heartbeat reported before the fault
+    exit_code: int | None = None  # the faulty worker's exit code (negative: the signal), if it exited
 
     @property
     def latency_s(self) -> float:
@@ -237,22 +245,45 @@ class Supervisor:
         self.stragglers_seen: set[tuple] = set()  # (rank, first_step, last_step) already logged
         self.slow_devices_seen: set[int] = set()  # device ids already logged
         self.straggler_check_at = 0.0
+        self.stop_signal = 0  # the signal of a stop request, 0 while none
+        self.progress_printed: int | None = None  # rank 0's last step on the console (None: not started)
+        self.stop_codes: dict[int, int] = {}  # the workers' exit codes after a stop request
+
+    def request_stop(self, signum: int) -> None:
+        """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
+        name = signal.Signals(signum).name
+        if self.stop_signal:
+            print(f"\n[supervisor] second {name}: killing the workers now", flush=True)
+            raise SystemExit(128 + signum)  # unwinds through _attempt, which kills the workers
+        self.stop_signal = signum
+        print(f"\n[supervisor] {name}: the workers finish the step in flight and checkpoint it "
+              "(send it again to kill them at once)", flush=True)
 
     def run(self) -> int:
-        """0 when training finished, 1 when the driver gave up (report printed)."""
+        """0 when training finished, 1 when the driver gave up (report printed), 128 + signal when
+        stopped by a signal."""
         sv = self.job.cfg.supervisor
         restarts, resume_step = 0, None
         while True:
+            if self.stop_signal:
+                return self._stopped(restarts)
             fault, last_step = self._attempt(restarts, resume_step)
+            if self.stop_signal:
+                return self._stopped(restarts)
             if fault is None:
                 self.events.log("done", f"training finished after {restarts} restart(s)", restarts=restarts)
                 return 0
+            fault.step = last_step
             self.faults.append(fault)
             self.events.log("fault", f"{fault.cause} of rank {fault.rank} ({fault.detail}); detected in "
-                            f"{fault.latency_s:.2f}s at step {last_step}", cause=fault.cause, rank=fault.rank,
-                            detail=fault.detail, latency_s=fault.latency_s, step=last_step, restarts=restarts)
+                            f"{fault.latency_s:.2f}s at step {last_step}" + (f": {fault.error}" if fault.error else ""),
+                            cause=fault.cause, rank=fault.rank, detail=fault.detail, latency_s=fault.latency_s,
+                            step=last_step, restarts=restarts, error=fault.error, exit_code=fault.exit_code)
             if fault.cause == "config_error":
                 return self._give_up("a worker rejected the config or data (see its log); not retried", restarts)
+            if self._repeated_crash():
+                return self._give_up(f"the same {fault.cause} twice at step {last_step} ({fault.error}); "
+                                     "it is deterministic, a restart would repeat it", restarts)
             faulty = self._diagnose(restarts)
             if fault.cause == "diverged" and not faulty:
                 return self._give_up("non-finite loss with healthy devices: a restart would replay it; "
@@ -282,12 +313,22 @@ class Supervisor:
                             header=f"attempt {attempt}, job {job_id}")
         monitor = HeartbeatMonitor(self.client, job_id, job.nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
-        self.drill_at, alive_at, fault = None, time.time(), None
+        self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
+        self.progress_printed = None
         try:
             while True:
                 time.sleep(job.poll_s)
                 now = time.time()
                 codes = group.exit_codes()
+                if self.stop_signal:  # they checkpoint and exit 128 + signal: no fault is judged
+                    if not forwarded:
+                        for rank in range(job.nprocs):
+                            group.signal(rank, self.stop_signal)
+                        forwarded = True
+                    if len(codes) == job.nprocs:
+                        self.stop_codes = codes
+                        return None, monitor.max_step
+                    continue
                 failed = {rank: code for rank, code in codes.items() if code != 0}
                 if failed:
                     fault = self._exit_fault(failed, alive_at, now)
@@ -304,6 +345,7 @@ class Supervisor:
                                     "the fault", step=monitor.max_step, since_fault_s=since, restarts=attempt)
                     resume_step = None
                 self._note_heartbeats_back(monitor, set(codes), now)
+                self._print_progress(monitor)
                 self._fire_drill(group, monitor.max_step, now)
                 fault = monitor.check(now, finished=set(codes)) or self._check_stragglers(now)
                 if fault:
@@ -314,13 +356,57 @@ class Supervisor:
             group.stop()
             if fault is not None and fault.rank is not None:
                 fault.log_tail = group.log_tail(fault.rank)
+                fault.error = group.last_error(fault.rank)
+
+    def _print_progress(self, monitor: HeartbeatMonitor) -> None:
+        """Rank 0's progress on the console: where an attempt starts (the checkpoint it resumed
+        from), then step, loss and tokens/s every `train.log_every` steps (the heartbeat seen when
+        a multiple is passed; the workers' own logs stay in logs/)."""
+        record = monitor.records.get(0, {})
+        step, every = record.get("step", 0), max(1, self.job.cfg.train.log_every)
+        if self.progress_printed is None:  # this attempt's start, once rank 0 restored or initialised
+            if record.get("state") in ("compiling", "training"):
+                if step:
+                    print(f"[rank 0] resumed from checkpoint step {step}", flush=True)
+                self.progress_printed = step
+            return
+        if "loss" not in record or step // every <= self.progress_printed // every:
+            return
+        self.progress_printed = step
+        print(f"[rank 0] step {step:5d} loss {record['loss']:.4f} {record['tokens_per_s']:.0f} tokens/s",
+              flush=True)
+
+    def _stopped(self, restarts: int) -> int:
+        """The end of a run stopped by a signal: which checkpoint it can resume from."""
+        from megascale_jax import checkpoint
+
+        steps = checkpoint.committed_steps(checkpoint.checkpoint_dir(self.job.cfg, self.job.run_dir))
+        codes = self.stop_codes
+        odd = {r: c for r, c in codes.items() if c not in (0, 128 + self.stop_signal)}
+        where = f"checkpoint step {steps[-1]}" if steps else "no checkpoint"
+        self.events.log("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}; newest {where}"
+                        + (f"; {', '.join(f'rank {r} {describe_exit(c)}' for r, c in odd.items())}" if odd else ""),
+                        signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
+        print(f"interrupted at step {steps[-1]}; checkpoint saved — re-run the same command to resume" if steps
+              else "interrupted; no checkpoint saved (checkpoint.every=0?): a re-run starts from step 0", flush=True)
+        return 128 + self.stop_signal
 
     def _exit_fault(self, failed: dict[int, int], alive_at: float, now: float) -> Fault:
         rank = min(failed, key=lambda r: (failed[r] == -signal.SIGABRT, r))
         code = failed[rank]
         others = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in failed.items() if r != rank)
         detail = describe_exit(code) + (f"; also {others}" if others else "")
-        return Fault(EXIT_CAUSES.get(code, "crash"), rank, detail, self.drill_at or alive_at, now)
+        return Fault(EXIT_CAUSES.get(code, "crash"), rank, detail, self.drill_at or alive_at, now, exit_code=code)
+
+    def _repeated_crash(self) -> bool:
+        """The last two faults are the same worker exit at the same step with the same error line:
+        a deterministic crash (a compiler abort, a bad op), which a restart from the same
+        checkpoint replays. A drill or a kill has no error line and is always retried."""
+        if len(self.faults) < 2:
+            return False
+        a, b = self.faults[-2:]
+        return (a.exit_code is not None and b.exit_code is not None and bool(b.error) and a.cause == b.cause
+                and a.step == b.step and error_key(a.error) == error_key(b.error))
 
     def _fire_drill(self, group: WorkerGroup, step: int, now: float) -> None:
         if not self.drills or step < self.drills[0].step:
@@ -424,7 +510,8 @@ class Supervisor:
         self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))
         print("\n[supervisor] gave up — fault report", flush=True)
         for i, f in enumerate(self.faults):
-            print(f"  {i + 1}. {f.cause} of rank {f.rank}: {f.detail} (detected in {f.latency_s:.2f}s)")
+            print(f"  {i + 1}. {f.cause} of rank {f.rank} at step {f.step}: {f.detail} "
+                  f"(detected in {f.latency_s:.2f}s)" + (f"\n     error: {f.error}" if f.error else ""))
         if self.faults and self.faults[-1].log_tail:
             print("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
         print(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {os.path.join(self.job.run_dir, 'logs')}; "

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import checkpoint, data, device_profile, flops, pipeline, rendezvous, sharding
+from megascale_jax import checkpoint, data, device_profile, flops, pipeline, rendezvous, run_dir as run_dirs, sharding
+from megascale_jax.interrupt import Interrupted, StopRequest
 from megascale_jax.observers import observers_for
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.mesh import make_mesh, use_cpu_devices
@@ -153,6 +154,9 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
 
     wrapped = functools.partial(in_scope, fn)
     wrapped.lower = functools.partial(in_scope, fn.lower)
+    # `.trace(...).lower(lowering_platforms=("cuda",))` lowers for a GPU from a CPU-only host
+    # (tests/test_cuda_lowering.py); `.lower` alone lowers for the mesh's own platform.
+    wrapped.trace = functools.partial(in_scope, fn.trace)
     return wrapped
 
 
@@ -169,6 +173,9 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
         return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
     except TrainingDiverged:
         watch.state("diverged", -1)  # the supervisor does not retry it on healthy devices
+        raise
+    except Interrupted as e:
+        watch.state("interrupted", e.step)  # asked to stop: not a fault
         raise
     except BaseException:
         watch.state("failed", -1)
@@ -222,7 +229,9 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     if is_main:
         keep_records_up_to(os.path.join(run_dir, "metrics.jsonl"), start)
     metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
-    bar = tqdm(total=cfg.train.steps, initial=start, disable=not is_main, unit="step", dynamic_ncols=True)
+    # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
+    bar = tqdm(total=cfg.train.steps, initial=start, disable=not (is_main and sys.stderr.isatty()),
+               unit="step", dynamic_ncols=True)
 
     def log_saves(saves: list[dict]) -> None:
         """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
@@ -270,6 +279,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     # synchronously: a checkpoint of step k is only started once record k is written, so
     # resume never finds a checkpoint newer than the metrics.
     pending = None
+    stop = StopRequest(mesh)  # SIGINT/SIGTERM: finish the step in flight, checkpoint it, exit
     watch.state("training", start)
     last_time = time.perf_counter()
     try:
@@ -291,13 +301,14 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             watch.phase(step, "dispatch", wall_dispatch, 0.0)
             state, metrics = train_step(state, batch)
             watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
+            stop_signal = stop.after_dispatch() if step < cfg.train.steps else 0
             if pending:
                 last_time = finish(*pending, last_time)
                 pending = None
-            saving = ckpt is not None and ckpt.should_save(step)
+            saving = ckpt is not None and (ckpt.should_save(step) or bool(stop_signal))
             if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
                 last_time = finish(step, metrics, data_wait, last_time, params=state.params)
-            elif saving or profiling:
+            elif saving or profiling or stop_signal:
                 last_time = finish(step, metrics, data_wait, last_time)
             else:
                 pending = (step, metrics, data_wait)
@@ -309,9 +320,16 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                 log_saves(ckpt.save(step, state, batches.get_state()))
                 watch.phase(step, "checkpoint", t_save, time.time() - t_save)
                 watch.state("training", step)
+            if stop_signal:
+                saved = False
+                if ckpt:
+                    log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
+                    saved = step in checkpoint.committed_steps(ckpt.directory)
+                raise Interrupted(step, stop_signal, saved)
             if ckpt:
                 log_saves(ckpt.poll())
     finally:
+        stop.close()
         bar.close()
         batches.close()
         if metrics_file:
@@ -319,7 +337,19 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         if ckpt:
             log_saves(ckpt.close())
     watch.state("done", cfg.train.steps)
+    log(run_summary(records, start, time.perf_counter() - t0))
     return records
+
+
+def run_summary(records: list[dict], start: int, wall_s: float) -> str:
+    """The one line every run ends with: steps, wall time, final losses, mean throughput."""
+    if not records:
+        return f"nothing to train: already at step {start}"
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in records)
+    return (f"done: steps {start + 1}-{records[-1]['step']} in {wall_s:.1f}s; final loss {records[-1]['loss']:.4f}"
+            + (f", val_loss {val[-1]:.4f}" if val else "")
+            + f"; mean {tokens / sum(r['step_time_s'] for r in records):.0f} tokens/s")
 
 
 def keep_records_up_to(path: str, step: int) -> None:
@@ -380,26 +410,42 @@ def parse_args(argv):
     return parser.parse_intermixed_args(argv)
 
 
-def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None) -> str:
+def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
+                    ) -> tuple[str, run_dirs.RunDirLock | None]:
+    """The run directory, locked for this run (None: a launcher holds the lock for its workers),
+    checked for a run it could not continue, with the resolved config written into it."""
     if run_dir is None:
         name = os.path.splitext(os.path.basename(config_path or "tiny_cpu"))[0]
         run_dir = os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-        # A run directory with checkpoints is resumed (train() restores the newest good one).
-        steps = checkpoint.committed_steps(checkpoint.checkpoint_dir(cfg, run_dir))
-        if not steps:
-            raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
-                              "to resume from; pass a new --run-dir")
-        if steps[-1] >= cfg.train.steps:
-            raise ConfigError(f"--run-dir {run_dir!r} already holds a finished run (checkpoint at step "
-                              f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
-                              "it or pass a new --run-dir")
+    lock = None
+    if not run_dirs.held_for_us(run_dir):
+        try:
+            lock = run_dirs.RunDirLock(run_dir).acquire()
+        except run_dirs.RunDirInUse as e:
+            raise ConfigError(str(e)) from None
+        except OSError as e:
+            raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        save_config(cfg, os.path.join(run_dir, "config.yaml"))
-    except OSError as e:
-        raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
-    return run_dir
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            # A run directory with checkpoints is resumed (train() restores the newest good one).
+            steps = checkpoint.committed_steps(checkpoint.checkpoint_dir(cfg, run_dir))
+            if not steps:
+                raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
+                                  "to resume from; pass a new --run-dir")
+            if steps[-1] >= cfg.train.steps:
+                raise ConfigError(f"--run-dir {run_dir!r} already holds a finished run (checkpoint at step "
+                                  f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
+                                  "it or pass a new --run-dir")
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            save_config(cfg, os.path.join(run_dir, "config.yaml"))
+        except OSError as e:
+            raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
+    except ConfigError:
+        if lock:
+            lock.release()  # refused: nothing of ours stays behind
+        raise
+    return run_dir, lock
 
 
 def main(argv=None) -> int:
@@ -426,9 +472,9 @@ def main(argv=None) -> int:
         # Built here so that too little data is a one-line error before anything compiles.
         train_batches = data.SequenceBatches.from_config(cfg, tokens, "train")
         val_batches = data.SequenceBatches.from_config(cfg, tokens, "val")
-        run_dir = args.run_dir
+        run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
-            run_dir = prepare_run_dir(args.run_dir, cfg, args.config)
+            run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -440,6 +486,15 @@ def main(argv=None) -> int:
     except TrainingDiverged as e:
         print(f"error: {e}", file=sys.stderr)
         return 3
+    except Interrupted as e:
+        if jax.process_index() == 0:
+            print(f"interrupted at step {e.step}; " + (
+                "checkpoint saved — re-run the same command to resume" if e.saved else
+                "no checkpoint saved (checkpoint.every=0 or the save failed, see above)"), file=sys.stderr, flush=True)
+        return e.exit_code
+    finally:
+        if lock:
+            lock.release()
     if jax.process_index() == 0:
         print(f"run directory: {run_dir}")
     return 0

@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -315,6 +316,9 @@ def test_kill_during_background_write_then_resume_is_bitwise_exact(reference, tm
     resumed = run_cli(run_dir, [*TINY, *DP8])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from checkpoint step 10" in resumed.stdout + resumed.stderr
+    # SIGKILL left the run directory's lock record behind: taken over, with one notice.
+    notes = [line for line in resumed.stderr.splitlines() if "taking over the lock" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: ") and "no longer running" in notes[0], resumed.stderr
     got, want = records(run_dir), records(reference)
     assert [r["step"] for r in got] == list(range(1, 21))  # 11-15 of the killed run were dropped
     for g, w in zip(got, want):
@@ -462,3 +466,107 @@ def test_damaged_checkpoints_give_one_warning_line_each_then_resume_from_the_goo
     assert [(g["loss"], g["grad_norm"]) for g in got] == [(w["loss"], w["grad_norm"]) for w in want]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".corrupt")) == \
         ["10.corrupt", "15.corrupt"]
+
+
+# Runs the CLI with the batch of step HOLD_STEP held back until the file GO exists (writing HELD
+# when it starts waiting): the run is live, mid-way, for as long as the test needs. With
+# HOLD_SAVE set, the checkpoint of the interrupt is held instead (to send a second signal).
+HOLD_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from megascale_jax import checkpoint, data, train
+    HOLD_STEP, FLAGS = int(os.environ["HOLD_STEP"]), os.environ["FLAGS"]
+    get, save, calls = data.Prefetcher.get, checkpoint.Checkpointer.save, [0]
+    def held_get(self):
+        calls[0] += 1
+        if calls[0] == HOLD_STEP:  # call n returns the batch of step n (step 1's is fetched first)
+            open(os.path.join(FLAGS, "HELD"), "w").close()
+            while not os.path.exists(os.path.join(FLAGS, "GO")):
+                time.sleep(0.05)
+        return get(self)
+    def held_save(self, step, state, data_state):
+        if os.environ.get("HOLD_SAVE") and step == HOLD_STEP:
+            open(os.path.join(FLAGS, "SAVING"), "w").close()
+            time.sleep(600)
+        return save(self, step, state, data_state)
+    data.Prefetcher.get, checkpoint.Checkpointer.save = held_get, held_save
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def start_held_run(run_dir: Path, flags: Path, hold_step: int, hold_save: bool = False) -> subprocess.Popen:
+    flags.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "HOLD_STEP": str(hold_step), "FLAGS": str(flags),
+           **({"HOLD_SAVE": "1"} if hold_save else {})}
+    p = subprocess.Popen([sys.executable, "-c", HOLD_DRIVER, "--run-dir", str(run_dir), *TINY, *DP8], cwd=REPO,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + TIMEOUT_S
+    while not (flags / "HELD").exists():
+        assert p.poll() is None and time.time() < deadline, p.communicate()[1][-3000:]
+        time.sleep(0.1)
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("checkpoint-reference")
+def test_a_second_run_is_refused_and_sigterm_saves_the_step_in_flight_then_resume_is_bitwise(reference, tmp_path):
+    """A live run is held before step 9 (checkpoints every 5). A second `train` on its directory
+    exits 2 naming the holder and touches nothing. SIGTERM then lets the first finish step 9,
+    commit a checkpoint of it and exit 143 with the resume hint; the same command again resumes
+    from step 9 and ends bitwise equal to the uninterrupted run."""
+    run_dir, flags = tmp_path / "run", tmp_path / "flags"
+    first = start_held_run(run_dir, flags, hold_step=9)
+    try:
+        before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "checkpoints" not in p.parts}
+        second = run_cli(run_dir, [*TINY, *DP8])
+        assert second.returncode == 2, second.stderr[-3000:]
+        errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"in use by pid {first.pid} on host " in errors[0], second.stderr[-3000:]
+        assert "Traceback" not in second.stderr
+        after = {p: p.read_bytes() for p in before}
+        assert after == before  # config.yaml, metrics, timings, the lock: untouched
+        first.send_signal(signal.SIGTERM)
+        (flags / "GO").touch()
+        out, err = first.communicate(timeout=TIMEOUT_S)
+    finally:
+        first.kill()
+    assert first.returncode == 143, err[-3000:]
+    assert "interrupted at step 9; checkpoint saved — re-run the same command to resume" in err.splitlines(), err[-2000:]
+    assert "Traceback" not in err
+    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) == [5, 9]
+    assert [r["step"] for r in records(run_dir)] == list(range(1, 10))
+    assert (run_dir / ".lock").read_text() == ""  # released on the way out
+
+    resumed = run_cli(run_dir, [*TINY, *DP8])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from checkpoint step 9" in resumed.stdout + resumed.stderr
+    assert "taking over" not in resumed.stderr  # the interrupted run released its lock
+    got, want = records(run_dir), records(reference)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    assert [(g["loss"], g["grad_norm"], g["lr"]) for g in got] == [(w["loss"], w["grad_norm"], w["lr"]) for w in want]
+    done = [line for line in resumed.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith(f"done: steps 10-20 in ") and \
+        f"final loss {want[-1]['loss']:.4f}, val_loss {want[-1]['val_loss']:.4f}" in done[0], resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_second_signal_exits_at_once(tmp_path):
+    """SIGINT asks for a checkpoint of the step in flight; a second SIGINT while that save is
+    (held) in progress exits 130 at once, leaving the committed checkpoints as they were."""
+    run_dir, flags = tmp_path / "run", tmp_path / "flags"
+    p = start_held_run(run_dir, flags, hold_step=7, hold_save=True)
+    try:
+        p.send_signal(signal.SIGINT)
+        (flags / "GO").touch()
+        deadline = time.time() + TIMEOUT_S
+        while not (flags / "SAVING").exists():
+            assert p.poll() is None and time.time() < deadline
+            time.sleep(0.05)
+        start = time.time()
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        assert time.time() - start < 10
+    finally:
+        p.kill()
+    assert p.returncode == 130, err[-3000:]
+    assert "second signal (SIGINT): exiting now" in err and "Traceback" not in err, err[-3000:]
+    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) == [5]

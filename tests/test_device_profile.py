@@ -98,7 +98,7 @@ def test_profiled_steps_write_device_rows_that_the_report_reads(tmp_path):
                              "mesh.dp=2", "mesh.pp=1", "mesh.tp=2", "mesh.cpu_devices=4", "checkpoint.every=0",
                              "observe.profile_every=2", "observe.tensorboard=false"])
     tokens = data.load_tokens(cfg)
-    run_dir = prepare_run_dir(str(tmp_path / "run"), cfg, None)
+    run_dir, _ = prepare_run_dir(str(tmp_path / "run"), cfg, None)
     records = train(cfg, run_dir, data.SequenceBatches.from_config(cfg, tokens, "train"),
                     data.SequenceBatches.from_config(cfg, tokens, "val"))
     assert [r["step"] for r in records] == [1, 2, 3, 4]

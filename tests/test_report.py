@@ -256,3 +256,180 @@ def test_a_resumed_run_is_judged_on_its_current_attempt_only(tmp_path):
     states = hangs.rank_states(t, now=float((t.start + t.duration).max()) + 61, hang_after=60)
     assert [s.status for s in states] == ["waiting", "hung", "waiting"], [s.describe() for s in states]
     assert states[1].arrived == (45, "data_wait") and states[0].arrived == (45, "dispatch")
+
+
+def _killed_run(run_dir, steps=20):
+    """A synthetic 2-rank run killed between steps: no done mark, metrics' last line cut mid-write."""
+    write_synthetic_run(run_dir, [0.0, 0.0], lambda p, k: 0.0, steps=steps)
+    for p in range(2):
+        path = os.path.join(timings.timings_dir(run_dir), f"process-{p}.csv")
+        lines = [line for line in open(path).read().splitlines() if "state:done" not in line]
+        open(path, "w").write("\n".join(lines) + "\n" + f"{steps},{p},-1,-1")  # a torn CSV row too
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": k, "loss": 5.0 - 0.1 * k, "tokens_per_s": 1000.0 + k}) + "\n"
+                     for k in range(1, steps + 1))
+        f.write('{"step": 21, "loss": 3.')  # cut by the kill
+
+
+def test_a_killed_run_with_a_torn_metrics_line_is_reported_as_ended_not_hung(tmp_path):
+    _killed_run(tmp_path)
+    summary = report.write_report(str(tmp_path), hang_after=1)
+    for name in ("heatmap.png", "trace.json", "parallel_view.txt", "parallel_view.png", "throughput.png",
+                 "summary.txt"):
+        assert os.path.getsize(tmp_path / "report" / name) > 0, name
+    assert "ENDED WITHOUT FINISHING" in summary and "killed or crashed" in summary, summary
+    assert "waiting" not in summary and "HUNG" not in summary and "not written" not in summary, summary
+    assert "waiting" not in (tmp_path / "report" / "parallel_view.txt").read_text()
+
+
+def test_supervisor_faults_and_restarts_appear_in_summary_trace_and_plot(tmp_path):
+    """A supervised run whose rank 1 was SIGKILLed at step 8, restarted from step 4, and later
+    exited with code 1 (the give-up): exited with its exit code, never 'hung', restarts listed."""
+    _killed_run(tmp_path)
+    t0 = 1.7e9
+    log = [{"time": t0 + 0.85, "kind": "fault", "cause": "crash", "rank": 1, "exit_code": -9, "step": 8,
+            "summary": "crash of rank 1 (killed by SIGKILL)"},
+           {"time": t0 + 0.9, "kind": "restart", "cause": "crash", "rank": 1, "resume_step": 4,
+            "summary": "restart 1/3 from checkpoint step 4 (4 steps lost)"},
+           {"time": t0 + 2.2, "kind": "fault", "cause": "crash", "rank": 1, "exit_code": 1, "step": 20,
+            "summary": "crash of rank 1 (exit code 1)"},
+           {"time": t0 + 2.3, "kind": "give_up", "summary": "supervisor.max_restarts=1 exhausted"}]
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in log)
+        f.write('{"time": 1.7e9, "kind": "fau')  # torn too
+    summary = report.write_report(str(tmp_path), hang_after=1)
+    assert "EXITED: rank 0 stopped by the supervisor after rank 1 exited; rank 1 exit code 1" in summary, summary
+    assert "after 2 fault(s) and 1 restart(s); the supervisor gave up" in summary, summary
+    assert "restart 1/3 from checkpoint step 4" in summary and "hung" not in summary.lower(), summary
+    trace = json.load(open(tmp_path / "report" / "trace.json"))["traceEvents"]
+    markers = [e["name"] for e in trace if e["ph"] == "i" and e.get("s") == "g"]
+    assert [m.split(":")[0] for m in markers] == ["fault", "restart", "fault", "give_up"], markers
+    assert matplotlib.image.imread(tmp_path / "report" / "throughput.png").std() > 0
+
+
+def test_a_restarted_run_that_finished_says_so(tmp_path):
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.0, steps=10)
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.write(json.dumps({"time": 1.7e9 + 0.5, "kind": "fault", "cause": "crash", "rank": 0, "exit_code": -9,
+                            "step": 5, "summary": "crash of rank 0"}) + "\n")
+        f.write(json.dumps({"time": 1.7e9 + 0.6, "kind": "restart", "resume_step": 4, "summary": "restart 1/3"}) + "\n")
+    summary = report.write_report(str(tmp_path), hang_after=1)
+    assert "run state: finished after 1 fault(s) and 1 restart(s)" in summary, summary
+
+
+def test_a_section_that_fails_is_named_and_the_rest_is_written(tmp_path, monkeypatch):
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.0, steps=10)
+    monkeypatch.setattr(report, "write_heatmap", lambda *a: (_ for _ in ()).throw(ValueError("broken\nmore")))
+    summary = report.write_report(str(tmp_path), hang_after=1)
+    assert "heatmap.png: ValueError: broken" in summary and (tmp_path / "report" / "trace.json").exists()
+
+
+# ============================================================================ pictures
+
+
+def _add_profiled_steps(run_dir, processes, steps, phases=(("device_compute", 0.06), ("device_collective", 0.02))):
+    """Per-device rows of `phases` (as `observe.profile_every` writes them) for `steps`."""
+    for p in range(processes):
+        with open(os.path.join(timings.timings_dir(run_dir), f"process-{p}.csv"), "a", newline="") as f:
+            csv.writer(f).writerows([k, p, 2 * p + tp, p, 0, tp, phase, 1.7e9 + k * STEP, seconds + 0.01 * tp]
+                                    for k in steps for tp in range(2) for phase, seconds in phases)
+
+
+def _write_metrics(run_dir, steps, mfu):
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": k, "loss": 5.0 - 0.1 * k, "tokens_per_s": 1000.0 + k, "mfu": mfu})
+                     + "\n" for k in range(1, steps + 1))
+
+
+def _report_figures(run_dir, monkeypatch, **kwargs) -> dict:
+    """write_report's figures by file name, kept after they are saved."""
+    figures, save = {}, report.save_figure
+
+    def keep(fig, out, name):
+        figures[name] = fig
+        save(fig, out, name)
+
+    monkeypatch.setattr(report, "save_figure", keep)
+    summary = report.write_report(str(run_dir), hang_after=1, **kwargs)
+    assert "not written" not in summary, summary
+    return figures
+
+
+def _shared_label(ax, axis: str) -> str:
+    """The axis label, or that of an axes sharing this axis (shared panels label it once)."""
+    siblings = (ax.get_shared_x_axes() if axis == "x" else ax.get_shared_y_axes()).get_siblings(ax)
+    return next((label for a in siblings if (label := (a.get_xlabel() if axis == "x" else a.get_ylabel()))), "")
+
+
+def check_figure(name, fig):
+    """Every panel: a title, axis labels, a legend or a labelled colour bar, data, and whole-number
+    ticks on a step axis. Returns the panels (colour bars left out)."""
+    colorbars = {im.colorbar for ax in fig.axes for im in ax.images + ax.collections if im.colorbar}
+    panels = [ax for ax in fig.axes if ax not in {cb.ax for cb in colorbars}]
+    assert panels, name
+    for ax in panels:
+        where = f"{name}, panel {ax.get_title()!r}"
+        assert fig.get_suptitle() and ax.get_title(), where
+        assert _shared_label(ax, "x") and _shared_label(ax, "y"), where
+        assert ax.get_legend() or fig.legends or any(
+            cb.mappable.axes is ax and cb.ax.get_ylabel() for cb in colorbars), where
+        assert any(np.isfinite(np.asarray(line.get_ydata(), float)).any() for line in ax.lines) or \
+            any(np.isfinite(im.get_array()).any() for im in ax.images), f"{where}: empty"
+        if "step" in _shared_label(ax, "x"):
+            low, high = sorted(ax.get_xlim())
+            ticks = [x for x in ax.get_xticks() if low <= x <= high]
+            assert ticks and all(float(x).is_integer() for x in ticks), f"{where}: step ticks {ticks}"
+    return panels
+
+
+def test_every_picture_is_titled_labelled_keyed_and_has_no_empty_panel(tmp_path, monkeypatch):
+    """A short (3-step) run, so that a step axis left to matplotlib would get ticks at 1.5, 2.5."""
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.3 * (p == 1), steps=3)
+    _add_profiled_steps(tmp_path, 2, [2, 3])
+    _write_metrics(tmp_path, 3, mfu=None)  # CPU: no peak FLOP/s, so no MFU
+    figures = _report_figures(tmp_path, monkeypatch, window=1)
+    assert set(figures) == {"heatmap.png", "device_heatmap.png", "parallel_view.png", "throughput.png"}
+    for name, fig in figures.items():
+        check_figure(name, fig)
+        assert matplotlib.image.imread(tmp_path / "report" / name).std() > 0, name
+    assert [ax.get_title() for ax in check_figure("heatmap", figures["heatmap.png"])] == \
+        ["arrival lateness vs the other ranks", "step time"]
+    assert len(check_figure("device heatmap", figures["device_heatmap.png"])) == 2
+    # On CPU the throughput figure is the tokens/s panel alone: no empty MFU panel.
+    assert [ax.get_ylabel() for ax in check_figure("throughput", figures["throughput.png"])] == ["tokens/s"]
+    assert figures["parallel_view.png"].get_suptitle().endswith("steps 1-3 (all 3 windows)")
+
+
+def test_throughput_has_an_mfu_panel_where_mfu_is_known(tmp_path, monkeypatch):
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.0, steps=5)
+    _write_metrics(tmp_path, 5, mfu=0.42)
+    with open(tmp_path / "events.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in (
+            {"time": 1.7e9, "kind": "fault", "cause": "crash", "rank": 1, "exit_code": -9, "step": 3},
+            {"time": 1.7e9, "kind": "restart", "resume_step": 2},
+            {"time": 1.7e9, "kind": "fault", "cause": "crash", "rank": 1, "exit_code": -9, "step": 4}))
+    fig = _report_figures(tmp_path, monkeypatch)["throughput.png"]
+    top, bottom = check_figure("throughput", fig)
+    assert bottom.get_ylabel() == "MFU, %"
+    np.testing.assert_allclose(bottom.lines[0].get_ydata(), 42.0)
+    assert top.get_legend_handles_labels()[1] == ["tokens/s", "fault", "restart"]  # one entry per kind
+
+
+def test_the_parallel_view_says_which_windows_it_shows(tmp_path, monkeypatch):
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.0, steps=8)
+    _write_metrics(tmp_path, 8, mfu=None)
+    fig = _report_figures(tmp_path, monkeypatch, window=1)["parallel_view.png"]
+    panels = check_figure("parallel view", fig)
+    assert len(panels) == report.MAX_VIEW_WINDOWS  # one row per window, one stage
+    assert "steps 3-8 of 1-8 (the 6 most recent of 8 windows)" in fig.get_suptitle(), fig.get_suptitle()
+    assert [ax.get_title() for ax in panels] == [f"steps {k}-{k}, pp=0" for k in range(3, 9)]
+
+
+def test_a_heat_map_without_data_for_a_panel_leaves_that_panel_out(tmp_path, monkeypatch):
+    """One rank has no peers to be late against; devices without collectives have none profiled."""
+    write_synthetic_run(tmp_path, [0.0], lambda p, k: 0.0, steps=4)
+    _add_profiled_steps(tmp_path, 1, [2, 4], phases=[("device_compute", 0.06)])
+    _write_metrics(tmp_path, 4, mfu=None)
+    figures = _report_figures(tmp_path, monkeypatch)
+    assert [ax.get_title() for ax in check_figure("heatmap", figures["heatmap.png"])] == ["step time"]
+    assert [ax.get_title() for ax in check_figure("device heatmap", figures["device_heatmap.png"])] == ["compute"]

@@ -8,9 +8,11 @@ fault, so three faults cost one job start), then give-up and diagnostics.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -157,10 +159,10 @@ def events(run_dir) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def final_record(run_dir) -> dict:
+def final_record(run_dir, steps: int = 20) -> dict:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    assert [r["step"] for r in records] == list(range(1, 21))  # every step once, despite the restarts
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step once, despite the restarts
     return records[-1]
 
 
@@ -372,3 +374,50 @@ def test_a_deterministic_native_crash_is_given_up_after_the_second_time(tmp_path
     assert "injected abort before step 3" in log[-1]["summary"] and "deterministic" in log[-1]["summary"]
     assert "error: F" in done.stdout and "injected abort before step 3" in done.stdout
     assert "0x7f0000001234" not in done.stdout  # the report leaves the native frames out
+
+
+# ============================================================================ stop on a signal
+
+
+def progress(console: str) -> list[int]:
+    """The steps of the `[rank 0] step N loss X T tokens/s` lines the launcher printed."""
+    return [int(line.split()[3]) for line in console.splitlines() if line.startswith("[rank 0] step ")]
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_checkpoints_every_worker_and_the_same_command_resumes(tmp_path):
+    """SIGTERM to `launch` (a scheduler's cancel or preemption): both workers finish the same
+    step, it is checkpointed, the launcher exits 143 with the resume hint and no fault; rank 0's
+    progress was on the launcher's console. The same command then resumes from that step."""
+    args = ["--nprocs", "2", "--run-dir", str(tmp_path / "run"), "--no-diagnose", *SMALL, "train.steps=60",
+            "train.log_every=2"]
+    console = tmp_path / "console.txt"
+    with open(console, "w") as out:
+        p = subprocess.Popen([sys.executable, "-m", "megascale_jax.launch", *args], stdout=out,
+                             stderr=subprocess.STDOUT, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        try:
+            deadline = time.time() + 300
+            while max(progress(console.read_text()), default=0) < 6:
+                assert p.poll() is None and time.time() < deadline, console.read_text()[-3000:]
+                time.sleep(0.1)
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(timeout=300) == 143, console.read_text()[-3000:]
+        finally:
+            p.kill()
+    text = console.read_text()
+    log = events(tmp_path / "run")
+    assert log[-1]["kind"] == "interrupted" and not any(e["kind"] in ("fault", "restart") for e in log), log
+    step = log[-1]["step"]
+    assert 6 <= step < 60 and f"interrupted at step {step}; checkpoint saved — re-run the same command to resume" in text
+    logs = [(tmp_path / "run" / "logs" / f"worker{rank}.log").read_text() for rank in (0, 1)]
+    assert f"interrupted at step {step}; checkpoint saved" in logs[0] and "SIGTERM received" in logs[1]
+    # Rank 0's progress: one line each time its heartbeat passed a multiple of log_every.
+    printed = progress(text)
+    assert printed == sorted(set(printed)) and len({n // 2 for n in printed}) == len(printed), text
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == list(range(1, step + 1))
+
+    again = run_module("megascale_jax.launch", args)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"[rank 0] resumed from checkpoint step {step}\n" in again.stdout, again.stdout
+    assert final_record(tmp_path / "run", 60)["step"] == 60

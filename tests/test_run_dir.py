@@ -1,0 +1,84 @@
+"""One live run per run directory (`megascale_jax/run_dir.py`), on real processes.
+
+The holder of a lock is another process here, never this one: flock locks belong to an open
+file, so only a second process shows what a second `train` would see.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from megascale_jax import run_dir
+
+HOLD = """
+import sys, time
+from megascale_jax import run_dir
+lock = run_dir.RunDirLock(sys.argv[1]).acquire()  # kept: a collected lock closes its file
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def holder(path) -> subprocess.Popen:
+    """A process that takes the lock of `path` and sleeps; returns once it holds it."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_a_live_holder_is_named_and_a_dead_ones_lock_is_taken_over_with_a_notice(tmp_path):
+    p = holder(tmp_path)
+    try:
+        with pytest.raises(run_dir.RunDirInUse) as e:
+            run_dir.RunDirLock(str(tmp_path)).acquire()
+        message = str(e.value)
+        assert f"pid {p.pid} on host {socket.gethostname()}" in message and "--run-dir" in message
+        assert "\n" not in message
+    finally:
+        p.kill()  # SIGKILL: no release, its record stays in the file
+        p.wait()
+    notes = []
+    lock = run_dir.RunDirLock(str(tmp_path)).acquire(warn=notes.append)
+    assert len(notes) == 1 and f"left by pid {p.pid}" in notes[0] and "no longer running" in notes[0], notes
+    assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+    lock.release()
+    # A clean release leaves nothing to take over: no notice the next time.
+    notes.clear()
+    run_dir.RunDirLock(str(tmp_path)).acquire(warn=notes.append).release()
+    assert notes == [] and (tmp_path / ".lock").read_text() == ""
+
+
+def test_workers_of_the_launcher_holding_the_lock_run_under_it(tmp_path, monkeypatch):
+    p = holder(tmp_path)
+    try:
+        monkeypatch.setenv(run_dir.HOLDER_ENV, str(p.pid))
+        assert run_dir.held_for_us(str(tmp_path))
+        monkeypatch.setenv(run_dir.HOLDER_ENV, str(p.pid + 1))  # another launcher's workers
+        assert not run_dir.held_for_us(str(tmp_path))
+        monkeypatch.delenv(run_dir.HOLDER_ENV)
+        assert not run_dir.held_for_us(str(tmp_path))
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_launch_refuses_a_directory_in_use(tmp_path):
+    p = holder(tmp_path)
+    try:
+        start = time.time()
+        r = subprocess.run([sys.executable, "-m", "megascale_jax.launch", "--nprocs", "1", "--run-dir", str(tmp_path),
+                            "train.steps=2"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()] and f"pid {p.pid}" in r.stderr
+        assert not (tmp_path / "logs").exists() and not (tmp_path / "redis").exists()  # nothing started
+        assert time.time() - start < 60
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait()
