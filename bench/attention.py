@@ -51,7 +51,7 @@ def time_fwd_bwd(fn, args, iters: int) -> float:
 
 
 def attention_impls(window):
-    from megascale_jax.attention import attend
+    from megascale_jax.model.attention import attend
     from pallas_kernels import flash_attention, triton_attention
 
     impls = {

@@ -4,7 +4,7 @@ the data loader's throughput against the train step's consumption; prints tables
     python bench/checkpoint.py [--sizes-gb 0.1 1 4] [--repeats 3] [--dir /tmp/ckpt-bench]
 
 The state is a dict of float32 arrays sharded over 8 simulated CPU devices (dp=8 on the first
-axis, like ZeRO-1 moments), saved through `megascale_jax.checkpoint.Checkpointer` exactly as
+axis, like ZeRO-1 moments), saved through `megascale_jax.training.checkpoint.Checkpointer` exactly as
 training does. The figure we track is blocking/total: the share of a save that stalls
 training (target <= 5%). The blocking part is orbax's device->host stage plus the per-array
 checksums computed on the device; the checksum is timed alone too, because on the CPU the
@@ -39,7 +39,7 @@ def make_state(size_gb: float, mesh):
 
 def measure_saves(cfg, directory, state, repeats):
     import jax
-    from megascale_jax import checkpoint
+    from megascale_jax.training import checkpoint
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     ckpt = checkpoint.Checkpointer(cfg, directory, warn=print)
@@ -66,8 +66,9 @@ def measure_saves(cfg, directory, state, repeats):
 
 def measure_loader(cfg, steps):
     """Batches/s the grain loader delivers alone, vs the steps/s training consumes."""
-    from megascale_jax import data, sharding
-    from megascale_jax.mesh import make_mesh
+    from megascale_jax.training import data
+    from megascale_jax.parallel import sharding
+    from megascale_jax.parallel.mesh import make_mesh
 
     mesh = make_mesh(cfg.mesh)
     batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
@@ -95,7 +96,7 @@ def main() -> int:
 
     jax.config.update("jax_num_cpu_devices", 8)
     from megascale_jax.config import load_config
-    from megascale_jax.mesh import make_mesh
+    from megascale_jax.parallel.mesh import make_mesh
 
     cfg = load_config(None, ["mesh.dp=8", "mesh.tp=1", "checkpoint.keep=1", f"train.steps={args.repeats}"])
     mesh = make_mesh(cfg.mesh)

@@ -32,9 +32,9 @@ class CompiledStep:
 
 
 def compile_train_step(overrides: list[str]) -> CompiledStep:
-    from megascale_jax import data
+    from megascale_jax.training import data
     from megascale_jax.config import load_config
-    from megascale_jax.mesh import make_mesh
+    from megascale_jax.parallel.mesh import make_mesh
     from megascale_jax.train import build_trainer
 
     cfg = load_config(None, overrides)

@@ -34,7 +34,7 @@ def configurations(pp: int, microbatches: list[int], variants=VARIANTS):
 
 
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
-    from megascale_jax.pipeline import schedule_for
+    from megascale_jax.parallel.pipeline import schedule_for
 
     compiled = compile_train_step([
         "mesh.dp=1", f"mesh.pp={args.pp}", f"mesh.tp={args.tp}", f"mesh.cpu_devices={args.pp * args.tp}",

@@ -4,7 +4,7 @@
 
 For every schedule it compiles the full train step (pp stages, tp=1, dp=1), profiles `--steps`
 steps with `jax.profiler.trace` and cuts each device's HLO ops into the table's ticks at the
-pipeline's ppermutes (`megascale_jax.device_profile`). Per (stage, tick) the busy time is the
+pipeline's ppermutes (`megascale_jax.observe.device_profile`). Per (stage, tick) the busy time is the
 union of the compute ops (median over steps). From it:
 
 * `bubble_measured`: the lockstep bubble with these busy times (a tick lasts as long as its
@@ -38,7 +38,7 @@ from provenance import add_output_flags, result_path, write_result  # bench/prov
 def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[list[float]], list[float], float]:
     """busy[stage][tick] in µs (median over steps), each stage's busy µs outside the tick loop
     (median over steps) and the median step wall time in s."""
-    from megascale_jax import device_profile
+    from megascale_jax.observe import device_profile
 
     compiled.median_time_s(1)  # warm
     walls = []
@@ -60,9 +60,9 @@ def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[li
 
 
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
-    from megascale_jax import device_profile
-    from megascale_jax.pipeline import schedule_for
-    from megascale_jax.pipeline_schedule import bubble_closed_form
+    from megascale_jax.observe import device_profile
+    from megascale_jax.parallel.pipeline import schedule_for
+    from megascale_jax.parallel.pipeline_schedule import bubble_closed_form
 
     compiled = compile_train_step([
         "mesh.dp=1", f"mesh.pp={args.pp}", "mesh.tp=1", f"mesh.cpu_devices={args.pp}", "train.eval_every=0",

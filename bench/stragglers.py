@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from provenance import add_output_flags, result_path, write_result  # noqa: E402
 from supervisor import DRILL_MODEL  # noqa: E402  (bench/supervisor.py)
 
-from megascale_jax import stragglers  # noqa: E402
-from megascale_jax.timings import read_timings  # noqa: E402
+from megascale_jax.observe import stragglers  # noqa: E402
+from megascale_jax.observe.timings import read_timings  # noqa: E402
 
 # The drill model, one CPU device per worker (mesh and batch are set per run, below), no
 # checkpoints, no supervisor straggler check (the bench judges the timings itself).

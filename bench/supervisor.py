@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from provenance import add_output_flags, result_path, write_result  # noqa: E402
 
-from megascale_jax import rendezvous  # noqa: E402
-from megascale_jax.redis_server import EmbeddedRedis  # noqa: E402
+from megascale_jax.cluster import rendezvous  # noqa: E402
+from megascale_jax.supervise.redis_server import EmbeddedRedis  # noqa: E402
 
 DRILL_MODEL = ["train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=64",
                "train.global_batch=8", "optim.warmup=1", "mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2",

@@ -20,7 +20,7 @@ from typing import Literal, Optional
 
 import yaml
 
-from megascale_jax import pipeline_schedule
+from megascale_jax.parallel import pipeline_schedule
 
 
 class ConfigError(ValueError):
@@ -146,7 +146,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Heartbeats and recovery (`python -m megascale_jax.launch`; megascale_jax/supervisor.py)."""
+    """Heartbeats and recovery (`python -m megascale_jax.launch`; megascale_jax/supervise/supervisor.py)."""
 
     heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
@@ -157,7 +157,7 @@ class SupervisorConfig:
 
 @dataclass(frozen=True)
 class ObserveConfig:
-    """Per-step phase timings, TensorBoard scalars and straggler detection (megascale_jax/timings.py)."""
+    """Per-step phase timings, TensorBoard scalars and straggler detection (megascale_jax/observe/timings.py)."""
 
     timings: bool = True  # RUN_DIR/timings/: per-process, per-step phase durations
     tensorboard: bool = True  # RUN_DIR/tensorboard/: loss, lr, grad norm, MFU, tokens/s, step time

@@ -1,4 +1,4 @@
-"""One live run per run directory: `RUN_DIR/.lock`, held for the life of the run.
+"""The run directory: where checkpoints go, and one live run per directory (`RUN_DIR/.lock`).
 
 Two runs on one directory would interleave their metrics, timings, checkpoints.jsonl and
 TensorBoard files and trim each other's records on resume, so the second is refused before it
@@ -23,8 +23,21 @@ import socket
 import sys
 import time
 
+from megascale_jax.config import Config
+
 LOCK_FILE = ".lock"
 HOLDER_ENV = "MEGASCALE_RUN_DIR_LOCK_HOLDER"  # the pid of the launcher that holds the lock for its workers
+
+
+def checkpoint_dir(cfg: Config, run_dir: str) -> str:
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def committed_steps(directory: str) -> list[int]:
+    """Steps with a committed checkpoint, oldest first (no JAX needed: commit = a rename to `<step>`)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
 
 
 class RunDirInUse(RuntimeError):

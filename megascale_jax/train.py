@@ -26,15 +26,19 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import checkpoint, data, device_profile, flops, pipeline, rendezvous, run_dir as run_dirs, sharding
-from megascale_jax.interrupt import Interrupted, StopRequest
-from megascale_jax.observers import observers_for
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
-from megascale_jax.mesh import make_mesh, use_cpu_devices
-from megascale_jax.model import Transformer, loss_fn
-from megascale_jax.optim import learning_rate_schedule, make_optimizer
-from megascale_jax.tensor_parallel import XLA_OVERLAP_FLAGS
-
+from megascale_jax.model import flops
+from megascale_jax.model.transformer import Transformer, loss_fn
+from megascale_jax.observe import device_profile, timings
+from megascale_jax.parallel import pipeline, sharding
+from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
+from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
+from megascale_jax.training import checkpoint, data
+from megascale_jax.training.interrupt import Interrupted, StopRequest
+from megascale_jax.training.observers import Observers
+from megascale_jax.training.optim import learning_rate_schedule, make_optimizer
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
@@ -155,12 +159,19 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
     wrapped = functools.partial(in_scope, fn)
     wrapped.lower = functools.partial(in_scope, fn.lower)
     # `.trace(...).lower(lowering_platforms=("cuda",))` lowers for a GPU from a CPU-only host
-    # (tests/test_cuda_lowering.py); `.lower` alone lowers for the mesh's own platform.
+    # (tests/parallel/test_cuda_lowering.py); `.lower` alone lowers for the mesh's own platform.
     wrapped.trace = functools.partial(in_scope, fn.trace)
     return wrapped
 
 
 # ============================================================================ the loop
+
+
+def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | None = None) -> Observers:
+    """The observers this process runs for `cfg` (and, under a supervisor, for the Redis server
+    `redis` and job id `job` it joined). Each capability adds its own line here."""
+    return Observers(timings.observers(cfg, run_dir, mesh) + faults.from_env()
+                     + heartbeat.observers(cfg, mesh, redis, job))
 
 
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import by_platform, gpu_params, pad_axis
+from pallas_kernels._common import by_platform, gpu_params, pad_axis
 
 DEFAULT_BLOCKS = {"gpu": (8, 1024), "cpu": (256, 1024)}  # (rows, cols); GPU values untuned
 _TANH_C = math.sqrt(2 / math.pi)

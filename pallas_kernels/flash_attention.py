@@ -4,7 +4,7 @@
                                          k, v: (batch, seq, kv_heads, head_dim)
 
 A query at position i sees keys j with i - w < j <= i (window=None: every j <= i), exactly like
-`megascale_jax.attention.attend`. Query heads h = kv * group + g share kv head `kv` (GQA).
+`megascale_jax.model.attention.attend`. Query heads h = kv * group + g share kv head `kv` (GQA).
 
 Each program owns one query block and runs an online softmax (FlashAttention-2) over the KV
 blocks that intersect its window: `kv_block_range` gives that inclusive range from the block
@@ -19,7 +19,7 @@ queries by causality (j <= i < seq_len), padded query rows are sliced off, and t
 is zero, so they contribute nothing to dk/dv.
 
 Lowered for the CPU the kernels run in Pallas interpret mode. Lowered for a GPU they go through
-the Pallas Triton backend (`pallas.triton.CompilerParams`); tests/test_cuda_lowering.py lowers
+the Pallas Triton backend (`pallas.triton.CompilerParams`); tests/parallel/test_cuda_lowering.py lowers
 them for CUDA on a CPU-only machine, but they have not been compiled or run on a GPU yet.
 """
 
@@ -35,7 +35,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import by_platform, gpu_params, pad_axis
+from pallas_kernels._common import by_platform, gpu_params, pad_axis
 
 # Finite "minus infinity": exp(MASKED - m) underflows to 0 without producing NaNs from inf - inf.
 MASKED = -0.7 * float(np.finfo(np.float32).max)

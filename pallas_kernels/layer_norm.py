@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import by_platform, gpu_params, pad_axis
+from pallas_kernels._common import by_platform, gpu_params, pad_axis
 
 DEFAULT_BLOCK_ROWS = {"gpu": 8, "cpu": 256}  # GPU value untuned
 
@@ -170,7 +170,7 @@ def layer_norm_residual_reference(x, residual, scale, bias, *, eps: float = 1e-5
 
 
 def layer_norm_reference(x, scale, bias, *, eps: float = 1e-5, out_dtype=None):
-    """Pure-jnp LayerNorm in float32 (the same formula as `megascale_jax.model.Norm`)."""
+    """Pure-jnp LayerNorm in float32 (the same formula as `megascale_jax.model.transformer.Norm`)."""
     xf = x.astype(jnp.float32)
     mean = xf.mean(axis=-1, keepdims=True)
     var = jnp.square(xf - mean).mean(axis=-1, keepdims=True)

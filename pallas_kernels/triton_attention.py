@@ -19,7 +19,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import pad_axis
+from pallas_kernels._common import pad_axis
 from pallas_kernels.flash_attention import MASKED, _Cfg, kv_block_range, with_pallas_backward
 
 try:

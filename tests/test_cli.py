@@ -194,7 +194,9 @@ def test_user_mistake_is_one_line_and_exit_2_before_compiling(inputs, case, tmp_
 
 def test_options_and_overrides_mix_in_any_order(tmp_path, monkeypatch):
     """`train.steps=10 --run-dir D mesh.dp=8`: overrides after an option are overrides, in every CLI."""
-    from megascale_jax import flops, launch, train
+    from megascale_jax.model import flops
+    from megascale_jax.supervise import launch
+    from megascale_jax import train
 
     jax.devices()
     seen = {}
@@ -223,7 +225,7 @@ def test_cpu_devices_follow_the_mesh_unless_given():
 
 
 def test_memory_check_refuses_only_what_cannot_fit():
-    from megascale_jax import flops
+    from megascale_jax.model import flops
 
     cfg = load_config(None, ["model.seq_len=4096"])
     total = flops.memory_estimate(cfg)["total"]

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from megascale_jax.rendezvous import free_port
+from megascale_jax.cluster.rendezvous import free_port
 
 COMMON = ["train.steps=4", "train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=32",
           "train.global_batch=8", "optim.warmup=1"]

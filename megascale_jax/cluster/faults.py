@@ -1,0 +1,91 @@
+"""Test and drill support: make one process a straggler or make it hang, from the environment.
+
+* ``MEGASCALE_FAULT_SLOW="<process>:<fraction>"`` — that process sleeps, right before it
+  dispatches each step, `fraction` times its recent step time: it arrives late at every step,
+  like a host with a slow CPU or data loader.
+* ``MEGASCALE_FAULT_STOP="<process>:<step>"`` — that process sends itself SIGSTOP right before
+  dispatching `step`: a host that hung; its peers block in the step's collectives.
+* ``MEGASCALE_FAULT_ABORT="<process>:<step>"`` — that process prints a glog-style fatal line and
+  aborts (SIGABRT) right before dispatching `step`, every time it gets there: a native crash
+  that repeats deterministically, like an XLA check failure.
+
+Nothing here runs unless the variables are set; never set them in production.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from megascale_jax.training.observers import LoopObserver
+
+
+class SlowProcess(LoopObserver):
+    """Sleeps `fraction` × the median of the last few step times before each dispatch."""
+
+    def __init__(self, fraction: float):
+        self.fraction = fraction
+        self.recent: list[float] = []
+
+    def phase(self, step, name, start, duration):
+        if name == "step":
+            self.recent = (self.recent + [duration])[-5:]
+
+    def before_step(self, step):
+        if self.recent:
+            time.sleep(self.fraction * sorted(self.recent)[len(self.recent) // 2])
+
+
+class StopProcess(LoopObserver):
+    def __init__(self, step: int):
+        self.step = step
+
+    def before_step(self, step):
+        if step == self.step:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class AbortProcess(LoopObserver):
+    def __init__(self, step: int):
+        self.step = step
+
+    def before_step(self, step):
+        if step == self.step:
+            import sys
+            import faulthandler
+            import time as _time
+
+            # glog's format (severity+date, time, thread, file:line), as XLA's check failures print it.
+            now = _time.time()
+            stamp = _time.strftime("%m%d %H:%M:%S", _time.localtime(now)) + f".{int(now % 1 * 1e6):06d}"
+            print(f"F{stamp} {os.getpid():7d} faults.py:1] injected abort before step {step} "
+                  "(MEGASCALE_FAULT_ABORT)", file=sys.stderr, flush=True)
+            print("*** Check failure stack trace: ***\n    @     0x7f0000001234  abort\n"
+                  "    @     0x7f0000005678  (unknown)", file=sys.stderr, flush=True)
+            faulthandler.enable()  # the Python stack dump a real abort prints after the frames
+            os.abort()
+
+
+def _target(variable: str, process: int) -> str | None:
+    """The value after "<process>:" in `variable` when it names this process."""
+    spec = os.environ.get(variable)
+    if not spec:
+        return None
+    target, _, value = spec.partition(":")
+    return value if int(target) == process else None
+
+
+def from_env() -> list[LoopObserver]:
+    """The faults the environment asks this process to inject (usually none)."""
+    import jax
+
+    process = jax.process_index()
+    found: list[LoopObserver] = []
+    if (fraction := _target("MEGASCALE_FAULT_SLOW", process)) is not None:
+        found.append(SlowProcess(float(fraction)))
+    if (step := _target("MEGASCALE_FAULT_STOP", process)) is not None:
+        found.append(StopProcess(int(step)))
+    if (step := _target("MEGASCALE_FAULT_ABORT", process)) is not None:
+        found.append(AbortProcess(int(step)))
+    return found

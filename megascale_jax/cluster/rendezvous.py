@@ -1,0 +1,137 @@
+"""Rendezvous through Redis: the workers of one job register, learn their rank and the address
+of the `jax.distributed` coordinator, and wait at barriers.
+
+MegaScale replaced PyTorch's TCPStore with Redis to bring 2,048 GPUs up in seconds; here Redis
+also carries the heartbeats (heartbeat.py), so a job needs exactly one external service. All
+keys of a job live under `megascale:<job>:` and expire after a day, so stale jobs clean
+themselves up. A job id is used by one set of workers only: the launcher gives every restart
+attempt its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import os
+import socket
+import time
+import urllib.parse
+
+import redis
+
+KEY_TTL_S = 24 * 3600
+
+
+class RendezvousError(RuntimeError):
+    """The job could not assemble (Redis unreachable, too many workers, a barrier timed out)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Membership:
+    """What one worker learned at the rendezvous."""
+
+    rank: int
+    nprocs: int
+    coordinator: str  # HOST:PORT of the jax.distributed service that rank 0 runs
+    wait_s: float  # seconds between registering and the last worker's arrival
+
+
+def key(job: str, *parts) -> str:
+    return ":".join(["megascale", job, *map(str, parts)])
+
+
+# A worker's heartbeat record (cluster/heartbeat.py writes it, the driver reads it): the fields
+# the driver relies on, and its key. Here, beside the other key names, because the driver must
+# not import the writer (jax).
+HEARTBEAT_FIELDS = ("rank", "pid", "host", "seq", "time", "state", "step")
+
+
+def heartbeat_key(job: str, rank: int) -> str:
+    return key(job, "heartbeat", rank)
+
+
+def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
+    """A client for `redis://HOST:PORT`; `timeout_s` bounds each command (None: blocking waits allowed)."""
+    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0)
+
+
+def job_id_from_env() -> str:
+    """The job id a cluster scheduler gives all workers of one job attempt alike. A requeued SLURM
+    job keeps its SLURM_JOB_ID and a restarted JobSet its name, so the restart count is part of
+    the id (as in configs/cluster/): a new attempt never meets the old attempt's registrations."""
+    env = os.environ
+    if env.get("MEGASCALE_JOB"):
+        return env["MEGASCALE_JOB"]
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}-{env.get('SLURM_RESTART_COUNT') or 0}"
+    if env.get("JOBSET_NAME"):
+        return f"{env['JOBSET_NAME']}-{env.get('JOBSET_RESTART_ATTEMPT') or 0}"
+    return "default"
+
+
+def join(url: str, job: str, nprocs: int, rank: int | None = None, timeout_s: float = 300.0) -> Membership:
+    """Register as one of `nprocs` workers of `job` and wait until all have.
+
+    `rank` is the scheduler's process index when it has one (SLURM_PROCID, a JobSet completion
+    index); without, ranks are handed out in order of arrival."""
+    client = connect(url)
+    try:
+        client.ping()
+    except redis.RedisError as e:
+        raise RendezvousError(f"cannot reach Redis at {url}: {e}; start it or fix --redis") from None
+    if rank is None:
+        rank = client.incr(key(job, "next_rank")) - 1
+        client.expire(key(job, "next_rank"), KEY_TTL_S)
+    if not 0 <= rank < nprocs:
+        raise RendezvousError(f"job {job!r} has {nprocs} workers but this one got rank {rank}; "
+                              "use a fresh job id for every launch")
+    client.hset(key(job, "members"), str(rank), json.dumps(
+        {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}))
+    client.expire(key(job, "members"), KEY_TTL_S)
+    if rank == 0:
+        address = f"{_advertised_host(url)}:{free_port()}"
+        client.set(key(job, "coordinator"), address, ex=KEY_TTL_S)
+    start = time.perf_counter()
+    barrier(client, job, "joined", nprocs, timeout_s)
+    coordinator = client.get(key(job, "coordinator")).decode()
+    return Membership(rank=rank, nprocs=nprocs, coordinator=coordinator, wait_s=time.perf_counter() - start)
+
+
+def barrier(client: redis.Redis, job: str, name: str, nprocs: int, timeout_s: float) -> None:
+    """Block until `nprocs` workers called barrier(name). The last to arrive pushes one token per
+    waiter onto a list that the others wait on with BLPOP: no polling, one round trip each."""
+    arrived = client.incr(key(job, "barrier", name))
+    client.expire(key(job, "barrier", name), KEY_TTL_S)
+    release = key(job, "barrier", name, "release")
+    if arrived > nprocs:
+        raise RendezvousError(f"more than {nprocs} workers reached barrier {name!r} of job {job!r}; "
+                              "use a fresh job id for every launch")
+    if arrived == nprocs:
+        if nprocs > 1:
+            client.rpush(release, *[1] * (nprocs - 1))
+            client.expire(release, KEY_TTL_S)
+        return
+    if client.blpop([release], timeout=timeout_s) is None:
+        count = int(client.get(key(job, "barrier", name)) or 0)
+        raise RendezvousError(f"barrier {name!r} of job {job!r}: {count} of {nprocs} workers arrived "
+                              f"within {timeout_s:.0f}s")
+
+
+def _advertised_host(redis_url: str) -> str:
+    """Workers reach the coordinator the way they reach Redis: over loopback when Redis is local,
+    else at this host's address."""
+    host = urllib.parse.urlparse(redis_url).hostname or "localhost"
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return "127.0.0.1"
+    except ValueError:
+        pass  # a host name: not loopback
+    return socket.gethostbyname(socket.gethostname())
+
+
+def free_port(host: str = "") -> int:
+    """A TCP port nobody listens on right now (on `host`; "" = every interface)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,2 @@
+"""The model, knowing nothing of meshes: `transformer` (the parallel/serial block, Flax),
+`attention` (xla / cudnn / pallas dispatch), `flops` (FLOPs, MFU and the memory estimate)."""

@@ -1,0 +1,208 @@
+"""Parameter count, model FLOPs per token, device peak FLOP/s, MFU and a per-device memory estimate.
+
+FLOPs convention (Megatron-LM's, as in Narayanan et al. 2021 and the MegaScale paper):
+* A matmul with an (m, n) weight costs 2·m·n FLOPs per token in the forward pass. Every weight
+  matrix counts: attention q/k/v/o, MLP w1/w2 and the LM head (d × V). The embedding is a
+  lookup and costs 0. Biases, norms, activations and the softmax are ignored (lower order).
+* Attention scores (q·kᵀ) and values (p·v) cost 2·2·heads·head_dim·ctx per token and layer,
+  where ctx = min(window, seq_len) keys per query (window=None → seq_len). Like Megatron we
+  count the full ctx keys for every query — no halving for the causal mask.
+* Training = forward + backward = 3 × forward; no activation recomputation is counted, so
+  MFU measures useful model work, not the hardware's.
+With kv_heads = heads and mlp_ratio = 4 the training FLOPs per token equal Megatron's
+72·l·d²·(1 + s/(6d) + V/(12·l·d)) (its per-iteration formula divided by batch × seq_len).
+
+`python -m megascale_jax.flops --config configs/gpt_175b.yaml mesh.dp=8 mesh.pp=8 mesh.tp=8`
+prints these numbers for a config and a (possibly hypothetical) mesh, without JAX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Iterable, Optional, Sequence
+
+
+from megascale_jax.config import Config, ConfigError, ModelConfig, load_config
+from megascale_jax.parallel import pipeline_schedule
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def _layer_params(m: ModelConfig) -> int:
+    """Parameters of one transformer layer (the model stacks `layers` of them)."""
+    d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
+    norm = 2 * d if m.norm == "layernorm" else d  # scale (+ bias)
+    norms = 1 if m.block == "parallel" else 2  # the parallel block shares one norm
+    attention = (d * h * hd + h * hd) + 2 * (d * k * hd + k * hd) + (h * hd * d + d)  # q, k+v, o
+    mlp = (d * f + f) + (f * d + d)
+    return norms * norm + attention + mlp
+
+
+def param_count(model_cfg: ModelConfig) -> int:
+    """All parameters: untied embedding and LM head, `layers` blocks, final norm."""
+    m = model_cfg
+    final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
+    return m.vocab * m.d_model + m.layers * _layer_params(m) + final_norm + m.d_model * m.vocab
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+
+def forward_flops_per_token(model_cfg: ModelConfig) -> int:
+    """Forward-pass FLOPs per token (see the module docstring for what is counted)."""
+    m = model_cfg
+    d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
+    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d * f  # q, k+v, o, w1+w2
+    ctx = m.seq_len if m.window is None else min(m.window, m.seq_len)
+    layer_attention = 2 * 2 * h * hd * ctx  # q·kᵀ and p·v over ctx keys, no causal halving
+    lm_head = 2 * d * m.vocab
+    return m.layers * (2 * layer_matmul_weights + layer_attention) + lm_head
+
+
+def model_flops_per_token(model_cfg: ModelConfig) -> int:
+    """Training (forward + backward) model FLOPs per token = 3 × forward."""
+    return 3 * forward_flops_per_token(model_cfg)
+
+
+# ----------------------------------------------------------------------------- peak and MFU
+
+# bf16 dense (no sparsity) tensor-core peaks from NVIDIA's datasheets. Matched as lower-case
+# substrings of `device.device_kind`, most specific first ("h100 pcie" before "h100";
+# "h200" also matches GH200, whose GPU is the H100/H200 SXM part).
+_PEAK_BF16_DENSE = (
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h200 nvl", 835e12),
+    ("h100", 989e12),  # SXM, e.g. "NVIDIA H100 80GB HBM3"
+    ("h200", 989e12),
+    ("a100", 312e12),  # SXM and PCIe alike
+)
+
+
+def peak_flops(device) -> Optional[float]:
+    """Peak bf16 dense FLOP/s of a jax device (or a device_kind string); None if unknown (CPU...)."""
+    kind = (device if isinstance(device, str) else getattr(device, "device_kind", "")).lower()
+    for pattern, peak in _PEAK_BF16_DENSE:
+        if pattern in kind:
+            return peak
+    return None  # never guess: an MFU against a made-up peak is worse than none
+
+
+def mfu(tokens_per_s: float, model_cfg: ModelConfig, devices: Iterable) -> Optional[float]:
+    """Model FLOPs utilisation over `devices`, or None when any device's peak is unknown."""
+    peaks = [peak_flops(dev) for dev in devices]
+    if not peaks or any(p is None for p in peaks):
+        return None
+    return tokens_per_s * model_flops_per_token(model_cfg) / sum(peaks)
+
+
+# ----------------------------------------------------------------------------- memory
+
+# Activation values kept per token and d_model per layer for backward (Korthikanti et al. 2022,
+# "Reducing Activation Recomputation", Table 2: 10 + 24/tp bytes at 16 bits, i.e. 5 + 12/tp
+# values; the 24/tp part lives inside tensor-parallel regions).
+ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12
+# model.attention=xla materialises (heads, seq, seq) scores and probabilities: 2 values each.
+XLA_SCORE_VALUES = 2
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def memory_estimate(cfg: Config) -> dict:
+    """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
+    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
+    assume no rematerialisation. With pp > 1 they follow the pipeline table: its stash slots per
+    stage (flat in m for 1F1B, m·v for gpipe) each hold one chunk's input (`pp_stash=inputs`, plus
+    one chunk's residuals live while its backward recomputes it) or one chunk's residuals and
+    output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
+    embed, head = m.vocab * m.d_model, m.d_model * m.vocab + final_norm
+    edge = embed + head if mesh.pp == 1 else max(embed, head)  # first stage: embed; last: head
+    params = (m.layers // mesh.pp * _layer_params(m) + edge) / mesh.tp
+    optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
+
+    micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
+    tokens = micro_seqs * m.seq_len
+    per_layer = tokens * m.d_model * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / mesh.tp)
+    if m.attention == "xla":
+        per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
+    if mesh.pp == 1:
+        values = m.layers * per_layer
+    else:
+        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
+        chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
+        chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
+        values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
+    activations = values * _DTYPE_BYTES[m.dtype]
+    activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
+    parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
+             "activations": activations}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def check_fits(cfg: Config, limit_bytes: Optional[float], devices_sharing: int = 1, where: str = "device") -> None:
+    """Refuse (ConfigError) a config whose `memory_estimate` cannot fit: before compiling, not as a
+    RESOURCE_EXHAUSTED after it. `devices_sharing` devices draw on the same `limit_bytes` (the
+    simulated CPU devices of one process share its RAM). The estimate is rough and assumes no
+    rematerialisation, so it errs high: `train.memory_check=false` lets a user try anyway."""
+    if limit_bytes is None or not cfg.train.memory_check:
+        return
+    parts = memory_estimate(cfg)
+    needed = parts["total"] * devices_sharing
+    if needed <= limit_bytes:
+        return
+    biggest = max((k for k in parts if k != "total"), key=parts.get)
+    shared = f" ({devices_sharing} devices x {format_bytes(parts['total'])})" if devices_sharing > 1 else ""
+    raise ConfigError(
+        f"estimated memory {format_bytes(needed)}{shared}, mostly {biggest} {format_bytes(parts[biggest])}, exceeds "
+        f"the {format_bytes(limit_bytes)} of {where}; shrink model.seq_len or train.global_batch, raise "
+        "mesh.tp/mesh.pp or parallel.microbatches, or set train.memory_check=false to try anyway")
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def format_count(n: float) -> str:
+    """A parameter count in the largest unit it reaches: 175.53B, 1.27M, 9.47K, 640."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
+    parser.add_argument("--target-mfu", type=float, default=0.5, help="MFU assumed for the step-time line")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides, planning=True)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+
+    m, mesh = cfg.model, cfg.mesh
+    n_devices = mesh.dp * mesh.pp * mesh.tp
+    params, per_token = param_count(m), model_flops_per_token(m)
+    step_flops = per_token * cfg.train.global_batch * m.seq_len
+    h100 = peak_flops("NVIDIA H100 80GB HBM3")
+    print(f"parameters:           {params:,} ({format_count(params)})")
+    print(f"FLOPs/token (train):  {per_token:.4g}  (forward {forward_flops_per_token(m):.4g}, window={m.window})")
+    print(f"FLOPs/step (train):   {step_flops:.4g}  (global_batch {cfg.train.global_batch} x seq_len {m.seq_len})")
+    print(f"step time at {args.target_mfu:.0%} MFU on {n_devices} x H100 SXM ({h100 / 1e12:.0f} TFLOP/s bf16): "
+          f"{step_flops / (args.target_mfu * h100 * n_devices):.3g} s")
+    print(f"memory per device (rough), mesh dp={mesh.dp} pp={mesh.pp} tp={mesh.tp}, "
+          f"microbatches={cfg.parallel.microbatches}, zero1={cfg.parallel.zero1}:")
+    for part, nbytes in memory_estimate(cfg).items():
+        print(f"  {part:<12} {format_bytes(nbytes):>10}")  # a tiny model's MiB, not 0.00 GiB
+    return 0

@@ -1,0 +1,218 @@
+"""Decoder-only transformer with MegaScale's parallel block and sliding-window attention.
+
+    parallel block:  y = x + Attn(LN(x)) + MLP(LN(x))          (one shared norm)
+    serial block:    h = x + Attn(LN1(x));  y = h + MLP(LN2(h)) (standard pre-LN)
+
+Rotary positions, grouped-query attention, a GeLU MLP, biases on every projection (GPT-3 style),
+untied embedding and LM head. The layers are stacked on a leading `layers` axis and run with
+`nn.scan`, so compile time does not grow with depth and the pipeline can later split that axis.
+
+Parameters are float32; compute runs in `model.dtype` (bf16 on GPU) with float32 softmax,
+norms and loss. Every parameter and key activation carries logical axis names; the mapping to
+mesh axes lives in `megascale_jax.parallel.sharding`, not here.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from megascale_jax.model.attention import attend
+from megascale_jax.config import ModelConfig, ParallelConfig
+from megascale_jax.parallel.tensor_parallel import column_matmul, row_matmul
+
+INIT_STD = 0.02
+
+
+def _param(module: nn.Module, name: str, init, shape, axes):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, jnp.float32)
+
+
+def _constrain(x, axes):
+    return nn.with_logical_constraint(x, axes)
+
+
+class Norm(nn.Module):
+    """LayerNorm (scale + bias) or RMSNorm (scale), computed in float32."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        d = x.shape[-1]
+        xf = x.astype(jnp.float32)
+        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",))
+        if self.cfg.norm == "rmsnorm":
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * scale
+        elif self.cfg.fused_norm:
+            bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
+            return pallas_kernels.layer_norm(x, scale, bias, eps=1e-5, out_dtype=self.cfg.dtype)
+        else:
+            bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
+            mean = jnp.mean(xf, axis=-1, keepdims=True)
+            var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+            y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+        return y.astype(self.cfg.dtype)
+
+
+def rotary(x, positions):
+    """Rotary position embedding on (batch, seq, heads, head_dim), rotating half-split pairs."""
+    half = x.shape[-1] // 2
+    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
+    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+class AttentionParams(nn.Module):
+    """q/k/v (column-parallel: heads over tp) and output (row-parallel) projections."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> dict:
+        c = self.cfg
+        d, hd = c.d_model, c.head_dim
+        normal, zeros = nn.initializers.normal(INIT_STD), nn.initializers.zeros
+        p = {}
+        for name, n, axes in (("q", c.heads, "heads"), ("k", c.kv_heads, "kv_heads"), ("v", c.kv_heads, "kv_heads")):
+            p["w" + name] = _param(self, "w" + name, normal, (d, n, hd), ("embed", axes, "head_dim"))
+            p["b" + name] = _param(self, "b" + name, zeros, (n, hd), (axes, "head_dim"))
+        out_init = nn.initializers.normal(INIT_STD / (2 * c.layers) ** 0.5)
+        p["wo"] = _param(self, "wo", out_init, (c.heads, hd, d), ("heads", "head_dim", "embed"))
+        p["bo"] = _param(self, "bo", zeros, (d,), ("embed",))
+        return p
+
+
+class MlpParams(nn.Module):
+    """Up projection (column-parallel: mlp over tp) and down projection (row-parallel)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self) -> dict:
+        c = self.cfg
+        d, f = c.d_model, c.mlp_dim
+        return {
+            "w1": _param(self, "w1", nn.initializers.normal(INIT_STD), (d, f), ("embed", "mlp")),
+            "b1": _param(self, "b1", nn.initializers.zeros, (f,), ("mlp",)),
+            "w2": _param(self, "w2", nn.initializers.normal(INIT_STD / (2 * c.layers) ** 0.5), (f, d), ("mlp", "embed")),
+            "b2": _param(self, "b2", nn.initializers.zeros, (d,), ("embed",)),
+        }
+
+
+def qkv_weights(a: dict) -> list:
+    """q, k, v weights as (d_model, heads*head_dim) matrices for `column_matmul`."""
+    return [a[w].reshape(a[w].shape[0], -1) for w in ("wq", "wk", "wv")]
+
+
+def self_attention(c: ModelConfig, q, k, v, a: dict):
+    """Projected (b, s, n*hd) q/k/v -> attention output (b, s, heads*head_dim), heads over tp."""
+    def heads(y, bias, axes):
+        y = y.reshape(*y.shape[:2], *bias.shape) + bias.astype(c.dtype)
+        return _constrain(y, ("batch", "seq", axes, "head_dim"))
+
+    q, k, v = heads(q, a["bq"], "heads"), heads(k, a["bk"], "kv_heads"), heads(v, a["bv"], "kv_heads")
+    positions = jnp.arange(q.shape[1])
+    o = attend(rotary(q, positions), rotary(k, positions), v, window=c.window, implementation=c.attention)
+    o = _constrain(o, ("batch", "seq", "heads", "head_dim"))
+    return o.reshape(*o.shape[:2], -1)
+
+
+def mlp_activation(c: ModelConfig, u, m: dict):
+    tanh = c.activation == "gelu_tanh"
+    if c.fused_mlp:
+        hidden = pallas_kernels.bias_gelu(u, m["b1"].astype(c.dtype), approximate=tanh)
+    else:
+        hidden = jax.nn.gelu(u + m["b1"].astype(c.dtype), approximate=tanh)
+    return _constrain(hidden, ("batch", "seq", "mlp"))
+
+
+class Block(nn.Module):
+    """One transformer layer; `(x, _) -> (y, None)` so that `nn.scan` can stack it.
+
+    The parallel block multiplies LN(x) by q, k, v and the MLP's first weight in one column-
+    parallel matmul and leaves through one row-parallel matmul over [attention | MLP] — one TP
+    collective each way instead of two (see `tensor_parallel`)."""
+
+    cfg: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+
+    @nn.compact
+    def __call__(self, x, _):
+        c, par = self.cfg, self.parallel
+        a, m = AttentionParams(c, name="attn")(), MlpParams(c, name="mlp")()
+        wo = a["wo"].reshape(-1, c.d_model)
+        if c.block == "parallel":
+            h = Norm(c, name="norm")(x)
+            q, k, v, u = column_matmul(h, [*qkv_weights(a), m["w1"]], par)
+            out = row_matmul([self_attention(c, q, k, v, a), mlp_activation(c, u, m)], [wo, m["w2"]], par)
+            y = x + out + (a["bo"] + m["b2"]).astype(c.dtype)
+        else:
+            q, k, v = column_matmul(Norm(c, name="norm1")(x), qkv_weights(a), par)
+            x = x + row_matmul([self_attention(c, q, k, v, a)], [wo], par) + a["bo"].astype(c.dtype)
+            x = _constrain(x, ("batch", "act_seq", "embed"))
+            (u,) = column_matmul(Norm(c, name="norm2")(x), [m["w1"]], par)
+            y = x + row_matmul([mlp_activation(c, u, m)], [m["w2"]], par) + m["b2"].astype(c.dtype)
+        return _constrain(y, ("batch", "act_seq", "embed")), None
+
+
+def scanned_blocks(length: int):
+    """`length` stacked layers as one module: `(x, None) -> (x, None)`."""
+    return nn.scan(
+        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+
+
+def embed_tokens(cfg: ModelConfig, embed, tokens):
+    x = jnp.take(embed, tokens, axis=0).astype(cfg.dtype)
+    return _constrain(x, ("batch", "act_seq", "embed"))
+
+
+def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = ParallelConfig()):
+    """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk."""
+    length = jax.tree.leaves(layer_params)[0].shape[0]
+    return scanned_blocks(length)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
+
+
+def project_vocab(cfg: ModelConfig, x, head):
+    # float32 accumulation: the loss should not see logits rounded to bf16
+    logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+    return _constrain(logits, ("batch", "seq", "vocab"))
+
+
+def lm_logits(cfg: ModelConfig, final_norm_params, head, x):
+    """Final norm + LM head given their parameters (the pipeline's last stage)."""
+    return project_vocab(cfg, Norm(cfg).apply({"params": final_norm_params}, x), head)
+
+
+def cross_entropy(logits, targets):
+    """Mean next-token cross entropy in float32."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - target_logit)
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
+
+    cfg: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.cfg
+        embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
+        x = embed_tokens(c, embed, tokens)
+        x, _ = scanned_blocks(c.layers)(c, self.parallel, name="layers")(x, None)
+        x = Norm(c, name="final_norm")(x)
+        head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
+        return project_vocab(c, x, head)
+
+
+def loss_fn(model: Transformer, params, batch):
+    """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens."""
+    return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])

@@ -1,0 +1,193 @@
+"""Per-process phase timings in the run directory, and TensorBoard scalars.
+
+Schema (one CSV per process, appended and line-flushed, so a hung or killed run keeps every row
+it wrote):
+
+``RUN_DIR/timings/process-<i>.csv``: ``step,process,device,dp,pp,tp,phase,start,duration``
+
+* ``phase``: ``data_wait`` (waiting for the batch), ``dispatch`` (enqueuing the compiled step;
+  its ``start`` is the moment the process *arrived* at the step; a zero-duration row is written
+  as the dispatch starts and the full row when it returns, so a dispatch blocked behind a hung
+  peer still shows the arrival), ``step`` (finish-to-finish time
+  of the compiled forward+backward+optimizer step), ``checkpoint`` (blocking part of a save),
+  ``eval``, and ``state:<name>`` (zero-duration marks where the loop entered a state:
+  initialising, compiling, training, checkpointing, evaluating, done, failed).
+* ``start`` is this process's wall clock (``time.time()``, seconds); clocks of different hosts
+  differ, so readers estimate per-process offsets (`megascale_jax.observe.stragglers.clock_offsets`).
+* The host loop measures phases per process, not per device: such rows carry
+  ``device=dp=pp=tp=-1``, meaning "every mesh device of this process". Which devices those
+  are is in ``RUN_DIR/timings/devices-<i>.csv``: ``process,host,device,dp,pp,tp`` (global
+  device id and its mesh coordinates).
+* Rows with ``device>=0`` come from profiled steps (``observe.profile_every``): per device
+  ``device_compute`` (union of its compute ops), ``device_collective`` (union of its
+  collectives: transfer plus waiting for peers) and ``device_span`` (first op to last), with the
+  device's own ``dp,pp,tp``.
+
+Rows are appended in the order they happen; a resumed run appends to the same file and a
+later row of the same (process, step, phase) replaces an earlier one when read.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from megascale_jax.training.observers import LoopObserver
+
+COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
+DEVICE_COLUMNS = ("process", "host", "device", "dp", "pp", "tp")
+STATE_PREFIX = "state:"
+
+
+def timings_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "timings")
+
+
+# ============================================================================ writing
+
+
+class TimingsWriter(LoopObserver):
+    """Appends this process's phase rows to its CSV; one buffered write and flush per row."""
+
+    def __init__(self, run_dir: str, mesh, process: int):
+        from megascale_jax.parallel.mesh import AXES, process_device_coords  # the writer runs in a jax process
+
+        self.process = process
+        os.makedirs(timings_dir(run_dir), exist_ok=True)
+        write_device_table(run_dir, mesh, process)
+        self.coords = {device: tuple(c[axis] for axis in AXES) for device, c in process_device_coords(mesh, process)}
+        path = os.path.join(timings_dir(run_dir), f"process-{process}.csv")
+        new = not os.path.exists(path) or os.path.getsize(path) == 0
+        self.file = open(path, "a", buffering=1)  # line-buffered: every row reaches the OS at once
+        if new:
+            self.file.write(",".join(COLUMNS) + "\n")
+
+    def phase(self, step, name, start, duration):
+        self.file.write(f"{step},{self.process},-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
+
+    def device_phase(self, step, device, name, start, duration):
+        dp, pp, tp = self.coords.get(device, (-1, -1, -1))
+        self.file.write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
+
+    def state(self, state, step):
+        self.phase(step, STATE_PREFIX + state, time.time(), 0.0)
+
+    def close(self):
+        self.file.close()
+
+
+def write_device_table(run_dir: str, mesh, process: int) -> None:
+    """This process's mesh devices with their (dp, pp, tp) coordinates and host name."""
+    from megascale_jax.parallel.mesh import AXES, process_device_coords
+
+    host = socket.gethostname()
+    with open(os.path.join(timings_dir(run_dir), f"devices-{process}.csv"), "w", newline="") as f:
+        out = csv.writer(f)
+        out.writerow(DEVICE_COLUMNS)
+        for device, coords in process_device_coords(mesh, process):
+            out.writerow([process, host, device, *(coords[axis] for axis in AXES)])
+
+
+class TensorBoardScalars(LoopObserver):
+    """Loss, learning rate, grad norm, MFU, tokens/s and step time as TensorBoard scalars."""
+
+    TAGS = ("loss", "val_loss", "lr", "grad_norm", "mfu", "tokens_per_s", "step_time_s", "data_wait_s")
+
+    def __init__(self, run_dir: str):
+        from tensorboardX import SummaryWriter
+
+        # A short flush interval so a killed run still leaves recent scalars on disk.
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), flush_secs=10)
+
+    def record(self, record):
+        for tag in self.TAGS:
+            if record.get(tag) is not None:  # mfu is None where the peak FLOP/s is unknown (CPU)
+                self.writer.add_scalar(f"train/{tag}", record[tag], record["step"])
+
+    def close(self):
+        self.writer.close()
+
+
+def observers(cfg, run_dir: str, mesh) -> list[LoopObserver]:
+    """The timing and TensorBoard observers `cfg.observe` asks for on this process."""
+    import jax  # here, so that reading timings (the report) never starts a JAX backend
+
+    process = jax.process_index()
+    found: list[LoopObserver] = []
+    if cfg.observe.timings:
+        found.append(TimingsWriter(run_dir, mesh, process))
+    if cfg.observe.tensorboard and process == 0:
+        found.append(TensorBoardScalars(run_dir))
+    return found
+
+
+# ============================================================================ reading
+
+
+@dataclass
+class Timings:
+    """All processes' rows of one run, as column arrays, plus the device table."""
+
+    step: np.ndarray
+    process: np.ndarray
+    device: np.ndarray  # -1 for host rows (every device of the process)
+    phase: np.ndarray  # str
+    start: np.ndarray
+    duration: np.ndarray
+    devices: list[dict]  # rows of devices-<i>.csv
+    processes: list[int]
+
+    def select(self, phase: str) -> np.ndarray:
+        return self.phase == phase
+
+    def device_matrix(self, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Durations of a device phase as a (device, step) matrix (NaN where missing), its device
+        ids and its steps."""
+        mask = self.select(phase) & (self.device >= 0)
+        devices, steps = np.unique(self.device[mask]), np.unique(self.step[mask])
+        out = np.full((len(devices), len(steps)), np.nan)
+        out[np.searchsorted(devices, self.device[mask]), np.searchsorted(steps, self.step[mask])] = self.duration[mask]
+        return out, devices, steps
+
+    def matrix(self, phase: str, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """`values` of `phase` rows as a (process, step) matrix (NaN where missing) and its steps."""
+        mask = self.select(phase)
+        steps = np.unique(self.step[mask])
+        out = np.full((len(self.processes), len(steps)), np.nan)
+        rows = np.searchsorted(self.processes, self.process[mask])
+        out[rows, np.searchsorted(steps, self.step[mask])] = values[mask]
+        return out, steps
+
+    def hosts(self) -> dict[int, str]:
+        return {int(d["process"]): d["host"] for d in self.devices}
+
+
+def read_timings(run_dir: str) -> Timings:
+    """Read every process's CSV; a torn last line (killed mid-write) is skipped."""
+    latest: dict[tuple, tuple] = {}
+    for path in sorted(glob.glob(os.path.join(timings_dir(run_dir), "process-*.csv"))):
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                try:
+                    key = (int(row["step"]), int(row["process"]), int(row["device"]), row["phase"])
+                    latest[key] = (float(row["start"]), float(row["duration"]))
+                except (TypeError, ValueError):
+                    continue
+    devices = []
+    for path in sorted(glob.glob(os.path.join(timings_dir(run_dir), "devices-*.csv"))):
+        with open(path, newline="") as f:
+            devices += list(csv.DictReader(f))
+    keys = list(latest)
+    values = np.array(list(latest.values()), dtype=float).reshape(-1, 2)
+    process = np.array([k[1] for k in keys], dtype=int)
+    return Timings(step=np.array([k[0] for k in keys], dtype=int), process=process,
+                   device=np.array([k[2] for k in keys], dtype=int),
+                   phase=np.array([k[3] for k in keys], dtype=object), start=values[:, 0],
+                   duration=values[:, 1], devices=devices,
+                   processes=sorted(set(process.tolist()) | {int(d["process"]) for d in devices}))

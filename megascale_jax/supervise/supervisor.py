@@ -1,0 +1,517 @@
+"""The driver's half of MegaScale's robust training (§4): watch the workers, detect a fault,
+diagnose, restart from the newest checkpoint — or give up with a report.
+
+Detection, each with its latency (detection time minus the fault's time: a drill's injection,
+else the last sign of health):
+* crash — a worker exits non-zero or by a signal (noticed within one poll). Survivors of a dead
+  JAX peer abort with SIGABRT later; the first non-aborted exit is blamed.
+* hang — a worker's heartbeat stops changing for `supervisor.hang_timeout_s` (e.g. SIGSTOP).
+* stall — heartbeats go on but the step does not advance in state `training` (a stuck collective).
+* diverged — exit code 3 (non-finite loss). Restarting replays the same data bitwise, so it only
+  helps when diagnostics blame a device; otherwise the driver gives up at once.
+* config_error — exit code 2: a user mistake, reported and never retried.
+* straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
+  the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
+  (rank, step window) as a `straggler` event, and each device that computes slowly in profiled
+  steps (`observe.profile_every`, `stragglers.flag_slow_devices`) as a `slow_device` event;
+  with `supervisor.evict_stragglers=true` the first of them is also a fault (locally all ranks
+  restart on this machine; on a cluster its node would be excluded and replaced).
+Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line; rank 0's
+progress (step, loss, tokens/s, every `train.log_every` steps) is printed too.
+
+A stop request (`request_stop`: SIGINT/SIGTERM to the launcher) is passed on to every worker,
+which finishes its step in flight and checkpoints it; the driver waits for them, judging no
+faults meanwhile, and exits 128 + the signal. A second request kills the workers at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import time
+
+import redis
+
+from megascale_jax.config import Config
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
+from megascale_jax.observe.timings import read_timings
+from megascale_jax.observe.hangs import describe_exit
+from megascale_jax.supervise.workers import WorkerGroup, error_key
+
+EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
+
+
+@dataclasses.dataclass
+class Fault:
+    cause: str  # crash | aborted | hang | stall | diverged | config_error | straggler
+    rank: int | None
+    detail: str
+    at: float  # wall time of the fault
+    detected: float  # wall time of its detection
+    log_tail: list[str] = dataclasses.field(default_factory=list)  # the faulty rank's last log lines
+    error: str = ""  # the line of its log that names the cause (workers.last_error_line)
+    step: int | None = None  # the highest step any heartbeat reported before the fault
+    exit_code: int | None = None  # the faulty worker's exit code (negative: the signal), if it exited
+
+    @property
+    def latency_s(self) -> float:
+        return self.detected - self.at
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+    """A fault the driver injects on purpose (tests, bench): `kill:RANK@STEP` (SIGKILL),
+    `stop:RANK@STEP` (SIGSTOP), `redis@STEP` (kill the embedded Redis server); it fires once,
+    when a heartbeat first reports STEP, drills in the order given."""
+
+    kind: str
+    rank: int | None
+    step: int
+
+    @classmethod
+    def parse(cls, spec: str) -> "Drill":
+        target, _, step = spec.partition("@")
+        kind, _, rank = target.partition(":")
+        if kind not in ("kill", "stop", "redis") or not step.isdigit() or (kind != "redis") != rank.isdigit():
+            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
+        return cls(kind, int(rank) if rank else None, int(step))
+
+
+class EventLog:
+    """RUN_DIR/events.jsonl plus one printed line per event."""
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, "events.jsonl")
+
+    def log(self, kind: str, summary: str, **fields) -> dict:
+        record = {"time": time.time(), "kind": kind, **fields, "summary": summary}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"[supervisor] {kind}: {summary}", flush=True)
+        return record
+
+
+# ============================================================================ heartbeats
+
+
+def parse_heartbeat(raw: bytes, rank: int) -> dict | str:
+    """The record, or why it is malformed."""
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"not JSON ({e})"
+    if not isinstance(record, dict):
+        return "not a JSON object"
+    missing = [f for f in HEARTBEAT_FIELDS if f not in record]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if record["rank"] != rank or not isinstance(record["step"], int) or not isinstance(record["seq"], int):
+        return "rank, step or seq of the wrong value or type"
+    return record
+
+
+class HeartbeatMonitor:
+    """Reads the heartbeats of one attempt's workers and notices those that stop or stall.
+
+    Times are the driver's arrival times of changed records, not the workers' clocks."""
+
+    def __init__(self, client: redis.Redis, job: str, nprocs: int, hang_timeout_s: float,
+                 startup_timeout_s: float, now: float):
+        self.client, self.keys = client, [heartbeat_key(job, r) for r in range(nprocs)]
+        self.hang_timeout_s, self.startup_timeout_s = hang_timeout_s, startup_timeout_s
+        self.started = now
+        self.records: dict[int, dict] = {}
+        self.arrived: dict[int, float] = {}  # rank -> when its record last changed
+        self.step_since: dict[int, tuple[int, float, bool]] = {}  # rank -> (step, since, advanced before)
+        self.bad: dict[int, bytes] = {}  # last malformed value warned about, per rank
+        self.reachable = True
+
+    @property
+    def max_step(self) -> int:
+        return max((r["step"] for r in self.records.values()), default=0)
+
+    def poll(self, now: float) -> bool:
+        """Read all records; False while Redis is unreachable (then nothing can be judged)."""
+        try:
+            values = self.client.mget(self.keys)
+        except redis.RedisError as e:
+            if self.reachable:
+                print(f"[supervisor] warning: Redis unreachable ({e}); hang detection paused", flush=True)
+            self.reachable = False
+            return False
+        if not self.reachable:
+            self.grace(now)
+            self.reachable = True
+        for rank, raw in enumerate(values):
+            if raw is None:
+                continue
+            record = parse_heartbeat(raw, rank)
+            if isinstance(record, str):
+                if self.bad.get(rank) != raw:
+                    print(f"[supervisor] warning: ignoring malformed heartbeat of rank {rank}: {record}", flush=True)
+                    self.bad[rank] = raw
+                continue
+            if record["seq"] != self.records.get(rank, {}).get("seq"):
+                self.arrived[rank] = now
+                self._track_progress(rank, record, now)
+            self.records[rank] = record
+        return True
+
+    def _track_progress(self, rank: int, record: dict, now: float) -> None:
+        """Progress counts in state `training` only: the jump to the resume step while
+        restoring is no step, and compiling or checkpointing restarts the clock."""
+        step, _, advanced = self.step_since.get(rank, (None, now, False))
+        if record["state"] != "training" or step is None:
+            self.step_since[rank] = (record["step"], now, advanced)
+        elif record["step"] != step:
+            self.step_since[rank] = (record["step"], now, True)
+
+    def grace(self, now: float) -> None:
+        """Restart every timer (after a Redis outage: silence then proves nothing)."""
+        self.arrived = {rank: now for rank in self.arrived}
+        self.step_since = {rank: (s, now, a) for rank, (s, _, a) in self.step_since.items()}
+        self.started = now
+
+    def check(self, now: float, finished: set[int]) -> Fault | None:
+        """A hang or stall among the ranks still running, if any. In a stuck collective every
+        rank stalls at the same step: the one blamed is the one that arrived at the fewest steps."""
+        stalled, running = [], []
+        for rank in range(len(self.keys)):
+            if rank in finished:
+                continue
+            running.append(rank)
+            state = self.records.get(rank, {}).get("state")
+            if state == "diverged":  # said before the exit, which may wait on JAX's shutdown
+                return Fault("diverged", rank, "non-finite loss or gradient norm (see its log)", self.arrived[rank], now)
+            if state == "failed":  # its exception is in its log; the exit may wait on JAX's shutdown
+                return Fault("crash", rank, "the training loop raised (see its log)", self.arrived[rank], now)
+            if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang
+                continue
+            if rank not in self.arrived:
+                if now - self.started > self.startup_timeout_s:
+                    return Fault("hang", rank, f"no heartbeat within {self.startup_timeout_s:.0f}s of start",
+                                 self.started, now)
+                continue
+            if now - self.arrived[rank] > self.hang_timeout_s:
+                return Fault("hang", rank, f"no heartbeat for {now - self.arrived[rank]:.1f}s "
+                             f"(last state {self.records[rank]['state']}, step {self.records[rank]['step']})",
+                             self.arrived[rank], now)
+            step, since, advanced = self.step_since[rank]
+            # The first step after (re)compiling may be slow: until a step finished, allow the startup time.
+            limit = self.hang_timeout_s if advanced else self.startup_timeout_s
+            if self.records[rank]["state"] == "training" and now - since > limit:
+                stalled.append(Fault("stall", rank, f"heartbeats continue but step {step} has not advanced for "
+                                     f"{now - since:.1f}s", since, now))
+        if not stalled:
+            return None
+        # Peers in one stuck collective stop within a poll of each other, at finished steps at most
+        # one apart (metrics are fetched one step late); blame among all of them, whether or not
+        # their own stall clock has run out (a rank never seen advancing waits the startup time).
+        fault, step = stalled[0], self.step_since[stalled[0].rank][0]
+        stuck = [r for r in running if r in self.step_since and abs(self.step_since[r][0] - step) <= 1
+                 and self.records[r]["state"] == "training"]
+        fault.rank = min(stuck, key=lambda r: (self.records[r].get("arrived_step", -1), r))
+        return fault
+
+
+# ============================================================================ the driver
+
+
+@dataclasses.dataclass
+class Job:
+    """What the supervisor runs: `python -m megascale_jax.train` on `nprocs` local processes."""
+
+    cfg: Config
+    run_dir: str
+    nprocs: int
+    worker_args: list[str]  # --config/--run-dir and overrides, as each worker gets them
+    job_id: str
+    env: dict
+    diagnose_args: list[str] | None  # diagnostics workers' --config and overrides; None: no diagnosis
+    startup_timeout_s: float = 300.0
+    poll_s: float = 0.1
+
+
+class Supervisor:
+    def __init__(self, job: Job, redis_url: str, server=None, drills: list[Drill] = ()):
+        self.job, self.redis_url, self.server = job, redis_url, server
+        self.drills = list(drills)
+        self.events = EventLog(job.run_dir)
+        self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.faults: list[Fault] = []
+        self.drill_at: float | None = None  # injection time of the drill fired in this attempt
+        self.redis_restarted_at: float | None = None  # until every heartbeat reached the new server
+        self.stragglers_seen: set[tuple] = set()  # (rank, first_step, last_step) already logged
+        self.slow_devices_seen: set[int] = set()  # device ids already logged
+        self.straggler_check_at = 0.0
+        self.stop_signal = 0  # the signal of a stop request, 0 while none
+        self.progress_printed: int | None = None  # rank 0's last step on the console (None: not started)
+        self.stop_codes: dict[int, int] = {}  # the workers' exit codes after a stop request
+
+    def request_stop(self, signum: int) -> None:
+        """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
+        name = signal.Signals(signum).name
+        if self.stop_signal:
+            print(f"\n[supervisor] second {name}: killing the workers now", flush=True)
+            raise SystemExit(128 + signum)  # unwinds through _attempt, which kills the workers
+        self.stop_signal = signum
+        print(f"\n[supervisor] {name}: the workers finish the step in flight and checkpoint it "
+              "(send it again to kill them at once)", flush=True)
+
+    def run(self) -> int:
+        """0 when training finished, 1 when the driver gave up (report printed), 128 + signal when
+        stopped by a signal."""
+        sv = self.job.cfg.supervisor
+        restarts, resume_step = 0, None
+        while True:
+            if self.stop_signal:
+                return self._stopped(restarts)
+            fault, last_step = self._attempt(restarts, resume_step)
+            if self.stop_signal:
+                return self._stopped(restarts)
+            if fault is None:
+                self.events.log("done", f"training finished after {restarts} restart(s)", restarts=restarts)
+                return 0
+            fault.step = last_step
+            self.faults.append(fault)
+            self.events.log("fault", f"{fault.cause} of rank {fault.rank} ({fault.detail}); detected in "
+                            f"{fault.latency_s:.2f}s at step {last_step}" + (f": {fault.error}" if fault.error else ""),
+                            cause=fault.cause, rank=fault.rank, detail=fault.detail, latency_s=fault.latency_s,
+                            step=last_step, restarts=restarts, error=fault.error, exit_code=fault.exit_code)
+            if fault.cause == "config_error":
+                return self._give_up("a worker rejected the config or data (see its log); not retried", restarts)
+            if self._repeated_crash():
+                return self._give_up(f"the same {fault.cause} twice at step {last_step} ({fault.error}); "
+                                     "it is deterministic, a restart would repeat it", restarts)
+            faulty = self._diagnose(restarts)
+            if fault.cause == "diverged" and not faulty:
+                return self._give_up("non-finite loss with healthy devices: a restart would replay it; "
+                                     "lower optim.lr or tighten optim.clip", restarts)
+            if restarts >= sv.max_restarts:
+                return self._give_up(f"supervisor.max_restarts={sv.max_restarts} exhausted", restarts)
+            restarts += 1
+            resume_step = self._prepare_restart(restarts)
+            if resume_step >= self.job.cfg.train.steps:
+                self.events.log("done", f"the final checkpoint (step {resume_step}) was committed before the "
+                                "fault; nothing to redo", restarts=restarts)
+                return 0
+            lost = max(0, last_step - resume_step)
+            self.events.log("restart", f"restart {restarts}/{sv.max_restarts} from checkpoint step {resume_step} "
+                            f"({lost} steps lost)", cause=fault.cause, rank=fault.rank, resume_step=resume_step,
+                            steps_lost=lost, restarts=restarts)
+
+    # ------------------------------------------------------------------ one attempt
+
+    def _attempt(self, attempt: int, resume_step: int | None) -> tuple[Fault | None, int]:
+        """Run the workers until they finish or a fault is detected; returns (fault, last step seen)."""
+        job, sv = self.job, self.job.cfg.supervisor
+        job_id = f"{job.job_id}-{attempt}"
+        group = WorkerGroup("megascale_jax.train", [*job.worker_args, "--redis", self.redis_url, "--job", job_id,
+                                                    "--num-processes", str(job.nprocs)],
+                            job.nprocs, job.env, os.path.join(job.run_dir, "logs"), "worker",
+                            header=f"attempt {attempt}, job {job_id}")
+        monitor = HeartbeatMonitor(self.client, job_id, job.nprocs, sv.hang_timeout_s, job.startup_timeout_s,
+                                   time.time())
+        self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
+        self.progress_printed = None
+        try:
+            while True:
+                time.sleep(job.poll_s)
+                now = time.time()
+                codes = group.exit_codes()
+                if self.stop_signal:  # they checkpoint and exit 128 + signal: no fault is judged
+                    if not forwarded:
+                        for rank in range(job.nprocs):
+                            group.signal(rank, self.stop_signal)
+                        forwarded = True
+                    if len(codes) == job.nprocs:
+                        self.stop_codes = codes
+                        return None, monitor.max_step
+                    continue
+                failed = {rank: code for rank, code in codes.items() if code != 0}
+                if failed:
+                    fault = self._exit_fault(failed, alive_at, now)
+                    return fault, monitor.max_step
+                if len(codes) == job.nprocs:
+                    return None, monitor.max_step
+                alive_at = now
+                self._keep_redis_alive(monitor, now)
+                if not monitor.poll(now):
+                    continue
+                if resume_step is not None and monitor.max_step > resume_step:
+                    since = now - self.faults[-1].at
+                    self.events.log("resumed", f"training resumed past step {resume_step}, {since:.1f}s after "
+                                    "the fault", step=monitor.max_step, since_fault_s=since, restarts=attempt)
+                    resume_step = None
+                self._note_heartbeats_back(monitor, set(codes), now)
+                self._print_progress(monitor)
+                self._fire_drill(group, monitor.max_step, now)
+                fault = monitor.check(now, finished=set(codes)) or self._check_stragglers(now)
+                if fault:
+                    if self.drill_at:
+                        fault.at = self.drill_at
+                    return fault, monitor.max_step
+        finally:
+            group.stop()
+            if fault is not None and fault.rank is not None:
+                fault.log_tail = group.log_tail(fault.rank)
+                fault.error = group.last_error(fault.rank)
+
+    def _print_progress(self, monitor: HeartbeatMonitor) -> None:
+        """Rank 0's progress on the console: where an attempt starts (the checkpoint it resumed
+        from), then step, loss and tokens/s every `train.log_every` steps (the heartbeat seen when
+        a multiple is passed; the workers' own logs stay in logs/)."""
+        record = monitor.records.get(0, {})
+        step, every = record.get("step", 0), max(1, self.job.cfg.train.log_every)
+        if self.progress_printed is None:  # this attempt's start, once rank 0 restored or initialised
+            if record.get("state") in ("compiling", "training"):
+                if step:
+                    print(f"[rank 0] resumed from checkpoint step {step}", flush=True)
+                self.progress_printed = step
+            return
+        if "loss" not in record or step // every <= self.progress_printed // every:
+            return
+        self.progress_printed = step
+        print(f"[rank 0] step {step:5d} loss {record['loss']:.4f} {record['tokens_per_s']:.0f} tokens/s",
+              flush=True)
+
+    def _stopped(self, restarts: int) -> int:
+        """The end of a run stopped by a signal: which checkpoint it can resume from."""
+        steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(self.job.cfg, self.job.run_dir))
+        codes = self.stop_codes
+        odd = {r: c for r, c in codes.items() if c not in (0, 128 + self.stop_signal)}
+        where = f"checkpoint step {steps[-1]}" if steps else "no checkpoint"
+        self.events.log("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}; newest {where}"
+                        + (f"; {', '.join(f'rank {r} {describe_exit(c)}' for r, c in odd.items())}" if odd else ""),
+                        signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
+        print(f"interrupted at step {steps[-1]}; checkpoint saved — re-run the same command to resume" if steps
+              else "interrupted; no checkpoint saved (checkpoint.every=0?): a re-run starts from step 0", flush=True)
+        return 128 + self.stop_signal
+
+    def _exit_fault(self, failed: dict[int, int], alive_at: float, now: float) -> Fault:
+        rank = min(failed, key=lambda r: (failed[r] == -signal.SIGABRT, r))
+        code = failed[rank]
+        others = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in failed.items() if r != rank)
+        detail = describe_exit(code) + (f"; also {others}" if others else "")
+        return Fault(EXIT_CAUSES.get(code, "crash"), rank, detail, self.drill_at or alive_at, now, exit_code=code)
+
+    def _repeated_crash(self) -> bool:
+        """The last two faults are the same worker exit at the same step with the same error line:
+        a deterministic crash (a compiler abort, a bad op), which a restart from the same
+        checkpoint replays. A drill or a kill has no error line and is always retried."""
+        if len(self.faults) < 2:
+            return False
+        a, b = self.faults[-2:]
+        return (a.exit_code is not None and b.exit_code is not None and bool(b.error) and a.cause == b.cause
+                and a.step == b.step and error_key(a.error) == error_key(b.error))
+
+    def _fire_drill(self, group: WorkerGroup, step: int, now: float) -> None:
+        if not self.drills or step < self.drills[0].step:
+            return
+        drill = self.drills.pop(0)
+        if drill.kind == "redis":
+            self.server.process.kill()
+        else:
+            group.signal(drill.rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
+        self.drill_at = now
+        what = "killed the Redis server" if drill.rank is None else \
+            f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
+        self.events.log("drill", f"{what} at step {step}", drill=drill.kind,
+                        rank=drill.rank, step=step)
+
+    def _check_stragglers(self, now: float) -> Fault | None:
+        """Log newly flagged stragglers; the first one is a fault if they are to be evicted."""
+        sv, observe = self.job.cfg.supervisor, self.job.cfg.observe
+        if not sv.straggler_check_s or not observe.timings or now - self.straggler_check_at < sv.straggler_check_s:
+            return None
+        self.straggler_check_at = now
+        from megascale_jax.observe import stragglers
+
+        try:
+            t = read_timings(self.job.run_dir)
+            flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window)
+            slow = stragglers.flag_slow_devices(t, observe.straggler_threshold)
+        except (OSError, ValueError) as e:  # timings not written yet, or a torn row
+            print(f"[supervisor] warning: straggler check skipped: {e}", flush=True)
+            return None
+        complete = [f for f in flagged if f["last_step"] - f["first_step"] + 1 == observe.straggler_window]
+        new = [f for f in complete if (f["rank"], f["first_step"], f["last_step"]) not in self.stragglers_seen]
+        faults = []
+        for f in new:
+            self.stragglers_seen.add((f["rank"], f["first_step"], f["last_step"]))
+            self.events.log("straggler", f"rank {f['rank']} on {f['host']} arrived {f['lateness']:.0%} of a step "
+                            f"late over steps {f['first_step']}-{f['last_step']}", **f)
+            faults.append(Fault("straggler", f["rank"], f"{f['lateness']:.0%} of a step late over steps "
+                                f"{f['first_step']}-{f['last_step']} (threshold {f['threshold']:.0%})", now, now))
+        # A device that computes slowly while its host dispatches on time (profiled steps only).
+        for d in (d for d in slow if d["device"] not in self.slow_devices_seen):
+            self.slow_devices_seen.add(d["device"])
+            where = f"device {d['device']} (dp{d['dp']} pp{d['pp']} tp{d['tp']}) of rank {d['rank']} on {d['host']}"
+            self.events.log("slow_device", f"{where} computes {d['excess']:.0%} longer than the median device", **d)
+            faults.append(Fault("straggler", d["rank"], f"{where} computes {d['excess']:.0%} longer than the "
+                                f"median device (threshold {d['threshold']:.0%})", now, now))
+        return faults[0] if faults and sv.evict_stragglers else None
+
+    def _keep_redis_alive(self, monitor: HeartbeatMonitor, now: float) -> None:
+        """Restart the embedded server if it died; the workers' next heartbeats land in the new one."""
+        if self.server is None or self.server.alive():
+            return
+        died_at = self.drill_at or now
+        self.server.start()
+        self.redis_restarted_at = time.time()
+        monitor.grace(self.redis_restarted_at)
+        self.events.log("redis_restart", f"embedded Redis died; restarted in {time.time() - died_at:.2f}s",
+                        latency_s=now - died_at, restart_s=time.time() - died_at)
+
+    def _note_heartbeats_back(self, monitor: HeartbeatMonitor, finished: set[int], now: float) -> None:
+        """After a Redis restart: one event once every running rank's heartbeat reached the new server."""
+        running = set(range(self.job.nprocs)) - finished
+        if self.redis_restarted_at and all(monitor.arrived.get(r, 0) > self.redis_restarted_at for r in running):
+            self.events.log("heartbeats_resumed", f"all heartbeats back {now - self.redis_restarted_at:.2f}s "
+                            "after the Redis restart", since_restart_s=now - self.redis_restarted_at)
+            self.redis_restarted_at = None
+
+    # ------------------------------------------------------------------ after a fault
+
+    def _diagnose(self, restarts: int) -> dict[int, str]:
+        if self.job.diagnose_args is None:
+            return {}
+        from megascale_jax.supervise import diagnose
+
+        report = diagnose.run(self.job.diagnose_args, self.job.nprocs, self.redis_url,
+                              f"{self.job.job_id}-diag{restarts}", self.job.env,
+                              os.path.join(self.job.run_dir, "logs"))
+        print(report.table(), flush=True)
+        faulty = report.faulty()
+        verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
+        # On a cluster the faulty ranks' nodes would be excluded and replaced here; locally every
+        # rank restarts on this machine.
+        self.events.log("diagnosis", verdict, faulty={str(r): why for r, why in faulty.items()},
+                        duration_s=report.duration_s, restarts=restarts)
+        return faulty
+
+    def _prepare_restart(self, restarts: int) -> int:
+        """The step the next attempt resumes from (newest committed checkpoint, else 0)."""
+        steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(self.job.cfg, self.job.run_dir))
+        if steps:
+            return steps[-1]
+        # A worker refuses a run directory with metrics but no checkpoint: set them aside, kept.
+        metrics = os.path.join(self.job.run_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.replace(metrics, f"{metrics}.before-restart-{restarts}")
+        return 0
+
+    def _give_up(self, reason: str, restarts: int) -> int:
+        self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))
+        print("\n[supervisor] gave up — fault report", flush=True)
+        for i, f in enumerate(self.faults):
+            print(f"  {i + 1}. {f.cause} of rank {f.rank} at step {f.step}: {f.detail} "
+                  f"(detected in {f.latency_s:.2f}s)" + (f"\n     error: {f.error}" if f.error else ""))
+        if self.faults and self.faults[-1].log_tail:
+            print("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
+        print(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {os.path.join(self.job.run_dir, 'logs')}; "
+              f"events: {self.events.path}", flush=True)
+        return 1

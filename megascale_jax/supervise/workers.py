@@ -1,0 +1,128 @@
+"""A group of local worker processes (training or diagnostics), one log file each.
+
+Stopping is forceful on purpose: a worker may be stopped (SIGSTOP) or blocked in a collective
+whose peer is gone, so it is continued (SIGCONT) and killed (SIGKILL) rather than asked. Nothing
+is lost by that: checkpoints commit by an atomic rename and metrics.jsonl is trimmed on resume.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from megascale_jax.config import Config, ConfigError
+
+
+def per_process_overrides(cfg: Config, overrides: list[str], nprocs: int) -> list[str]:
+    """A launched job's `mesh.cpu_devices` (default: the mesh size) is the total; each of the `nprocs`
+    workers simulates its share."""
+    total = cfg.mesh.cpu_devices if cfg.mesh.cpu_devices is not None else cfg.mesh.size
+    if total % nprocs:
+        name = "mesh.cpu_devices" if cfg.mesh.cpu_devices is not None else "mesh dp*pp*tp"
+        raise ConfigError(f"{name}={total} (devices of the whole job) must be divisible by --nprocs={nprocs}")
+    return [*overrides, f"mesh.cpu_devices={total // nprocs}"]
+
+
+def worker_env() -> dict:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # log tails in heartbeats are current
+    env.setdefault("JAX_PLATFORMS", "cpu")  # the local launcher simulates devices on the CPU
+    return env
+
+
+class WorkerGroup:
+    """`python -m <module> <args> --process-id i` for i in 0..n-1, logging to `<log_dir>/<name><i>.log`."""
+
+    def __init__(self, module: str, args: list[str], nprocs: int, env: dict, log_dir: str, name: str,
+                 header: str = ""):
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_paths = [os.path.join(log_dir, f"{name}{i}.log") for i in range(nprocs)]
+        self.processes = []
+        for i, path in enumerate(self.log_paths):
+            with open(path, "a") as log:
+                if header:
+                    log.write(f"===== {header} =====\n")
+                    log.flush()
+                self.processes.append(subprocess.Popen(
+                    [sys.executable, "-m", module, *args, "--process-id", str(i)], env=env,
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+
+    def exit_codes(self) -> dict[int, int]:
+        """Exit codes of the workers that ended so far, by rank."""
+        return {rank: code for rank, p in enumerate(self.processes) if (code := p.poll()) is not None}
+
+    def signal(self, rank: int, sig: int) -> None:
+        if self.processes[rank].poll() is None:
+            os.kill(self.processes[rank].pid, sig)
+
+    def stop(self) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                for sig in (signal.SIGCONT, signal.SIGKILL):
+                    try:
+                        os.kill(p.pid, sig)
+                    except ProcessLookupError:
+                        pass
+        for p in self.processes:
+            p.wait()
+
+    def _attempt_lines(self, rank: int) -> list[str]:
+        """This attempt's log lines (after the last header), tqdm redraws reduced to the last."""
+        with open(self.log_paths[rank], errors="replace") as f:
+            text = f.read()[-256 * 1024:]
+        text = text.rsplit("\n===== ", 1)[-1]
+        return [line.rsplit("\r", 1)[-1] for line in text.splitlines()]  # _meaningful splits glued lines
+
+    def log_tail(self, rank: int, lines: int = 5) -> list[str]:
+        """The last `lines` meaningful lines (no native stack frames, progress bars or blanks)."""
+        return _meaningful(self._attempt_lines(rank))[-lines:]
+
+    def last_error(self, rank: int) -> str:
+        return last_error_line(self._attempt_lines(rank))
+
+
+# A native crash prints glog's fatal line, then ~30 lines of `@ 0x...` frames, Python's
+# faulthandler dump (`Fatal Python error: Aborted`, `File "...", line N in f`) and the list of
+# extension modules: none of that names the problem. tqdm bars are progress, not errors.
+_NOISE = re.compile(r"""^\s*(@\s+0x|PC:\s+@|\*\*\*\s|File\s"|Fatal\sPython\serror|Current\sthread|Thread\s0x
+                     |Extension\smodules:|Traceback\s\(most|\.\.\.|\^+$|-+$|=+$|<no\sPython\sframe>)
+                     |\d+%\|.*\|.*(it|step)/s""", re.X)
+_GLOG = r"[FEWI]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] "
+_GLOG_FATAL = re.compile(r"^[FE]\d{4} ")
+_PY_ERROR = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Failure)|jaxlib\.\S+|KeyboardInterrupt)(:|$)")
+
+
+def _is_noise(line: str) -> bool:
+    return not line.strip() or bool(_NOISE.search(line))
+
+
+def _meaningful(lines: list[str]) -> list[str]:
+    """`lines` without noise. stderr is shared, so a glog line can follow a progress bar's last
+    redraw on the same line: it is split off first."""
+    split = [part for line in lines for part in re.split(f"(?={_GLOG})", line)]
+    return [line.strip() for line in split if not _is_noise(line)]
+
+
+def last_error_line(lines: list[str]) -> str:
+    """The line of a worker's log that names why it died, '' if none does.
+
+    In order of preference: the last glog fatal/error line (`F1122 17:01:02.1 123 file.cc:1615]
+    ...`: what XLA or TensorStore says before an abort), the last Python exception line
+    (`XxxError: ...`, the end of a traceback), the last line starting with `error:` (our own user
+    errors). Native stack frames and progress bars are skipped."""
+    candidates = _meaningful(lines)
+    for pattern in (_GLOG_FATAL, _PY_ERROR, re.compile(r"^(error|fatal)\b", re.I)):
+        found = [line for line in candidates if pattern.search(line)]
+        if found:
+            return found[-1][:500]
+    return ""
+
+
+def error_key(line: str) -> str:
+    """`line` without what differs between two runs of the same crash (glog's time, thread id,
+    addresses, pids), so a deterministic crash compares equal to itself."""
+    line = re.sub(r"^[FEWI]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ ", "", line)
+    return re.sub(r"0x[0-9a-fA-F]+|\bpid \d+", "#", line)
+

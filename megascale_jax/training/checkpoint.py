@@ -1,0 +1,380 @@
+"""Two-stage checkpoints (MegaScale §4): a short blocking copy, then a background write.
+
+An orbax `CheckpointManager` does both stages: `save()` returns once the state is copied to
+host memory, a background thread serialises it into `<dir>/<step>.orbax-checkpoint-tmp` and
+renames that to `<dir>/<step>` on commit, so a process killed mid-write leaves only a tmp
+directory, which resume ignores. Old checkpoints are deleted only after the new one commits.
+
+Each checkpoint is an ordinary orbax composite with four items:
+* `state`     — the TrainState (step, params, opt_state), restorable into any mesh's shardings;
+* `checksums` — one uint32 per array, computed on device at save time: orbax does not notice a
+  flipped bit in a data file, so restore recomputes them and rejects a mismatch;
+* `data`      — each process's grain iterator state (`process_<i>-of-<n>.json`, grain's own
+  orbax handler): resume continues with exactly the next batch;
+* `meta`      — JSON: step, the data position and the config it was written with. Batches are a
+  pure function of (seed, step), so a checkpoint restored on another number of processes
+  (no `data` file for this process) resumes the data from `meta.data_step`.
+With `checkpoint.single_replica_restore=true` only the processes of dp replica 0 read arrays
+that are replicated over dp and broadcast them to the other replicas (orbax's
+`SingleReplicaArrayHandler`, replica axis = dp), so N replicas do not read N copies from
+storage; arrays sharded over dp (ZeRO-1 moments) are read once anyway, each replica its slice.
+Every process reports the bytes it read (`/proc/self/io` rchar) in one line.
+
+A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
+`<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import grain
+import orbax.checkpoint as ocp
+
+from megascale_jax.config import Config, ConfigError
+from megascale_jax.run_dir import checkpoint_dir, committed_steps  # noqa: F401 (checkpoint_dir: for callers)
+
+# Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
+_SHAPE_SECTIONS = ("model",)
+_SHAPE_KEYS = {"optim": ("name",)}
+
+
+@jax.jit
+def checksums(tree):
+    """A uint32 per array: sum of (raw bits x odd position weight) mod 2**32.
+
+    Integer sums are exact in any order, so the value is the same under every sharding; an odd
+    weight makes every single-bit flip change the sum, and distinct weights catch swapped values."""
+    def one(x):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}")).astype(jnp.uint32)
+        weights = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) * 2 + 1
+        return jnp.sum(bits * weights, dtype=jnp.uint32)
+    return jax.tree.map(one, tree)
+
+
+def _write_arrays_whole() -> None:
+    """Replica-parallel saving slices replicated arrays across their replicas with one small
+    compiled op per shape: ~10 s of compilation inside the first blocking save, for no gain
+    within one process. Each array's replica 0 writes it whole instead."""
+    handler = ocp.type_handlers.get_type_handler(jax.Array)
+    if getattr(handler, "_use_replica_parallel", True):
+        absl_logger = logging.getLogger("absl")
+        level = absl_logger.level
+        absl_logger.setLevel(logging.ERROR)  # orbax warns about the (intended) override
+        try:
+            ocp.type_handlers.register_type_handler(
+                jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        finally:
+            absl_logger.setLevel(level)
+
+
+class CorruptCheckpoint(Exception):
+    """A committed checkpoint whose contents cannot be read back or fail verification."""
+
+
+class Checkpointer:
+    """Saves every `checkpoint.every` steps and the last step; restores the newest good one."""
+
+    def __init__(self, cfg: Config, directory: str, warn: Callable[[str], None]):
+        self.cfg, self.directory, self.warn = cfg, directory, warn
+        self._lock = threading.Lock()
+        self._commit_times: dict[int, float] = {}  # step -> time the background write finished
+        self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
+        self._checksums = checksums
+        c = cfg.checkpoint
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create checkpoint.dir {directory!r}: {e.strerror}; "
+                              "pass a writable checkpoint.dir") from None
+        _write_arrays_whole()
+        options = ocp.CheckpointManagerOptions(
+            enable_async_checkpointing=c.async_, max_to_keep=c.keep, save_interval_steps=max(c.every, 1),
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._on_commit))
+        self.manager = ocp.CheckpointManager(directory, options=options)
+
+    # ------------------------------------------------------------------ save
+
+    def should_save(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
+
+    def compile(self, abstract_state) -> None:
+        """Compile the checksum up front, so the first save's blocking time has no compilation."""
+        self._checksums = checksums.lower(abstract_state).compile()
+
+    def save(self, step: int, state, data_state: dict) -> list[dict]:
+        """Stage 1: blocks for the device->host copy (and for the previous save, if still writing).
+
+        `data_state` is the data iterator's state after step `step`'s batch. Returns the records
+        of earlier saves that finished meanwhile (see `poll`)."""
+        start = time.perf_counter()
+        finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
+        meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
+                "config": self.cfg.to_dict()}
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  checksums=ocp.args.StandardSave(self._checksums(state)),
+                                  data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
+                                  meta=ocp.args.JsonSave(meta))
+        try:
+            # force: the cadence (incl. the last step) is decided by should_save above.
+            self.manager.save(step, args=args, force=True)
+        except Exception as e:  # e.g. the directory cannot be written
+            self.warn(f"warning: checkpoint at step {step} not saved: {_one_line(e)}; training continues, "
+                      f"last good checkpoint: step {self._last_committed()}")
+            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": _one_line(e)}]
+        self._pending = {"step": step, "start": start, "block_s": time.perf_counter() - start}
+        return finished
+
+    def _on_commit(self) -> None:
+        # Runs on orbax's background thread once the write is finalised (just before the rename).
+        with self._lock:
+            if self._pending:
+                self._commit_times[self._pending["step"]] = time.perf_counter()
+
+    def poll(self, wait: bool = False) -> list[dict]:
+        """Records of saves that finished since the last call: {step, block_s, total_s} or {step, error}."""
+        pending = self._pending
+        if pending is None:
+            return []
+        if wait:
+            try:
+                self.manager.wait_until_finished()
+            except Exception:
+                pass  # reported below
+        elif self.manager.is_saving_in_progress():
+            return []
+        self._pending = None
+        step = pending["step"]
+        record = {"step": step, "block_s": pending["block_s"]}
+        # orbax logs a background write error but does not always re-raise it, so success is
+        # judged by the commit itself: the rename to <dir>/<step>.
+        error = "not committed (orbax logged the cause above)"
+        try:
+            self.manager.check_for_errors()
+        except Exception as e:
+            error = _one_line(e)
+        with self._lock:
+            done = self._commit_times.pop(step, None)
+        if step not in committed_steps(self.directory):
+            self.warn(f"warning: checkpoint at step {step} failed in the background: {error}; "
+                      f"training continues, last good checkpoint: step {self._last_committed()}")
+            return [{**record, "error": error}]
+        return [{**record, "total_s": (done or time.perf_counter()) - pending["start"]}]
+
+    def close(self) -> list[dict]:
+        records = self.poll(wait=True)
+        self.manager.close()
+        return records
+
+    def _last_committed(self):
+        steps = committed_steps(self.directory)
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ restore
+
+    def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint that verifies, placed per `abstract_state`'s
+        shardings; None when there is none. Bad ones are reported and moved aside."""
+        _quiet_late_tensorstore_callbacks()
+        for step in reversed(committed_steps(self.directory)):
+            try:
+                return self.restore(step, abstract_state)
+            except CorruptCheckpoint as e:
+                aside = os.path.join(self.directory, f"{step}.corrupt")
+                if jax.process_index() == 0:
+                    os.rename(os.path.join(self.directory, str(step)), aside)
+                self.warn(f"warning: checkpoint step {step} ({os.path.join(self.directory, str(step))}) is "
+                          f"unreadable: {e}; moved to {aside}, trying the previous one")
+        self.manager.reload()  # forget the steps moved aside
+        return None
+
+    def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+        """(state, meta); meta["data_state"] is the data iterator state to continue from."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as e:
+            raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
+        self._check_compatible(step, meta)
+        meta["data_state"] = self._restore_data_state(step, meta)
+        replicated = jax.sharding.NamedSharding(jax.tree.leaves(abstract_state)[0].sharding.mesh,
+                                                jax.sharding.PartitionSpec())
+        abstract_sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=replicated),
+                                     jax.eval_shape(checksums, abstract_state))
+        read_before, start = _bytes_read(), time.perf_counter()
+        try:
+            if self.cfg.checkpoint.single_replica_restore:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    checksums=ocp.args.StandardRestore(abstract_sums)))
+                restored = {"checksums": restored["checksums"],
+                            "state": self._restore_single_replica(step, abstract_state)}
+            else:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), checksums=ocp.args.StandardRestore(abstract_sums)))
+        except Exception as e:
+            raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
+        if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
+            mode = "single-replica" if self.cfg.checkpoint.single_replica_restore else "every-replica"
+            print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
+                  f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
+                  file=sys.stderr, flush=True)
+        expected, actual = jax.device_get((restored["checksums"], checksums(restored["state"])))
+        bad = [jax.tree_util.keystr(path) for (path, a), b in
+               zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)) if a != b]
+        if bad:
+            raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        self.manager.reload()
+        return restored["state"], meta
+
+    def _restore_single_replica(self, step: int, abstract_state):
+        """Leaves replicated over dp: replica 0 reads, orbax broadcasts. Leaves sharded over dp:
+        the ordinary read (each replica its own slice). Two passes, each skipping the other's
+        leaves with orbax's PLACEHOLDER."""
+        def over_dp(leaf) -> bool:
+            return "dp" in jax.tree.leaves(tuple(leaf.sharding.spec))
+
+        def part(keep, restore_args):
+            item = jax.tree.map(lambda a: a if keep(a) else ocp.PLACEHOLDER, abstract_state)
+            args = jax.tree.map(lambda a: restore_args(a) if keep(a) else ocp.PLACEHOLDER, abstract_state)
+            return ocp.args.PyTreeRestore(item=item, restore_args=args)
+
+        path = os.path.join(self.directory, str(step), "state")
+        single_replica = ocp.type_handlers.create_type_handler_registry(
+            (jax.Array, ocp.type_handlers.SingleReplicaArrayHandler(replica_axis_index=0)))
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(type_handler_registry=single_replica)) as reader:
+            broadcast = reader.restore(path, args=part(lambda a: not over_dp(a), lambda a: (
+                ocp.type_handlers.SingleReplicaArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape,
+                                                                dtype=a.dtype))))
+        if not any(over_dp(a) for a in jax.tree.leaves(abstract_state)):
+            return broadcast
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+            sliced = reader.restore(path, args=part(over_dp, lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding)))
+        return jax.tree.map(lambda b, s: s if b is ocp.PLACEHOLDER else b, broadcast, sliced)
+
+    def _restore_data_state(self, step: int, meta: dict) -> dict:
+        """This process's saved grain iterator state; from `meta.data_step` if it has none (saved
+        with another number of processes: the position is the same on every process)."""
+        own = os.path.join(self.directory, str(step), "data",
+                           f"process_{jax.process_index()}-of-{jax.process_count()}.json")
+        if not os.path.exists(own):
+            return {"next_index": meta["data_step"]}
+        holder = _IteratorState()
+        try:
+            self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
+        except Exception as e:
+            raise CorruptCheckpoint(f"data iterator: {_one_line(e)}") from None
+        if holder.state.get("next_index") != meta["data_step"]:
+            raise CorruptCheckpoint(f"data iterator at {holder.state} but meta.data_step={meta['data_step']}")
+        return holder.state
+
+    def _check_compatible(self, step: int, meta: dict) -> None:
+        """A different model shape is a user mistake, not corruption: say which key differs."""
+        saved, now = meta.get("config", {}), self.cfg.to_dict()
+        keys = [(s, k) for s in _SHAPE_SECTIONS for k in now[s]] + \
+               [(s, k) for s, ks in _SHAPE_KEYS.items() for k in ks]
+        for section, key in keys:
+            if key not in saved.get(section, {}) or now[section][key] == saved[section][key]:
+                continue
+            if section == "model" and key in ("attention", "dtype", "window"):
+                continue  # computation choices: the parameters are the same
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
+                f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+
+
+class _IteratorState:
+    """A data iterator's state as grain's orbax handler saves and restores it, frozen at the
+    blocking part of the save: the live iterator moves on while the background write runs."""
+
+    def __init__(self, state: dict | None = None):
+        self.state = state
+
+    def get_state(self) -> bytes:
+        return json.dumps(self.state).encode()
+
+    def set_state(self, state: bytes) -> None:
+        self.state = json.loads(state)
+
+    def start_prefetch(self) -> None:
+        pass  # grain's handler calls this after set_state; there is nothing to start
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read() system calls, page cache included (Linux)."""
+    try:
+        with open("/proc/self/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+    except OSError:
+        return 0
+
+
+def _describe_read_error(e: BaseException, step_dir: str) -> str:
+    """The array and the file a failed read names, from TensorStore's nested message.
+
+    TensorStore reports e.g. `OUT_OF_RANGE: Error opening "cast" driver: ... Error reading
+    "opt_state.4.count/.zarray" in OCDBT database at local file ".../10/state/": Error reading
+    Byte range [0, 29537) of local file ".../10/state/d/5f1...": Requested byte range ... is not
+    valid [tensorstore_spec=...]` (several hundred characters): the user needs the array, the
+    innermost file (relative to the checkpoint) and the innermost reason."""
+    import re
+    text = str(e).strip().replace("\n", " ")
+    code = re.match(r"([A-Z][A-Z_]+): ", text)
+    text = re.split(r"\s*\[tensorstore_spec", text)[0]
+    array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/\.z(?:array|attrs|group)"', text)
+    files = list(re.finditer(r'file "([^"]+)"', text))
+    if not (array or files):
+        return _one_line(e)
+    parts = []
+    if array:
+        parts.append(f"array {array.group(1)}")
+    reason = ""
+    if files:
+        path = files[-1].group(1).rstrip("/")
+        parts.append(f"file {os.path.relpath(path, step_dir) if path.startswith(step_dir) else path}")
+        reason = text[files[-1].end():].lstrip(": ").strip()  # what the innermost error says of that file
+    detail = "; ".join(x for x in ((code.group(1) if code else ""), reason[:120]) if x)
+    return f"{', '.join(parts)}: {detail}" if detail else ", ".join(parts)
+
+
+_FILTER_INSTALLED = False
+
+
+def _quiet_late_tensorstore_callbacks() -> None:
+    """Drop one known-harmless traceback, keep every other unraisable exception.
+
+    When one array of a restore fails, orbax's asyncio.gather raises and its event loop closes
+    while TensorStore still has the other reads in flight; as each completes, TensorStore calls
+    `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError through
+    sys.unraisablehook, from its own threads and possibly after restore returned: one 6-line
+    traceback per pending read (~300 lines for a real model) after our one warning line. The
+    read's own error is what we report, so those are noise. Installed once, process-wide."""
+    global _FILTER_INSTALLED
+    if _FILTER_INSTALLED:
+        return
+    _FILTER_INSTALLED = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        exc, tb = unraisable.exc_value, unraisable.exc_traceback
+        frames = []
+        while tb is not None:
+            frames.append(tb.tb_frame.f_code.co_name)
+            tb = tb.tb_next
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames:
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"

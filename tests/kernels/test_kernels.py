@@ -1,0 +1,188 @@
+"""Pallas kernels against their pure-jnp references, in interpret mode on the CPU.
+
+Every case draws fresh random inputs and a random cotangent and checks the forward output and
+all input gradients. Tolerances (max abs error, scaled by max(1, max |reference|)):
+  float32: 5e-6 — both sides accumulate in float32; only the summation order differs.
+  bfloat16: 2e-2 — the kernel rounds probabilities and outputs to bf16 (eps 7.8e-3), the
+            reference (same bf16 inputs) keeps float32 until its final cast.
+Interpret-mode kernels are slow to compile, so each case is jitted once at XLA -O0, shapes stay
+small (seq 40-96, head dim 16-64, blocks 8-32) and seq is mostly not a multiple of the block.
+"""
+
+import importlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from megascale_jax.model.attention import attend
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+TOL = {jnp.float32: 5e-6, jnp.bfloat16: 2e-2}
+_seed = itertools.count(1)
+
+
+def _random(*shapes, dtype=jnp.float32):
+    """Fresh standard-normal arrays (numpy RNG: no per-shape XLA compile)."""
+    rng = np.random.default_rng(next(_seed))
+    return [jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype) for shape in shapes]
+
+
+def _run(fn, *args):
+    """fn(*args) compiled once at XLA -O0: interpret-mode kernels compile slowly, run fast."""
+    return jax.jit(fn).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def _value_and_vjp(fn, args, cotangent):
+    """(fn(*args), vjp of `cotangent`)."""
+    def both(args, cotangent):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(cotangent)
+    return _run(both, args, cotangent)
+
+
+def _assert_close(actual, expected, dtype):
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected)):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        a, e = np.asarray(a, np.float32), np.asarray(e, np.float32)
+        assert np.all(np.isfinite(a))
+        err, scale = np.abs(a - e).max(), max(1.0, np.abs(e).max())
+        assert err <= TOL[dtype] * scale, f"max abs error {err:.3g} (reference scale {scale:.3g})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Flash attention
+# ---------------------------------------------------------------------------------------------
+
+# (seq, heads, kv_heads, head_dim, window, block_q, block_k, dtype)
+ATTENTION_CASES = [
+    (40, 4, 4, 16, None, 16, 16, jnp.float32),  # full causal, seq not a block multiple
+    (40, 4, 2, 16, 1, 16, 16, jnp.float32),  # window 1: only the diagonal
+    (48, 4, 1, 16, 5, 16, 16, jnp.float32),  # window < block, GQA 4
+    (64, 4, 2, 16, 20, 16, 8, jnp.float32),  # window spans blocks, block_q != block_k
+    (40, 2, 2, 16, 100, 16, 16, jnp.float32),  # window >= seq == causal
+    (72, 2, 1, 16, 16, 8, 32, jnp.float32),  # padding to lcm leaves whole query blocks empty
+    (33, 2, 1, 64, 12, 16, 16, jnp.float32),  # head dim 64
+    (56, 4, 2, 32, 24, 16, 16, jnp.bfloat16),
+    (96, 4, 1, 32, None, 32, 16, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("seq,heads,kv_heads,head_dim,window,block_q,block_k,dtype", ATTENTION_CASES)
+def test_flash_attention_matches_reference(seq, heads, kv_heads, head_dim, window, block_q, block_k, dtype):
+    batch = 2
+    q, k, v, do = _random((batch, seq, heads, head_dim), (batch, seq, kv_heads, head_dim),
+                          (batch, seq, kv_heads, head_dim), (batch, seq, heads, head_dim), dtype=dtype)
+    kernel = lambda q, k, v: pk.flash_attention(q, k, v, window=window, block_q=block_q, block_k=block_k)  # noqa: E731
+    # The bf16 reference runs in float32 on the same (bf16-valued) inputs.
+    reference = lambda q, k, v: pk.attention_reference(  # noqa: E731
+        *(x.astype(jnp.float32) for x in (q, k, v)), window=window).astype(dtype)
+    _assert_close(_value_and_vjp(kernel, (q, k, v), do), _value_and_vjp(reference, (q, k, v), do), dtype)
+
+
+def test_attend_pallas_matches_xla_and_default_blocks():
+    # Independent reference: the model's own XLA attention; default (clamped) block sizes.
+    q, k, v = _random((1, 45, 4, 16), (1, 45, 2, 16), (1, 45, 2, 16))
+    for window in (None, 7):
+        pallas = _run(lambda q, k, v: attend(q, k, v, window=window, implementation="pallas"), q, k, v)
+        _assert_close(pallas, attend(q, k, v, window=window, implementation="xla"), jnp.float32)
+
+
+def test_flash_attention_rejects_bad_shapes():
+    q, k = _random((1, 8, 3, 16), (1, 8, 2, 16))
+    with pytest.raises(ValueError, match="kv_heads dividing heads"):
+        pk.flash_attention(q, k, k)
+    with pytest.raises(ValueError, match="window=0"):
+        pk.flash_attention(q, q, q, window=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block skipping: the kernels' loop bounds, checked against the dense mask
+# ---------------------------------------------------------------------------------------------
+
+def _needed_pairs(seq, window, block_q, block_k):
+    """(q block, kv block) pairs holding at least one visible (query, key) entry, from the mask."""
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    visible = (j <= i) & ((i - j < window) if window is not None else True)
+    rows, cols = np.nonzero(visible)
+    return set(zip((rows // block_q).tolist(), (cols // block_k).tolist()))
+
+
+def _visited_pairs(range_fn, n_blocks, transpose, **kw):
+    lo, hi = (np.asarray(a) for a in range_fn(jnp.arange(n_blocks), **kw))
+    pairs = {(b, o) for b in range(n_blocks) for o in range(lo[b], hi[b] + 1)}
+    return {(o, b) for b, o in pairs} if transpose else pairs
+
+
+@pytest.mark.parametrize("seq,window,block_q,block_k", [
+    (40, None, 16, 16), (40, 1, 16, 16), (48, 5, 16, 16), (64, 20, 16, 8), (40, 100, 16, 16),
+    (72, 16, 8, 32), (200, 33, 32, 16), (129, 64, 64, 64), (100, 7, 32, 8)])
+def test_block_ranges_are_exactly_the_blocks_the_window_touches(seq, window, block_q, block_k):
+    # Forward/dq bounds (kv_block_range) and dk/dv bounds (q_block_range) must both equal the set
+    # of blocks with a visible entry: never fewer (wrong result), never more (wasted work).
+    padded = -(-seq // np.lcm(block_q, block_k)) * np.lcm(block_q, block_k)
+    kw = dict(seq_len=seq, window=window, block_q=block_q, block_k=block_k)
+    needed = _needed_pairs(seq, window, block_q, block_k)
+    assert _visited_pairs(pk.kv_block_range, padded // block_q, False, **kw) == needed
+    assert _visited_pairs(pk.q_block_range, padded // block_k, True, **kw) == needed
+    assert pk.visited_kv_blocks(seq, window, block_q, block_k) == len(needed)
+
+
+def test_visited_blocks_grow_as_seq_times_window():
+    block, window = 64, 512
+    for seq in (4096, 16384, 65536):
+        visited = pk.visited_kv_blocks(seq, window, block, block)
+        q_blocks = seq // block
+        assert visited <= q_blocks * (window // block + 1)  # O(s·w / block²)
+        assert visited < pk.visited_kv_blocks(seq, None, block, block) / (seq // window / 4)
+    # Doubling seq at fixed window doubles the work (up to the first window's ramp).
+    ratio = pk.visited_kv_blocks(65536, window, block, block) / pk.visited_kv_blocks(32768, window, block, block)
+    assert 1.99 < ratio < 2.01
+    assert pk.visited_kv_blocks(4096, None, block, block) == 64 * 65 // 2  # causal: O(s² / block²)
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm (+ residual) and bias + GeLU
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_layer_norm_matches_reference(residual, dtype):
+    shape = (3, 20, 48)  # 60 rows: not a multiple of block_rows=16
+    x, r, dy, dh = _random(shape, shape, shape, shape, dtype=dtype)
+    scale, bias = (1 + a for a in _random((48,), (48,)))  # float32 parameters, as in the model
+    if residual:
+        args, cot = (x, r, scale, bias), (dy, dh)
+        kernel = lambda x, r, s, b: pk.layer_norm_residual(x, r, s, b, eps=1e-5, block_rows=16)  # noqa: E731
+        reference = lambda x, r, s, b: pk.layer_norm_residual_reference(x, r, s, b, eps=1e-5)  # noqa: E731
+    else:
+        args, cot = (x, scale, bias), dy
+        kernel = lambda x, s, b: pk.layer_norm(x, s, b, eps=1e-5, block_rows=16)  # noqa: E731
+        reference = lambda x, s, b: pk.layer_norm_reference(x, s, b, eps=1e-5)  # noqa: E731
+    _assert_close(_value_and_vjp(kernel, args, cot), _value_and_vjp(reference, args, cot), dtype)
+
+
+@pytest.mark.parametrize("approximate", [True, False])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bias_gelu_matches_reference(approximate, dtype):
+    x, dy = _random((3, 10, 40), (3, 10, 40), dtype=dtype)  # 30 x 40: both axes padded
+    (bias,) = _random((40,))
+    kernel = lambda x, b: pk.bias_gelu(x, b, approximate=approximate, block_rows=16, block_cols=16)  # noqa: E731
+    reference = lambda x, b: pk.bias_gelu_reference(x, b, approximate=approximate)  # noqa: E731
+    _assert_close(_value_and_vjp(kernel, (x, bias), dy), _value_and_vjp(reference, (x, bias), dy), dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional extra: jax-triton
+# ---------------------------------------------------------------------------------------------
+
+def test_triton_module_imports_without_triton():
+    module = importlib.import_module("pallas_kernels.triton_attention")
+    if module.available():
+        pytest.skip("jax-triton is installed; the GPU suite covers it")
+    q = _random((1, 16, 2, 16))[0]
+    with pytest.raises(ImportError, match="jax-triton"):
+        module.triton_flash_attention(q, q, q, window=4)

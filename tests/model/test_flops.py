@@ -1,0 +1,208 @@
+"""megascale_jax.model.flops against hand counts, Megatron's closed form and the paper's model sizes."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from megascale_jax.model import flops
+from megascale_jax.config import Config, ModelConfig, ParallelConfig, MeshConfig, TrainConfig, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# layers 2, d 8, heads 2 (head_dim 4), mlp 32, vocab 16, seq 4.
+SMALL = ModelConfig(layers=2, d_model=8, heads=2, kv_heads=2, mlp_ratio=4.0, vocab=16, seq_len=4,
+                    block="parallel", norm="layernorm")
+
+
+def _replace(**kw):
+    return dataclasses.replace(SMALL, **kw)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def test_param_count_by_hand():
+    embed, head, final_norm = 16 * 8, 8 * 16, 8 + 8
+    norm = 8 + 8  # one shared layernorm: scale + bias
+    attn = (8 * 2 * 4 + 2 * 4) + (8 * 2 * 4 + 2 * 4) + (8 * 2 * 4 + 2 * 4) + (2 * 4 * 8 + 8)  # q, k, v, o
+    mlp = (8 * 32 + 32) + (32 * 8 + 8)
+    assert (norm, attn, mlp) == (16, 288, 552)
+    assert flops.param_count(SMALL) == embed + head + final_norm + 2 * (norm + attn + mlp) == 1984
+
+
+def test_param_count_block_norm_and_gqa_variants():
+    assert flops.param_count(_replace(block="serial")) == 1984 + 2 * 16  # a second layernorm per layer
+    assert flops.param_count(_replace(norm="rmsnorm")) == 1984 - 2 * 8 - 8  # no biases: layers + final
+    # serial rmsnorm: each layer's one 16-value layernorm becomes two 8-value rmsnorms; final 16 -> 8.
+    assert flops.param_count(_replace(block="serial", norm="rmsnorm")) == 1984 + 2 * (2 * 8 - 16) - 8 == 1976
+    # kv_heads=1: wk, wv shrink from (8, 2, 4) to (8, 1, 4), bk, bv from (2, 4) to (1, 4).
+    assert flops.param_count(_replace(kv_heads=1)) == 1984 - 2 * 2 * (8 * 4 + 4) == 1840
+
+
+def test_paper_model_sizes():
+    p175 = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_175b.yaml"), planning=True).model)
+    p530 = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_530b.yaml"), planning=True).model)
+    # per layer: 12 d^2 weights, biases q k v o (4d) + w1 (4d) + w2 (d), one layernorm (2d)
+    assert p175 == 96 * (12 * 12288**2 + 9 * 12288 + 2 * 12288) + 2 * 64000 * 12288 + 2 * 12288
+    assert p175 == 175_532_040_192
+    assert p530 == 531_127_439_360
+    assert abs(p175 / 175e9 - 1) < 0.02 and abs(p530 / 530e9 - 1) < 0.03
+    p1b = flops.param_count(load_config(os.path.join(REPO, "configs/gpt_1b.yaml"), planning=True).model)
+    assert 1.0e9 < p1b < 1.6e9
+
+
+# ----------------------------------------------------------------------------- FLOPs
+
+def test_forward_flops_by_hand():
+    matmul_weights = 8 * 2 * 4 * 4 + 2 * 8 * 32  # q, k, v, o + w1, w2 = 768 per layer
+    attention = 2 * 2 * 2 * 4 * 4  # qk and pv: 2 FLOPs x heads x head_dim x 4 keys = 128
+    lm_head = 2 * 8 * 16
+    assert flops.forward_flops_per_token(SMALL) == 2 * (2 * matmul_weights + attention) + lm_head == 3584
+    assert flops.model_flops_per_token(SMALL) == 3 * 3584
+
+
+def test_window_reduces_attention_flops_exactly():
+    full = flops.forward_flops_per_token(SMALL)
+    assert flops.forward_flops_per_token(_replace(window=1)) == full - 2 * 2 * 2 * 2 * 4 * (4 - 1)
+    assert flops.forward_flops_per_token(_replace(window=2)) == full - 2 * (2 * 2 * 2 * 4 * 2) == 3456
+    for w in (4, 5, 4096):  # a window covering the sequence is full attention
+        assert flops.forward_flops_per_token(_replace(window=w)) == full
+
+
+def test_gqa_flops():
+    # k and v projections shrink from 8x8 to 8x4 each; attention FLOPs do not depend on kv_heads.
+    assert flops.forward_flops_per_token(SMALL) - flops.forward_flops_per_token(_replace(kv_heads=1)) \
+        == 2 * 2 * 2 * (8 * 4)
+
+
+@pytest.mark.parametrize("name", ["gpt_175b", "gpt_530b", "gpt_1b"])
+def test_megatron_closed_form(name):
+    m = load_config(os.path.join(REPO, "configs", f"{name}.yaml"), planning=True).model
+    l, h, s, V = m.layers, m.d_model, m.seq_len, m.vocab  # Narayanan et al. 2021, eq. (3) per token
+    assert flops.model_flops_per_token(m) == 72 * l * h * h + 12 * l * h * s + 6 * h * V
+
+
+# ----------------------------------------------------------------------------- peaks and MFU
+
+@pytest.mark.parametrize("kind, peak", [
+    ("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H200", 989e12), ("NVIDIA H100 PCIe", 756e12),
+    ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A100-SXM4-40GB", 312e12), ("nvidia h100 80gb hbm3", 989e12),
+    ("cpu", None), ("TFRT_CPU_0", None), ("NVIDIA GeForce RTX 4090", None), ("", None),
+])
+def test_peak_flops(kind, peak):
+    assert flops.peak_flops(SimpleNamespace(device_kind=kind)) == peak
+    assert flops.peak_flops(kind) == peak
+
+
+def test_mfu():
+    h100 = SimpleNamespace(device_kind="NVIDIA H100 80GB HBM3")
+    a100 = SimpleNamespace(device_kind="NVIDIA A100-SXM4-80GB")
+    per_token = flops.model_flops_per_token(SMALL)
+    assert flops.mfu(1e9, SMALL, [h100, a100]) == pytest.approx(1e9 * per_token / (989e12 + 312e12))
+    assert flops.mfu(1e9, SMALL, [h100, SimpleNamespace(device_kind="cpu")]) is None
+    assert flops.mfu(1e9, SMALL, []) is None
+
+
+def test_mfu_none_on_cpu_devices():
+    jax = pytest.importorskip("jax")
+    cpus = jax.devices("cpu")
+    assert flops.peak_flops(cpus[0]) is None
+    assert flops.mfu(1e6, SMALL, cpus) is None
+
+
+# ----------------------------------------------------------------------------- memory
+
+def test_memory_estimate_sharding():
+    cfg = Config(model=SMALL, train=TrainConfig(global_batch=8))
+    one = flops.memory_estimate(cfg)
+    assert one["parameters"] == one["gradients"] == 4 * flops.param_count(SMALL)
+    assert one["optimizer"] == 2 * 4 * flops.param_count(SMALL)
+    assert one["total"] == pytest.approx(sum(v for k, v in one.items() if k != "total"))
+
+    tp2 = flops.memory_estimate(dataclasses.replace(cfg, mesh=MeshConfig(tp=2)))
+    assert tp2["parameters"] == one["parameters"] / 2
+    zero = flops.memory_estimate(dataclasses.replace(cfg, mesh=MeshConfig(dp=4), parallel=ParallelConfig(zero1=True)))
+    assert zero["optimizer"] == one["optimizer"] / 4 and zero["parameters"] == one["parameters"]
+    # Fewer sequences per microbatch -> proportionally fewer stored activations.
+    micro = flops.memory_estimate(dataclasses.replace(cfg, parallel=ParallelConfig(microbatches=2)))
+    assert micro["activations"] == pytest.approx(one["activations"] / 2)
+
+
+def test_memory_estimate_follows_the_pipeline_table():
+    """Stash slots come from the schedule table: 1F1B's activations are flat in m (at a fixed
+    microbatch size), gpipe's grow with it; stashing residuals costs more than stashing inputs."""
+    def activations(schedule, m, stash="inputs", virtual=1):
+        cfg = Config(model=dataclasses.replace(SMALL, layers=8), mesh=MeshConfig(pp=4),
+                     train=TrainConfig(global_batch=2 * m),
+                     parallel=ParallelConfig(pp_schedule=schedule, pp_virtual=virtual, microbatches=m, pp_stash=stash))
+        return flops.memory_estimate(cfg)["activations"]
+
+    assert activations("1f1b", 8) == activations("1f1b", 32)
+    assert activations("interleaved_1f1b", 8, virtual=2) == activations("interleaved_1f1b", 32, virtual=2)
+    assert activations("gpipe", 32) > activations("gpipe", 16) > activations("gpipe", 8)
+    assert activations("1f1b", 8, "residuals") > activations("1f1b", 8, "inputs")
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "megascale_jax.flops", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cli_175b_with_mesh_overrides():
+    r = _cli("--config", "configs/gpt_175b.yaml", "mesh.dp=8", "mesh.pp=8", "mesh.tp=8")
+    assert r.returncode == 0, r.stderr
+    assert "parameters:" in r.stdout and "175,532,040,192" in r.stdout and "175.53B" in r.stdout
+    assert "dp=8 pp=8 tp=8" in r.stdout and "total" in r.stdout
+
+
+@pytest.mark.parametrize("n, text", [
+    (175_532_040_192, "175.53B"), (2_000_000_000_000, "2.00T"), (791_808, "791.81K"),
+    (1_270_000, "1.27M"), (999, "999"), (0, "0"),
+])
+def test_format_count_picks_the_largest_unit_reached(n, text):
+    assert flops.format_count(n) == text
+
+
+def test_cli_tiny_model_in_k_and_mib_not_zero_billions(capsys):
+    assert flops.main(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]) == 0
+    out = capsys.readouterr().out
+    params = flops.param_count(load_config(os.path.join(REPO, "configs", "tiny_cpu.yaml"), []).model)
+    assert params < 1e6  # a K-sized model: the case that printed "(0.00B)"
+    assert f"{params:,} ({params / 1e3:.2f}K)" in out
+    assert "0.00B" not in out and "0.00 GiB" not in out
+    assert "MiB" in out
+
+
+@pytest.mark.parametrize("override, words", [
+    ("mesh.foo=1", "mesh.foo"), ("mesh.pp=7", "mesh.pp=7"), ("model.heads=many", "model.heads"),
+    ("nodot=1", "section.key=value"),
+])
+def test_cli_config_errors_exit_2_with_one_line(override, words):
+    r = _cli("--config", "configs/gpt_175b.yaml", override)
+    assert r.returncode == 2
+    assert r.stdout == "" and len(r.stderr.strip().splitlines()) == 1 and words in r.stderr
+
+
+def test_cli_missing_config_file():
+    r = _cli("--config", "configs/does_not_exist.yaml")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "does_not_exist" in r.stderr
+
+
+@pytest.mark.parametrize("overrides", [
+    {},
+    {"block": "serial", "norm": "rmsnorm", "kv_heads": 1},
+    {"heads": 8, "kv_heads": 2, "mlp_ratio": 2.5, "window": 7},
+])
+def test_param_count_equals_initialised_model(overrides):
+    import jax
+    from megascale_jax.model.transformer import Transformer
+
+    cfg = dataclasses.replace(ModelConfig(layers=3, d_model=64, heads=4, kv_heads=4, vocab=300), **overrides)
+    shapes = jax.eval_shape(lambda: Transformer(cfg).init(jax.random.key(0), jax.numpy.zeros((1, 8), "int32")))
+    counted = sum(x.size for x in jax.tree.leaves(shapes))
+    assert flops.param_count(cfg) == counted

@@ -1,0 +1,107 @@
+"""The complete train step lowered for CUDA on this CPU-only machine: GPU code checked without a GPU.
+
+`Trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",))` runs every
+lowering rule a GPU run would (sharding, collectives, the Pallas kernels' GPU lowering) but
+compiles nothing, so no GPU or CUDA plugin is needed. What is asserted:
+
+* every Pallas kernel the config uses appears as a Triton GPU kernel custom call
+  (`__gpu$xla.gpu.triton`, named by its `pallas_call(name=...)`), none is missing;
+* no kernel is lowered as an interpreted loop: the step has exactly as many `stablehlo.while`
+  loops as the same step with XLA attention and no fused kernels (the layer scan, the pipeline);
+  lowered for the CPU instead, the same step has no GPU call and more loops (the interpreter),
+  so the check can tell the two apart (`pallas_kernels._common.by_platform` picks per lowering platform).
+
+Covers jax 0.10.2 (CI) here; the GPU machines run jax 0.11.2, where the Pallas Triton lowering
+is deprecated but present. Mosaic GPU, the default for a `pallas_call` without Triton
+`compiler_params`, rejects these kernels (see `pallas_kernels._common.gpu_params`).
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from megascale_jax.config import load_config
+from megascale_jax.parallel.mesh import make_mesh
+from megascale_jax.train import build_trainer
+
+TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+        "model.window=12", "train.global_batch=8", "train.steps=2"]
+KERNELS = ["model.attention=pallas", "model.fused_norm=true", "model.fused_mlp=true"]
+NO_KERNELS = ["model.attention=xla", "model.fused_norm=false", "model.fused_mlp=false"]
+FUSED = {"layer_norm_fwd", "layer_norm_bwd", "bias_gelu_fwd", "bias_gelu_bwd"}
+ATTENTION = {"flash_attention_fwd", "flash_attention_dq", "flash_attention_dkdv"}
+
+LAYOUTS = {
+    "tp-none": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=none"],
+    "tp-collective-matmul": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=collective_matmul",
+                             "parallel.sequence_parallel=true"],
+    "tp-xla": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=xla"],
+    "pp2-1f1b": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
+}
+TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"
+
+
+def lowered_step(overrides: list[str], platform: str = "cuda") -> str:
+    """StableHLO text of one train step of `overrides` lowered for `platform` (abstract inputs)."""
+    return _lowered_step(tuple(overrides), platform)
+
+
+@functools.lru_cache(maxsize=None)
+def _lowered_step(overrides: tuple[str, ...], platform: str) -> str:
+    cfg = load_config(None, TINY + list(overrides))
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(trainer.init), trainer.state_shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), jnp.int32,
+                                 sharding=trainer.batch_sharding)
+    return trainer.train_step.trace(state, batch).lower(lowering_platforms=(platform,)).as_text()
+
+
+def triton_kernels(text: str) -> list[str]:
+    """Names of the Pallas kernels lowered as Triton GPU custom calls, one entry per call."""
+    names = []
+    for line in text.splitlines():
+        if TRITON_CALL in line:
+            found = re.search(r'\bname = "(\w+)"', line)
+            names.append(found.group(1) if found else "?")
+    return names
+
+
+def loops(text: str) -> int:
+    return text.count("stablehlo.while")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kernels_lower_as_triton_gpu_kernels(layout):
+    text = lowered_step(LAYOUTS[layout] + KERNELS)
+    assert set(triton_kernels(text)) == FUSED | ATTENTION
+    assert loops(text) == loops(lowered_step(LAYOUTS[layout] + NO_KERNELS))
+
+
+def test_fused_kernels_with_xla_attention():
+    text = lowered_step(LAYOUTS["tp-none"] + ["model.attention=xla", "model.fused_norm=true",
+                                              "model.fused_mlp=true"])
+    assert set(triton_kernels(text)) == FUSED
+    assert loops(text) == loops(lowered_step(LAYOUTS["tp-none"] + NO_KERNELS))
+
+
+def test_lowered_for_the_cpu_the_same_step_interprets_its_kernels():
+    """The discriminating counterpart: the platform, not the host, picks interpret mode."""
+    text = lowered_step(LAYOUTS["tp-none"] + KERNELS, platform="cpu")
+    assert triton_kernels(text) == []
+    assert loops(text) > loops(lowered_step(LAYOUTS["tp-none"] + NO_KERNELS, platform="cpu"))
+
+
+def test_cudnn_attention_lowers_or_skips_for_lack_of_the_cuda_plugin():
+    try:
+        text = lowered_step(LAYOUTS["tp-none"] + ["model.attention=cudnn"])
+    except RuntimeError as e:
+        # jax.nn.dot_product_attention(implementation="cudnn") asks the CUDA plugin for the
+        # cuDNN version while tracing (check_cudnn_version), before any lowering.
+        if "cuDNN is not detected" not in str(e):
+            raise
+        pytest.skip(f"attention=cudnn needs the CUDA plugin even to lower: {e}")
+    assert "__cudnn$fmha" in text

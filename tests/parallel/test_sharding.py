@@ -1,0 +1,170 @@
+"""Actual PartitionSpecs of parameters, optimizer moments (with and without ZeRO-1) and key
+activations on the default dp=4 × tp=2 mesh, against tables written out by hand from the
+Megatron layout (stacked layers split over pp): column-parallel q/k/v and w1 shard their output features over tp, row-parallel
+wo and w2 shard their input features over tp, the vocabulary is split over tp, batch over dp.
+"""
+
+import math
+
+import chex
+import flax.linen as nn
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from megascale_jax.parallel import sharding
+from megascale_jax.config import load_config
+from megascale_jax.parallel.mesh import make_mesh
+from megascale_jax.train import build_trainer
+
+# tiny_cpu: layers 4, d_model 128, heads 4, kv_heads 2, head_dim 32, mlp 512, vocab 256.
+PARAM_SPECS = {
+    "embed": P("tp", None),
+    "head": P(None, "tp"),
+    "final_norm/scale": P(),
+    "final_norm/bias": P(),
+    "layers/norm/scale": P("pp"),
+    "layers/norm/bias": P("pp"),
+    "layers/attn/wq": P("pp", None, "tp", None),
+    "layers/attn/wk": P("pp", None, "tp", None),
+    "layers/attn/wv": P("pp", None, "tp", None),
+    "layers/attn/bq": P("pp", "tp", None),
+    "layers/attn/bk": P("pp", "tp", None),
+    "layers/attn/bv": P("pp", "tp", None),
+    "layers/attn/wo": P("pp", "tp", None, None),
+    "layers/attn/bo": P("pp"),
+    "layers/mlp/w1": P("pp", None, "tp"),
+    "layers/mlp/b1": P("pp", "tp"),
+    "layers/mlp/w2": P("pp", "tp", None),
+    "layers/mlp/b2": P("pp"),
+}
+
+# ZeRO-1 adds dp on the largest still-unsharded dimension that dp=4 divides.
+ZERO1_MOMENT_SPECS = {
+    "embed": P("tp", "dp"),                          # (256, 128)
+    "head": P("dp", "tp"),                           # (128, 256)
+    "final_norm/scale": P("dp"),                     # (128,)
+    "final_norm/bias": P("dp"),
+    "layers/norm/scale": P("pp", "dp"),              # (4, 128)
+    "layers/norm/bias": P("pp", "dp"),
+    "layers/attn/wq": P("pp", "dp", "tp", None),     # (4, 128, 4, 32)
+    "layers/attn/wk": P("pp", "dp", "tp", None),     # (4, 128, 2, 32)
+    "layers/attn/wv": P("pp", "dp", "tp", None),
+    "layers/attn/bq": P("pp", "tp", "dp"),           # (4, 4, 32)
+    "layers/attn/bk": P("pp", "tp", "dp"),           # (4, 2, 32)
+    "layers/attn/bv": P("pp", "tp", "dp"),
+    "layers/attn/wo": P("pp", "tp", None, "dp"),     # (4, 4, 32, 128)
+    "layers/attn/bo": P("pp", "dp"),                 # (4, 128)
+    "layers/mlp/w1": P("pp", "dp", "tp"),            # (4, 128, 512)
+    "layers/mlp/b1": P("pp", "tp"),                  # (4, 512): no free dim, stays whole over dp
+    "layers/mlp/w2": P("pp", "tp", "dp"),            # (4, 512, 128)
+    "layers/mlp/b2": P("pp", "dp"),                  # (4, 128)
+}
+
+
+def normalized(spec) -> P:
+    """Drop trailing unsharded dims so P('dp', None) == P('dp')."""
+    parts = list(spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
+def flat(tree) -> dict:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out["/".join(str(k.key) for k in path)] = leaf
+    return out
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "zero1"])
+def trained(request):
+    cfg = load_config(None, [f"parallel.zero1={request.param}", "train.global_batch=8"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    return request.param, trainer, trainer.init()
+
+
+def test_parameter_specs(trained):
+    _, _, state = trained
+    params = flat(state.params)
+    assert set(params) == set(PARAM_SPECS)
+    for name, array in params.items():
+        assert normalized(array.sharding.spec) == normalized(PARAM_SPECS[name]), name
+
+
+def shard_shape(shape, spec, mesh) -> tuple:
+    """The per-device block of an array of `shape` laid out by `spec` (even splits only)."""
+    spec = list(spec) + [None] * (len(shape) - len(spec))
+    return tuple(n // math.prod(mesh.shape[a] for a in ((s,) if isinstance(s, str) else s or ()))
+                 for n, s in zip(shape, spec))
+
+
+def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained):
+    zero1, trainer, state = trained
+    mesh = trainer.mesh
+    # Every leaf (params, moments, step, count) lives on all 8 devices in mesh order: nothing
+    # was left on one device by init.
+    chex.assert_tree_is_sharded(state, devices=tuple(mesh.devices.flat))
+    adam = state.opt_state[1]
+    moment_specs = ZERO1_MOMENT_SPECS if zero1 else PARAM_SPECS
+    for tree, specs in ((state.params, PARAM_SPECS), (adam.mu, moment_specs), (adam.nu, moment_specs)):
+        for name, array in flat(tree).items():
+            chex.assert_shape([s.data for s in array.addressable_shards],
+                              shard_shape(array.shape, specs[name], mesh))
+
+
+def test_optimizer_moment_specs(trained):
+    zero1, _, state = trained
+    adam = state.opt_state[1]  # chain: (clip, scale_by_adam, decay, trust ratio, lr)
+    expected = ZERO1_MOMENT_SPECS if zero1 else PARAM_SPECS
+    for moments in (adam.mu, adam.nu):
+        for name, array in flat(moments).items():
+            assert normalized(array.sharding.spec) == normalized(expected[name]), name
+    assert normalized(adam.count.sharding.spec) == P()
+
+
+def test_zero1_moment_shards_are_smaller(trained):
+    zero1, _, state = trained
+    w1 = state.opt_state[1].mu["layers"]["mlp"]["w1"]
+    shard = w1.addressable_shards[0].data.shape
+    assert shard == ((4, 128 // 4, 512 // 2) if zero1 else (4, 128, 512 // 2))
+
+
+def test_activation_specs():
+    """Specs XLA actually chose for the outputs of the norms, the blocks and the logits."""
+    cfg = load_config(None, ["train.global_batch=8"])
+    mesh = make_mesh(cfg.mesh)
+    trainer = build_trainer(cfg, mesh)
+    params = trainer.init().params
+    seen = {}
+
+    def record(name):
+        return lambda s: seen.setdefault(name, normalized(s.spec))
+
+    def interceptor(next_fun, args, kwargs, context):
+        out = next_fun(*args, **kwargs)
+        kind = type(context.module).__name__
+        if context.method_name == "__call__" and kind in ("Norm", "Block", "Transformer"):
+            value = out[0] if kind == "Block" else out
+            jax.debug.inspect_array_sharding(value, callback=record(kind))
+        return out
+
+    def forward(params, tokens):
+        with nn.intercept_methods(interceptor):
+            return trainer.model.apply({"params": params}, tokens)
+
+    tokens = jax.device_put(jax.random.randint(jax.random.key(1), (8, cfg.model.seq_len), 0, cfg.model.vocab),
+                            trainer.batch_sharding)
+    with jax.set_mesh(mesh), sharding.axis_rules():
+        jax.jit(forward).lower(params, tokens).compile()
+    assert seen == {
+        "Norm": P("dp"),        # LN(x) feeds the column-parallel matmul whole on every tp device
+        "Block": P("dp"),       # after the row-parallel matmul: summed over tp, batch over dp
+        "Transformer": P("dp", None, "tp"),  # logits: vocab over tp
+    }
+
+
+def test_logical_rules_table():
+    assert sharding.logical_to_spec(("batch", "seq", "embed")) == P("dp", None, None)
+    assert sharding.logical_to_spec(("embed", "mlp")) == P(None, "tp")
+    assert sharding.logical_to_spec(("vocab", "embed")) == P("tp", None)

@@ -1,0 +1,101 @@
+"""The package layout's rules: the driver never imports jax, no import circles, the entry points.
+
+Subpackages, lowest first: config / run_dir -> parallel, model -> training -> observe -> cluster
+-> supervise; `megascale_jax.train` composes the loop at the top, and `python -m
+megascale_jax.<cmd>` entry modules sit beside it.
+"""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "megascale_jax"
+ENTRY_POINTS = ("train", "launch", "report", "diagnose", "flops", "pipeline_schedule")
+# What the driver (launch and supervisor) runs in its own process, which must outlive workers
+# whose jax crashed: the straggler statistic and hang analysis read the run's files there too.
+DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.supervise.launch",
+          "megascale_jax.supervise.supervisor", "megascale_jax.supervise.workers",
+          "megascale_jax.supervise.redis_server", "megascale_jax.supervise.diagnose",
+          "megascale_jax.observe.stragglers", "megascale_jax.observe.hangs", "megascale_jax.observe.timings",
+          "megascale_jax.run_dir")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path, modules: set[str]) -> set[str]:
+    """The package's modules `path` imports anywhere in it (deferred imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in modules}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("megascale_jax"):
+            base = node.module
+            for alias in node.names:
+                found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+    return found & modules
+
+
+def test_driver_side_never_imports_jax():
+    code = f"import sys; import {', '.join(DRIVER)}; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'flax', 'orbax')))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_no_import_circles():
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {m: imported_modules(p, set(files)) - {m} for m, p in files.items()}
+    # A package's __init__ is imported with each of its modules: not an edge of its own.
+    graph = {m: {d for d in deps if not (files[d].name == "__init__.py")} for m, deps in graph.items()}
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+
+    def visit(m, path):
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import circle: " + " -> ".join(path[path.index(d):] + [d]))
+            if d not in state:
+                visit(d, path + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+LEVELS = {"config": 0, "run_dir": 0, "parallel": 1, "model": 1, "training": 2, "observe": 3, "cluster": 4,
+          "supervise": 5}  # train.py and the entry points sit on top of all of them
+
+
+def level(module: str) -> int:
+    if module == "megascale_jax.parallel.pipeline_schedule":
+        return 0  # pure tables, no jax: config validates a schedule with them
+    parts = module.split(".")
+    return LEVELS.get(parts[1], 6) if len(parts) > 1 else 6
+
+
+def test_imports_point_down_never_up():
+    files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    upward = [(m, d) for m, p in files.items() for d in imported_modules(p, set(files)) if level(d) > level(m)]
+    assert upward == []
+
+
+@pytest.mark.parametrize("command", ENTRY_POINTS)
+def test_entry_points_answer_help(command):
+    r = subprocess.run([sys.executable, "-m", f"megascale_jax.{command}", "--help"], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: python -m megascale_jax.{command}"), r.stdout[:200]
+
+
+def test_tests_mirror_the_packages():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"kernels"}
+    assert {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._"} <= packages
