@@ -114,6 +114,13 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         (loss, grads), _ = jax.lax.scan(accumulate, zero, micro)
         return loss / m, jax.tree.map(lambda g: g / m, grads)
 
+    def eval_loss(params, batch):
+        # At pp > 1 through the pipeline, forward only: the plain model under GSPMD would gather
+        # every stage's layer weights onto every device.
+        if cfg.mesh.pp > 1:
+            return pipeline.loss(cfg, mesh, params, batch)
+        return loss_fn(model, params, batch)
+
     def train_step(state: TrainState, batch):
         loss, grads = grads_and_loss(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -133,7 +140,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
             train_step, in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, metric_shardings), donate_argnums=0, compiler_options=options)),
         eval_loss=_with_rules(cfg, mesh, jax.jit(
-            lambda params, batch: loss_fn(model, params, batch),
+            eval_loss,
             in_shardings=(param_shardings, batch_sharding), out_shardings=replicated, compiler_options=options)),
     )
 

@@ -99,3 +99,15 @@ def test_entry_points_answer_help(command):
 def test_tests_mirror_the_packages():
     packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"kernels"}
     assert {p.name for p in (REPO / "tests").iterdir() if p.is_dir() and p.name[0] not in "._"} <= packages
+
+
+def test_no_private_jax_imports():
+    """`jax._src` is JAX's private implementation: it changes without notice between releases
+    (the GPU machines run another jax than CI). Only public APIs are imported."""
+    private = []
+    for path in [*PACKAGE.rglob("*.py"), *(REPO / "pallas_kernels").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            private += [f"{path.relative_to(REPO)}: {n}" for n in names if n.startswith("jax._src")]
+    assert private == []

@@ -21,8 +21,8 @@ manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls
     in m for 1F1B), at the price of one extra chunk forward per backward (reported MFU counts
     model FLOPs only, so it shows this cost).
   - `residuals`: the forward is the chunk's `jax.vjp`; a slot holds the vjp residuals that depend
-    on the activation (found once at trace time by dead-code elimination of the residual jaxpr,
-    `activation_dependent_residuals`) and the chunk output (the head's input). The weight-only
+    on the activation (found once at trace time by a dependence walk over the residual jaxpr,
+    `residuals.activation_dependent_residuals`) and the chunk output (the head's input). The weight-only
     residuals — the parameters, per-layer weight slices of the layer scan, rotary tables, masks —
     are not stashed but rebuilt in the backward from a vjp at a zero activation whose activation
     path is dead code, so the backward does no forward: about F+B instead of 2F+B of compute per
@@ -45,18 +45,36 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax._src.interpreters import partial_eval as pe
-
 from megascale_jax.parallel import sharding
 from megascale_jax.config import Config
 from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_logits, run_layers
-from megascale_jax.parallel.pipeline_schedule import Schedule, build
+from megascale_jax.parallel.pipeline_schedule import Schedule, build, forward_only
+from megascale_jax.parallel.residuals import activation_dependent_residuals
 
 FIELDS = ("valid", "mb", "chunk", "slot")
 
 
 def schedule_for(cfg: Config) -> Schedule:
     return build(cfg.parallel.pp_schedule, cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches)
+
+
+def explicit_tp(cfg: Config, mesh: Mesh) -> bool:
+    """Whether tp collectives are explicit (shard_map psum / all-gather / ppermute). They must not
+    sit under a per-stage `cond`: stages that skip it never join the collective and the program
+    hangs. Then every stage runs a chunk every tick and idle results are masked (`when`)."""
+    return mesh.shape["tp"] > 1 and cfg.parallel.tp_overlap != "xla"
+
+
+def when(masked: bool, pred, fn, otherwise, x):
+    """`fn(x) if pred else otherwise(x)`: a `cond`, or with `masked` both run and `where` picks."""
+    if not masked:
+        return jax.lax.cond(pred, fn, otherwise, x)
+    return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(x), otherwise(x))
+
+
+def send_forward(x, p: int):
+    """Each stage's `x` to the next stage (ring: the last stage's goes to stage 0)."""
+    return jax.lax.ppermute(x, "pp", [(i, (i + 1) % p) for i in range(p)])
 
 
 def _table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
@@ -88,33 +106,9 @@ def chunk_params_of(tree, j):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), tree)
 
 
-def activation_dependent_residuals(fn, chunk_params, x) -> tuple[tuple[bool, ...], tuple, str]:
-    """Which leaves of `jax.vjp(fn, chunk_params, x)[1]` depend on `x`, their avals, and the vjp's
-    structure (`vjp_structure`).
-
-    The vjp's residuals are partly the parameters themselves or weight-derived copies (per-layer
-    slices of the stacked weights, casts, rotary tables) and partly functions of the activation.
-    Traced once (shapes are static): a leaf depends on x iff x survives dead-code elimination of
-    the residual jaxpr down to that leaf alone."""
-    avals = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    structure = []
-
-    def residuals(pc, x):
-        leaves, treedef = jax.tree.flatten(jax.vjp(fn, pc, x)[1])
-        structure.append(vjp_structure(treedef, leaves))
-        return leaves
-
-    closed = jax.make_jaxpr(residuals)(avals(chunk_params), avals(x))
-    jaxpr, n = closed.jaxpr, len(closed.jaxpr.outvars)
-    depends = tuple(pe.dce_jaxpr(jaxpr, [j == i for j in range(n)])[1][-1] for i in range(n))
-    return depends, tuple(closed.out_avals), structure[0]
-
-
-def vjp_structure(treedef, leaves) -> str:
-    """A trace-independent fingerprint of a vjp: its treedef (which prints the residual layout and
-    the backward jaxpr) and its leaves' types. The VJP node holds a fresh `partial` per trace, so
-    treedefs from two traces never compare equal even when they are the same program."""
-    return f"{treedef} {[(x.shape, str(x.dtype)) for x in leaves]}"
+def same_leaves(leaves, avals) -> bool:
+    """The vjp traced now has the residual leaves (shapes, dtypes) the analysis was made for."""
+    return [(x.shape, x.dtype) for x in leaves] == [(a.shape, a.dtype) for a in avals]
 
 
 def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
@@ -124,17 +118,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
     table = _table_arrays(schedule)
     last_stage, last_chunk = p - 1, v - 1
     scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
-    # Explicit tp collectives (shard_map psum / all-gather / ppermute) must not sit under a
-    # per-stage `cond`: stages that skip it never join the collective and the program hangs. Then
-    # every stage runs the chunk every tick and idle results are masked (costs compute in the
-    # warm-up and cool-down ticks, not correctness).
-    explicit_tp = mesh.shape["tp"] > 1 and cfg.parallel.tp_overlap != "xla"
+    masked = explicit_tp(cfg, mesh)  # idle stages compute and mask instead of skipping (`when`)
     keep_residuals = cfg.parallel.pp_stash == "residuals"
-
-    def when(pred, fn, otherwise, x):
-        if not explicit_tp:
-            return jax.lax.cond(pred, fn, otherwise, x)
-        return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(x), otherwise(x))
 
     def body(stage_layers, embed, final_norm, head, tokens):
         stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
@@ -182,7 +167,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
 
         def communicate(act_out, dx):
             """Activations one stage on, cotangents one stage back (ring)."""
-            act_next = jax.lax.ppermute(act_out, "pp", [(i, (i + 1) % p) for i in range(p)])
+            act_next = send_forward(act_out, p)
             cot_next = jax.lax.ppermute(dx, "pp", [(i, (i - 1) % p) for i in range(p)])
             return act_next, cot_next
 
@@ -196,7 +181,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
             stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_valid, x_in, kept), f["slot"], 0)
             run_forward = f_valid & ~((stage == last_stage) & (f["chunk"] == last_chunk))
             forward = lambda x: fn(chunk_params_of(stage_layers, f["chunk"]), x)
-            act_out = when(run_forward, forward, lambda x: x, x_in)
+            act_out = when(masked, run_forward, forward, lambda x: x, x_in)
 
             # --- backward: recompute the chunk from its stashed input, vjp with a cotangent that is
             # last tick's, or for the last chunk the gradient of the head and loss
@@ -213,7 +198,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
                 return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk),
                         jax.tree.map(jnp.zeros_like, (final_norm, head)), jnp.zeros_like(x))
 
-            loss_add, d_chunk, d_head_pair, dx = when(b_valid, backward, idle, x_saved)
+            loss_add, d_chunk, d_head_pair, dx = when(masked, b_valid, backward, idle, x_saved)
             grads = accumulate(grads, b, d_chunk, d_head_pair, dx)
             act_next, cot_next = communicate(act_out, dx)
             return (act_next, cot_next, stash, grads, loss + loss_add), None
@@ -231,14 +216,14 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
 
             def forward(x):
                 y, vjp = jax.vjp(fn, chunk_params_of(stage_layers, f["chunk"]), x)
-                leaves, treedef = jax.tree.flatten(vjp)
-                assert vjp_structure(treedef, leaves) == structure, "forward vjp differs from the traced one"
+                leaves = jax.tree.leaves(vjp)
+                assert same_leaves(leaves, res_avals), "forward vjp differs from the analysed one"
                 return y, [l for l, d in zip(leaves, depends) if d]
 
             def skip(x):
                 return x, [jnp.zeros(a.shape, a.dtype) for a in stashed_avals]
 
-            act_out, res = when(f_valid, forward, skip, x_in)
+            act_out, res = when(masked, f_valid, forward, skip, x_in)
             put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(
                 buf, jnp.where(f_valid, new, jax.lax.dynamic_index_in_dim(buf, f["slot"], keepdims=False)),
                 f["slot"], 0)
@@ -254,7 +239,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
                 res, y = saved
                 # The activation path of this vjp is dead code (its residuals are replaced below).
                 rebuilt, treedef = jax.tree.flatten(jax.vjp(fn, chunk, jnp.zeros_like(act))[1])
-                assert vjp_structure(treedef, rebuilt) == structure, "backward vjp differs from the forward's"
+                assert same_leaves(rebuilt, res_avals), "backward vjp differs from the analysed one"
                 res = iter(res)
                 vjp = treedef.unflatten([next(res) if d else leaf for leaf, d in zip(rebuilt, depends)])
                 loss_add, d_head_pair, dy = output_cotangent(b, y, cot_in)
@@ -265,7 +250,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
                 return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk),
                         jax.tree.map(jnp.zeros_like, (final_norm, head)), jnp.zeros_like(saved[1]))
 
-            loss_add, d_chunk, d_head_pair, dx = when(b_valid, backward, idle, saved)
+            loss_add, d_chunk, d_head_pair, dx = when(masked, b_valid, backward, idle, saved)
             grads = accumulate(grads, b, d_chunk, d_head_pair, dx)
             act_next, cot_next = communicate(act_out, dx)
             return (act_next, cot_next, (stash, outputs), grads, loss + loss_add), None
@@ -275,7 +260,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
         grads = (zeros(stage_layers), zeros(embed), zeros((final_norm, head)))
         with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
             if keep_residuals:  # read by tick_residuals
-                depends, res_avals, structure = activation_dependent_residuals(
+                depends, res_avals = activation_dependent_residuals(
                     fn, chunk_params_of(stage_layers, 0), act)
                 stashed_avals = [a for a, d in zip(res_avals, depends) if d]
                 stash = ([slots(a.shape, a.dtype) for a in stashed_avals], slots(act.shape, act.dtype))
@@ -297,3 +282,45 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
     loss, g_stages, g_embed, g_norm, g_head = run(stages, params["embed"], params["final_norm"], params["head"], batch)
     grads = {"embed": g_embed, "layers": from_stages(g_stages, p, v), "final_norm": g_norm, "head": g_head}
     return loss, grads
+
+
+def loss(cfg: Config, mesh: Mesh, params, batch):
+    """The loss of `batch` through the pipeline, forward only (evaluation): the forward half of the
+    training schedule (`forward_only`), activations passed on as in training, the head and loss
+    on the last stage. Layer weights stay on their stages (no all-gather over pp, unlike running
+    the plain model under GSPMD); equals the single-device loss."""
+    p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
+    table = _table_arrays(forward_only(schedule_for(cfg)))
+    scale = 1.0 / (m * mesh.shape["dp"])
+    masked = explicit_tp(cfg, mesh)
+
+    def body(stage_layers, embed, final_norm, head, tokens):
+        stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
+        stage = jax.lax.axis_index("pp")
+        micro = tokens.reshape(m, -1, tokens.shape[-1])
+        inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
+        act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
+
+        def tick(carry, row):
+            act_in, total = carry
+            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
+            valid = f["valid"] > 0
+            first = valid & (stage == 0) & (f["chunk"] == 0)
+            x = jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
+            chunk = chunk_params_of(stage_layers, f["chunk"])
+            y = when(masked, valid, lambda x: run_layers(cfg.model, chunk, x, cfg.parallel), lambda x: x, x)
+            last = valid & (stage == p - 1) & (f["chunk"] == v - 1)
+            total += jax.lax.cond(
+                last, lambda y: scale * cross_entropy(lm_logits(cfg.model, final_norm, head, y), targets[f["mb"]]),
+                lambda y: jnp.zeros((), jnp.float32), y)
+            return (send_forward(y, p), total), None
+
+        with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
+            (_, total), _ = jax.lax.scan(tick, (act, jnp.zeros((), jnp.float32)), table)
+        return jax.lax.psum(total, ("dp", "pp"))
+
+    stages = to_stages(params["layers"], p, v)
+    run = jax.shard_map(
+        body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        in_specs=(jax.tree.map(lambda _: P("pp"), stages), P(), P(), P(), P("dp")), out_specs=P())
+    return run(stages, params["embed"], params["final_norm"], params["head"], batch)

@@ -127,6 +127,15 @@ def build(name: str, p: int, v: int, m: int) -> Schedule:
     return schedule
 
 
+def forward_only(s: Schedule) -> Schedule:
+    """The forward half of `s`, for evaluation: forward k of stage s still runs at tick k + s (every
+    schedule here places forwards so), the backward table is empty and nothing is stashed. Its
+    m·v + p − 1 ticks are the first ticks of `s` in which forwards run."""
+    ticks = s.microbatches * s.virtual + s.stages - 1
+    empty = tuple((None,) * s.stages for _ in range(ticks))
+    return dataclasses.replace(s, name=f"{s.name}-forward", forward=s.forward[:ticks], backward=empty, slots=0)
+
+
 def check(name: str, p: int, v: int, m: int) -> None:
     """Raise ValueError (one line, names the config keys) for an impossible (schedule, p, v, m)."""
     if name not in SCHEDULES:

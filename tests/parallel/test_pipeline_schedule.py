@@ -91,3 +91,25 @@ def test_cli_prints_the_timeline():
     bad = subprocess.run([sys.executable, "-m", "megascale_jax.pipeline_schedule", "--pp", "4", "--microbatches", "2",
                           "--schedule", "1f1b"], capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("name,p,v,m", [("gpipe", 2, 1, 3), ("1f1b", 4, 1, 4), ("interleaved_1f1b", 4, 2, 8),
+                                        ("interleaved_1f1b", 2, 3, 4)])
+def test_forward_only_table_runs_every_chunk_once_in_order_with_no_backward(name, p, v, m):
+    """Evaluation's table: every (microbatch, global chunk) forward exactly once, chunk g+1 of a
+    microbatch exactly one tick after chunk g on the next stage (what the ring send delivers), in
+    m·v + p − 1 ticks, with no backward and no stash."""
+    s = ps.forward_only(ps.build(name, p, v, m))
+    assert s.ticks == m * v + p - 1 and s.slots == 0
+    assert all(w is None for row in s.backward for w in row)
+    when = {}
+    for t, row in enumerate(s.forward):
+        for stage, w in enumerate(row):
+            if w is not None:
+                key = (w.mb, w.chunk * p + stage)
+                assert key not in when
+                when[key] = (t, stage)
+    assert set(when) == {(mb, g) for mb in range(m) for g in range(p * v)}
+    for (mb, g), (t, stage) in when.items():
+        if g > 0:
+            assert when[(mb, g - 1)] == (t - 1, (stage - 1) % p)
