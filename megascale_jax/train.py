@@ -38,7 +38,7 @@ from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import checkpoint, data
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.observers import Observers
-from megascale_jax.training.optim import learning_rate_schedule, make_optimizer
+from megascale_jax.training.optim import current_learning_rate, make_optimizer
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
@@ -72,7 +72,6 @@ class Trainer:
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, cfg.parallel)
     optimizer = make_optimizer(cfg.optim, cfg.train.steps)
-    schedule = learning_rate_schedule(cfg.optim, cfg.train.steps)
     replicated = sharding.replicated(mesh)
     dummy = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
@@ -125,7 +124,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         loss, grads = grads_and_loss(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": schedule(state.step)}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": current_learning_rate(opt_state)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     metric_shardings = {"loss": replicated, "grad_norm": replicated, "lr": replicated}

@@ -348,14 +348,17 @@ _FILTER_INSTALLED = False
 
 
 def _quiet_late_tensorstore_callbacks() -> None:
-    """Drop one known-harmless traceback, keep every other unraisable exception.
+    """Drop two known-harmless tracebacks, keep every other unraisable exception and log record.
 
     When one array of a restore fails, orbax's asyncio.gather raises and its event loop closes
     while TensorStore still has the other reads in flight; as each completes, TensorStore calls
     `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError through
     sys.unraisablehook, from its own threads and possibly after restore returned: one 6-line
-    traceback per pending read (~300 lines for a real model) after our one warning line. The
-    read's own error is what we report, so those are noise. Installed once, process-wide."""
+    traceback per pending read (~300 lines for a real model) after our one warning line. Reads
+    that failed too but whose futures the aborted gather never awaited are reported by asyncio,
+    when garbage-collected, as "Future exception was never retrieved" with TensorStore's whole
+    JSON spec (logger "asyncio"). The read's own error is what we report, so both are noise.
+    Installed once, process-wide."""
     global _FILTER_INSTALLED
     if _FILTER_INSTALLED:
         return
@@ -373,6 +376,14 @@ def _quiet_late_tensorstore_callbacks() -> None:
         previous(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_unretrieved_tensorstore_error)
+
+
+def _unretrieved_tensorstore_error(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of a TensorStore read error nobody awaited."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (str(record.msg).startswith("Future exception was never retrieved")
+                and isinstance(exc, ValueError) and "tensorstore_spec" in str(exc))
 
 
 def _one_line(e: BaseException) -> str:

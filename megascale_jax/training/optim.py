@@ -62,15 +62,27 @@ def scale_by_layerwise_trust_ratio(min_norm: float = 0.0) -> optax.GradientTrans
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    schedule = learning_rate_schedule(cfg, total_steps)
+    """The optimizer, its learning rate injected from the schedule (`optax.inject_hyperparams`): the
+    state's `hyperparams["learning_rate"]` after an update is the rate that update used (what the
+    metrics report), so the schedule is built once, here."""
+    return optax.inject_hyperparams(_optimizer, static_args=("cfg",))(
+        learning_rate=learning_rate_schedule(cfg, total_steps), cfg=cfg)
+
+
+def _optimizer(learning_rate, cfg: OptimConfig) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(cfg.clip) if cfg.clip is not None else optax.identity()
     if cfg.name == "adamw":
-        return optax.chain(clip, optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+        return optax.chain(clip, optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                              weight_decay=cfg.weight_decay, mask=decay_mask))
     return optax.chain(
         clip,
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
         scale_by_layerwise_trust_ratio(),
-        optax.scale_by_learning_rate(schedule),
+        optax.scale_by_learning_rate(learning_rate),
     )
+
+
+def current_learning_rate(opt_state) -> jax.Array:
+    """The learning rate of the update that produced `opt_state`."""
+    return opt_state.hyperparams["learning_rate"]

@@ -105,7 +105,7 @@ def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained)
     # Every leaf (params, moments, step, count) lives on all 8 devices in mesh order: nothing
     # was left on one device by init.
     chex.assert_tree_is_sharded(state, devices=tuple(mesh.devices.flat))
-    adam = state.opt_state[1]
+    adam = state.opt_state.inner_state[1]
     moment_specs = ZERO1_MOMENT_SPECS if zero1 else PARAM_SPECS
     for tree, specs in ((state.params, PARAM_SPECS), (adam.mu, moment_specs), (adam.nu, moment_specs)):
         for name, array in flat(tree).items():
@@ -115,7 +115,7 @@ def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained)
 
 def test_optimizer_moment_specs(trained):
     zero1, _, state = trained
-    adam = state.opt_state[1]  # chain: (clip, scale_by_adam, decay, trust ratio, lr)
+    adam = state.opt_state.inner_state[1]  # injected lr around the chain: (clip, scale_by_adam, decay, trust ratio, lr)
     expected = ZERO1_MOMENT_SPECS if zero1 else PARAM_SPECS
     for moments in (adam.mu, adam.nu):
         for name, array in flat(moments).items():
@@ -125,7 +125,7 @@ def test_optimizer_moment_specs(trained):
 
 def test_zero1_moment_shards_are_smaller(trained):
     zero1, _, state = trained
-    w1 = state.opt_state[1].mu["layers"]["mlp"]["w1"]
+    w1 = state.opt_state.inner_state[1].mu["layers"]["mlp"]["w1"]
     shard = w1.addressable_shards[0].data.shape
     assert shard == ((4, 128 // 4, 512 // 2) if zero1 else (4, 128, 512 // 2))
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
 import resource
 import shutil
@@ -518,7 +519,9 @@ def test_a_second_run_is_refused_and_sigterm_saves_the_step_in_flight_then_resum
     run_dir, flags = tmp_path / "run", tmp_path / "flags"
     first = start_held_run(run_dir, flags, hold_step=9)
     try:
-        before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and "checkpoints" not in p.parts}
+        # TensorBoard's writer flushes on its own timer, so its file is the live run's, not ours.
+        before = {p: p.read_bytes() for p in run_dir.rglob("*")
+                  if p.is_file() and not {"checkpoints", "tensorboard"} & set(p.parts)}
         second = run_cli(run_dir, [*TINY, *DP8])
         assert second.returncode == 2, second.stderr[-3000:]
         errors = [line for line in second.stderr.splitlines() if line.startswith("error:")]
@@ -571,4 +574,23 @@ def test_a_second_signal_exits_at_once(tmp_path):
         p.kill()
     assert p.returncode == 130, err[-3000:]
     assert "second signal (SIGINT): exiting now" in err and "Traceback" not in err, err[-3000:]
-    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) == [5]
+    # Nothing of step 7 was committed; step 5's background write may or may not have finished
+    # before the exit (an exit "at once" does not wait for it), never half of it.
+    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) in ([], [5])
+
+
+def test_only_unawaited_tensorstore_read_errors_are_dropped_from_asyncio_logs(caplog):
+    """asyncio reports the failed reads of an aborted restore at garbage collection ("Future
+    exception was never retrieved" + TensorStore's JSON spec): dropped, since the restore's one
+    warning line names the error. Any other asyncio error is still logged."""
+    checkpoint._quiet_late_tensorstore_callbacks()
+    log = logging.getLogger("asyncio")
+    spec_error = ValueError('NOT_FOUND: Error reading "params.embed/.zarray" [tensorstore_spec=\'{"driver":"zarr"}\']')
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        log.error("Future exception was never retrieved\nfuture: <Future finished>", exc_info=(ValueError, spec_error, None))
+        assert caplog.records == []
+        log.error("Future exception was never retrieved\nfuture: <Future finished>",
+                  exc_info=(ValueError, ValueError("something else"), None))
+        log.error("Task was destroyed but it is pending!")
+    assert [r.getMessage().splitlines()[0] for r in caplog.records] == [
+        "Future exception was never retrieved", "Task was destroyed but it is pending!"]

@@ -111,6 +111,22 @@ def test_sharded_state_equals_unsharded(name):
     state_shardings = optax.tree_map_params(tx, lambda _, s: s, tx.init(params), moment_shardings,
                                             transform_non_params=lambda _: sharding.replicated(mesh))
     out, state = run(param_shardings, state_shardings)
-    mu = state[1].mu if name == "lamb" else state[1][0].mu
+    inner = state.inner_state  # inside the injected learning rate
+    mu = inner[1].mu if name == "lamb" else inner[1][0].mu
     assert "dp" in str(mu["layers"]["mlp"]["w1"].sharding.spec)  # the state really is sharded
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), out, ref)
+
+
+@pytest.mark.parametrize("name", ["lamb", "adamw"])
+def test_the_state_carries_the_learning_rate_each_update_used(name):
+    """The reported lr is read from the optimizer state (inject_hyperparams): after update k it is
+    the warmup+cosine value at k, the closed form of which is checked above."""
+    cfg = OptimConfig(name=name, lr=2.0, warmup=4, min_lr_ratio=0.1, clip=None)
+    tx = optim.make_optimizer(cfg, total_steps=20)
+    params = random_tree(jax.random.key(0))
+    state = tx.init(params)
+    schedule = optim.learning_rate_schedule(cfg, total_steps=20)
+    for k in range(6):
+        _, state = tx.update(random_tree(jax.random.key(k + 1)), state, params)
+        np.testing.assert_allclose(optim.current_learning_rate(state), schedule(k), rtol=1e-6)
+    assert float(optim.current_learning_rate(state)) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi / 16))))
