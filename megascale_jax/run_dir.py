@@ -1,4 +1,10 @@
-"""The run directory: where checkpoints go, and one live run per directory (`RUN_DIR/.lock`).
+"""The run directory: every path in it, its JSON-lines files, and one live run per directory.
+
+What a run directory holds (every module asks here, none joins its own paths): `config.yaml`,
+`metrics.jsonl` (one record per step), `checkpoints/` (or `checkpoint.dir`), `checkpoints.jsonl`
+(one record per save), `events.jsonl` (the supervisor's and the straggler check's events),
+`timings/`, `tensorboard/`, `profiles/`, `logs/`, `redis/`, `report/`, `.lock`. JSON-lines files
+are appended whole lines at a time and read tolerantly: a last line cut by a kill is skipped.
 
 Two runs on one directory would interleave their metrics, timings, checkpoints.jsonl and
 TensorBoard files and trim each other's records on resume, so the second is refused before it
@@ -16,6 +22,7 @@ two runs on different hosts are not kept apart.
 
 from __future__ import annotations
 
+import datetime
 import fcntl
 import json
 import os
@@ -29,6 +36,56 @@ LOCK_FILE = ".lock"
 HOLDER_ENV = "MEGASCALE_RUN_DIR_LOCK_HOLDER"  # the pid of the launcher that holds the lock for its workers
 
 
+# ---------------------------------------------------------------------------- paths
+
+
+def default_run_dir(config_path: str | None) -> str:
+    """runs/<config name>-<local time>: where a run goes without --run-dir."""
+    name = os.path.splitext(os.path.basename(config_path or "tiny_cpu"))[0]
+    return os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+
+
+def config_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "config.yaml")
+
+
+def metrics_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def saves_path(run_dir: str) -> str:
+    """checkpoints.jsonl: blocking and total seconds of each save."""
+    return os.path.join(run_dir, "checkpoints.jsonl")
+
+
+def events_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "events.jsonl")
+
+
+def timings_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "timings")
+
+
+def tensorboard_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "tensorboard")
+
+
+def profiles_dir(run_dir: str, process: int) -> str:
+    return os.path.join(run_dir, "profiles", f"process-{process}")
+
+
+def logs_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "logs")
+
+
+def redis_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "redis")
+
+
+def report_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "report")
+
+
 def checkpoint_dir(cfg: Config, run_dir: str) -> str:
     return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
 
@@ -38,6 +95,60 @@ def committed_steps(directory: str) -> list[int]:
     if not os.path.isdir(directory):
         return []
     return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+
+
+# ---------------------------------------------------------------------------- JSON lines
+
+
+def append_jsonl(path: str, records: list[dict]) -> None:
+    """Append `records`, one line each, in one write, flushed (a reader or a kill sees whole lines,
+    except at worst the last)."""
+    if records:
+        with open(path, "a") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The records of a JSON-lines file ([] if there is none); a line that does not parse (the
+    last one, cut by a kill) is skipped, as training skips it on resume."""
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path, errors="replace") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                out.append(record)
+    return out
+
+
+def keep_records_up_to(path: str, step: int) -> None:
+    """Drop metric records after `step` (left by an interrupted run that is now resumed from
+    `step`), so every step appears once. Written to a temporary file and renamed: a crash here
+    leaves the old file, never a half-written one."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        lines = f.readlines()
+    # A line cut short by a kill is not JSON; it is after the checkpoint step in any case.
+    kept = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
+    if kept != lines:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(path + ".tmp", path)
+
+
+def _record_step(line: str) -> int | None:
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------- the lock
 
 
 class RunDirInUse(RuntimeError):

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import functools
-import json
 import math
 import os
 import sys
@@ -211,7 +209,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
 
     t0 = time.perf_counter()
     warn = (lambda line: tqdm.write(line, file=sys.stderr)) if is_main else log
-    ckpt = checkpoint.Checkpointer(cfg, checkpoint.checkpoint_dir(cfg, run_dir), warn=warn) \
+    ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=warn) \
         if cfg.checkpoint.every else None
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   trainer.init.lower().out_info, trainer.state_shardings)
@@ -228,7 +226,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
     profiler = device_profile.StepProfiler(cfg.observe.profile_every, train_step,
-                                           os.path.join(run_dir, "profiles", f"process-{jax.process_index()}"))
+                                           run_dirs.profiles_dir(run_dir, jax.process_index()))
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
@@ -244,8 +242,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     mfu_per_token_s = flops.mfu(1.0, cfg.model, mesh.devices.flat)  # MFU is linear in tokens/s: look peaks up once
     records: list[dict] = []
     if is_main:
-        keep_records_up_to(os.path.join(run_dir, "metrics.jsonl"), start)
-    metrics_file = open(os.path.join(run_dir, "metrics.jsonl"), "a") if is_main else None
+        run_dirs.keep_records_up_to(run_dirs.metrics_path(run_dir), start)
     # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (is_main and sys.stderr.isatty()),
                unit="step", dynamic_ncols=True)
@@ -253,8 +250,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     def log_saves(saves: list[dict]) -> None:
         """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
         if is_main and saves:
-            with open(os.path.join(run_dir, "checkpoints.jsonl"), "a") as f:
-                f.writelines(json.dumps(r) + "\n" for r in saves)
+            run_dirs.append_jsonl(run_dirs.saves_path(run_dir), saves)
 
     def finish(step: int, metrics, data_wait: float, last_time: float, params=None) -> float:
         """Fetch one step's metrics (blocking on that step only), check and record them.
@@ -280,9 +276,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             watch.state("training", step)
         records.append(record)
         watch.record(record)
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
+        if is_main:
+            run_dirs.append_jsonl(run_dirs.metrics_path(run_dir), [record])
         bar.update(1)
         bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
         if step % cfg.train.log_every == 0 or "val_loss" in record:
@@ -341,7 +336,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                 saved = False
                 if ckpt:
                     log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
-                    saved = step in checkpoint.committed_steps(ckpt.directory)
+                    saved = step in run_dirs.committed_steps(ckpt.directory)
                 raise Interrupted(step, stop_signal, saved)
             if ckpt:
                 log_saves(ckpt.poll())
@@ -349,8 +344,6 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         stop.close()
         bar.close()
         batches.close()
-        if metrics_file:
-            metrics_file.close()
         if ckpt:
             log_saves(ckpt.close())
     watch.state("done", cfg.train.steps)
@@ -367,29 +360,6 @@ def run_summary(records: list[dict], start: int, wall_s: float) -> str:
     return (f"done: steps {start + 1}-{records[-1]['step']} in {wall_s:.1f}s; final loss {records[-1]['loss']:.4f}"
             + (f", val_loss {val[-1]:.4f}" if val else "")
             + f"; mean {tokens / sum(r['step_time_s'] for r in records):.0f} tokens/s")
-
-
-def keep_records_up_to(path: str, step: int) -> None:
-    """Drop metric records after `step` (left by an interrupted run that is now resumed from
-    `step`), so every step appears once. Written to a temporary file and renamed: a crash here
-    leaves the old file, never a half-written one."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        lines = f.readlines()
-    # A line cut short by a kill is not JSON; it is after the checkpoint step in any case.
-    kept = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
-    if kept != lines:
-        with open(path + ".tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(path + ".tmp", path)
-
-
-def _record_step(line: str) -> int | None:
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 # ============================================================================ command line
@@ -431,9 +401,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                     ) -> tuple[str, run_dirs.RunDirLock | None]:
     """The run directory, locked for this run (None: a launcher holds the lock for its workers),
     checked for a run it could not continue, with the resolved config written into it."""
-    if run_dir is None:
-        name = os.path.splitext(os.path.basename(config_path or "tiny_cpu"))[0]
-        run_dir = os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = run_dir or run_dirs.default_run_dir(config_path)
     lock = None
     if not run_dirs.held_for_us(run_dir):
         try:
@@ -443,9 +411,9 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
         except OSError as e:
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     try:
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        if os.path.exists(run_dirs.metrics_path(run_dir)):
             # A run directory with checkpoints is resumed (train() restores the newest good one).
-            steps = checkpoint.committed_steps(checkpoint.checkpoint_dir(cfg, run_dir))
+            steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
             if not steps:
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
                                   "to resume from; pass a new --run-dir")
@@ -455,7 +423,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                                   "it or pass a new --run-dir")
         try:
             os.makedirs(run_dir, exist_ok=True)
-            save_config(cfg, os.path.join(run_dir, "config.yaml"))
+            save_config(cfg, run_dirs.config_path(run_dir))
         except OSError as e:
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     except ConfigError:

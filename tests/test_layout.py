@@ -111,3 +111,20 @@ def test_no_private_jax_imports():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             private += [f"{path.relative_to(REPO)}: {n}" for n in names if n.startswith("jax._src")]
     assert private == []
+
+
+RUN_DIR_ENTRIES = {"config.yaml", "metrics.jsonl", "checkpoints.jsonl", "events.jsonl", "timings", "tensorboard",
+                   "profiles", "logs", "redis", "report", "checkpoints", ".lock"}
+
+
+def test_run_directory_paths_are_joined_in_run_dir_only():
+    """One module owns the run directory's layout: nobody else joins a path to one of its entries."""
+    joined = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "run_dir.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "os.path.join":
+                names = {a.value for a in node.args if isinstance(a, ast.Constant)}
+                joined += [f"{path.relative_to(REPO)}:{node.lineno}" for _ in names & RUN_DIR_ENTRIES]
+    assert joined == []

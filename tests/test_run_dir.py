@@ -82,3 +82,18 @@ def test_launch_refuses_a_directory_in_use(tmp_path):
     finally:
         p.send_signal(signal.SIGTERM)
         p.wait()
+
+
+def test_jsonl_appends_whole_lines_and_reads_past_a_torn_one(tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    run_dir.append_jsonl(path, [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.25}])
+    run_dir.append_jsonl(path, [])
+    run_dir.append_jsonl(path, [{"step": 3, "loss": 5.0}])
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')  # a kill mid-line
+    assert run_dir.read_jsonl(path) == [{"step": 1, "loss": 5.5}, {"step": 2, "loss": 5.25}, {"step": 3, "loss": 5.0}]
+    assert run_dir.read_jsonl(str(tmp_path / "absent.jsonl")) == []
+    # Resuming from step 2 keeps records up to it, byte for byte, and drops the torn line.
+    before = open(path).read().splitlines(keepends=True)
+    run_dir.keep_records_up_to(path, 2)
+    assert open(path).read().splitlines(keepends=True) == before[:2]

@@ -35,7 +35,9 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+from megascale_jax import run_dir as run_dirs  # noqa: E402
 from megascale_jax.config import ObserveConfig, from_dict  # noqa: E402
+from megascale_jax.run_dir import read_jsonl  # noqa: E402
 from megascale_jax.observe.hangs import RankState, describe_exit, rank_states  # noqa: E402
 from megascale_jax.observe.stragglers import (append_events, arrival_lateness, clock_offsets,  # noqa: E402
                                       flag_stragglers, slow_devices, window_lateness)
@@ -133,26 +135,9 @@ def write_device_heatmap(t: Timings, out: str) -> bool:
     return True
 
 
-def read_jsonl(path: str) -> list[dict]:
-    """The records of a JSON-lines file; a line that does not parse (the last one, cut by a kill)
-    is skipped, as training skips it on resume."""
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path, errors="replace") as f:
-        for line in f:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                out.append(record)
-    return out
-
-
 def supervisor_events(run_dir: str) -> list[dict]:
     """events.jsonl's faults, restarts, resumes, give-ups and done marks (stragglers left out)."""
-    return [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    return [e for e in read_jsonl(run_dirs.events_path(run_dir))
             if e.get("kind") in ("fault", "restart", "resumed", "give_up", "done", "drill", "interrupted") and "time" in e]
 
 
@@ -197,7 +182,7 @@ def throughput_figure(records: list[dict], events: list[dict] = ()) -> Figure:
 
 
 def write_throughput(run_dir: str, out: str, events: list[dict] = ()) -> bool:
-    records = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "step" in r]
+    records = [r for r in read_jsonl(run_dirs.metrics_path(run_dir)) if "step" in r]
     if not records:
         return False
     save_figure(throughput_figure(records, events), out, "throughput.png")
@@ -397,7 +382,7 @@ def summary_text(run_dir, t, offsets, stragglers, states, threshold, window, eve
 
 def observe_settings(run_dir: str) -> ObserveConfig:
     """The run's observe.* settings (defaults for runs without them)."""
-    path = os.path.join(run_dir, "config.yaml")
+    path = run_dirs.config_path(run_dir)
     if not os.path.exists(path):
         return ObserveConfig()
     with open(path) as f:
@@ -413,7 +398,7 @@ def write_report(run_dir: str, threshold: float | None = None, window: int | Non
     t = read_timings(run_dir)
     if len(t.step) == 0:
         raise SystemExit(f"error: no timings under {run_dir}/timings; run with observe.timings=true")
-    out = os.path.join(run_dir, "report")
+    out = run_dirs.report_dir(run_dir)
     os.makedirs(out, exist_ok=True)
     offsets = clock_offsets(t)
     durations = t.duration[t.select("step")]

@@ -20,14 +20,14 @@ step (the start of its ``dispatch`` row): a slow host arrives late and the other
 
 from __future__ import annotations
 
-import json
-import os
 import time
 import warnings
 
 import numpy as np
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.observe.timings import Timings, read_timings
+from megascale_jax.run_dir import append_jsonl, read_jsonl
 
 
 def clock_offsets(t: Timings) -> np.ndarray:
@@ -111,21 +111,11 @@ def flag_stragglers(t: Timings, windows: list[dict], threshold: float) -> list[d
 def append_events(run_dir: str, stragglers: list[dict]) -> None:
     """Append one ``kind: straggler`` line per flagged (rank, window) to RUN_DIR/events.jsonl for
     the supervisor; windows already recorded there are not repeated."""
-    path = os.path.join(run_dir, "events.jsonl")
-    seen = set()
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    e = json.loads(line)
-                except ValueError:
-                    continue
-                if e.get("kind") == "straggler":
-                    seen.add((e.get("rank"), e.get("first_step"), e.get("last_step")))
+    path = run_dirs.events_path(run_dir)
+    seen = {(e.get("rank"), e.get("first_step"), e.get("last_step"))
+            for e in read_jsonl(path) if e.get("kind") == "straggler"}
     new = [s for s in stragglers if (s["rank"], s["first_step"], s["last_step"]) not in seen]
-    if new:
-        with open(path, "a") as f:
-            f.writelines(json.dumps({"time": time.time(), "kind": "straggler", **s}) + "\n" for s in new)
+    append_jsonl(path, [{"time": time.time(), "kind": "straggler", **s} for s in new])
 
 
 def slow_devices(t: Timings, threshold: float) -> list[tuple[int, float]]:

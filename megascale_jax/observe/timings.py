@@ -38,15 +38,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megascale_jax.run_dir import tensorboard_dir, timings_dir
 from megascale_jax.training.observers import LoopObserver
 
 COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
 DEVICE_COLUMNS = ("process", "host", "device", "dp", "pp", "tp")
 STATE_PREFIX = "state:"
-
-
-def timings_dir(run_dir: str) -> str:
-    return os.path.join(run_dir, "timings")
 
 
 # ============================================================================ writing
@@ -103,7 +100,7 @@ class TensorBoardScalars(LoopObserver):
         from tensorboardX import SummaryWriter
 
         # A short flush interval so a killed run still leaves recent scalars on disk.
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), flush_secs=10)
+        self.writer = SummaryWriter(tensorboard_dir(run_dir), flush_secs=10)
 
     def record(self, record):
         for tag in self.TAGS:

@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import rendezvous
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
@@ -251,13 +252,13 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="megascale-diagnose-")
-    server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+    server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))
     try:
         report = run(worker_args, args.nprocs, args.redis or server.url, f"diagnose-{os.getpid()}-{time.time():.0f}",
-                     worker_env(), os.path.join(run_dir, "logs"))
+                     worker_env(), run_dirs.logs_dir(run_dir))
     finally:
         if server:
             server.stop()
     print(report.table())
-    print(f"diagnostics took {report.duration_s:.1f}s; worker logs in {os.path.join(run_dir, 'logs')}")
+    print(f"diagnostics took {report.duration_s:.1f}s; worker logs in {run_dirs.logs_dir(run_dir)}")
     return 1 if report.faulty() else 0

@@ -19,7 +19,6 @@ metrics.jsonl.before-restart-<n>.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import signal
 import sys
@@ -64,8 +63,7 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    name = os.path.splitext(os.path.basename(args.config or "tiny_cpu"))[0]
-    run_dir = args.run_dir or os.path.join("runs", f"{name}-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    run_dir = args.run_dir or run_dirs.default_run_dir(args.config)
     try:  # one live run per directory; the workers run under this lock (run_dir.HOLDER_ENV)
         lock = run_dirs.RunDirLock(run_dir).acquire()
     except (run_dirs.RunDirInUse, OSError) as e:
@@ -81,7 +79,7 @@ def main(argv=None) -> int:
               startup_timeout_s=args.startup_timeout)
     server = None
     try:
-        server = None if args.redis else EmbeddedRedis(os.path.join(run_dir, "redis"))
+        server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))
         supervisor = Supervisor(job, args.redis or server.url, server, drills)
         for sig in (signal.SIGINT, signal.SIGTERM):  # Ctrl-C, a scheduler's cancel or preemption
             signal.signal(sig, lambda signum, _: supervisor.request_stop(signum))

@@ -84,12 +84,11 @@ class EventLog:
     """RUN_DIR/events.jsonl plus one printed line per event."""
 
     def __init__(self, run_dir: str):
-        self.path = os.path.join(run_dir, "events.jsonl")
+        self.path = run_dirs.events_path(run_dir)
 
     def log(self, kind: str, summary: str, **fields) -> dict:
         record = {"time": time.time(), "kind": kind, **fields, "summary": summary}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        run_dirs.append_jsonl(self.path, [record])
         print(f"[supervisor] {kind}: {summary}", flush=True)
         return record
 
@@ -311,7 +310,7 @@ class Supervisor:
         job_id = f"{job.job_id}-{attempt}"
         group = WorkerGroup("megascale_jax.train", [*job.worker_args, "--redis", self.redis_url, "--job", job_id,
                                                     "--num-processes", str(job.nprocs)],
-                            job.nprocs, job.env, os.path.join(job.run_dir, "logs"), "worker",
+                            job.nprocs, job.env, run_dirs.logs_dir(job.run_dir), "worker",
                             header=f"attempt {attempt}, job {job_id}")
         monitor = HeartbeatMonitor(self.client, job_id, job.nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
@@ -483,7 +482,7 @@ class Supervisor:
 
         report = diagnose.run(self.job.diagnose_args, self.job.nprocs, self.redis_url,
                               f"{self.job.job_id}-diag{restarts}", self.job.env,
-                              os.path.join(self.job.run_dir, "logs"))
+                              run_dirs.logs_dir(self.job.run_dir))
         print(report.table(), flush=True)
         faulty = report.faulty()
         verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
@@ -499,7 +498,7 @@ class Supervisor:
         if steps:
             return steps[-1]
         # A worker refuses a run directory with metrics but no checkpoint: set them aside, kept.
-        metrics = os.path.join(self.job.run_dir, "metrics.jsonl")
+        metrics = run_dirs.metrics_path(self.job.run_dir)
         if os.path.exists(metrics):
             os.replace(metrics, f"{metrics}.before-restart-{restarts}")
         return 0
@@ -512,6 +511,6 @@ class Supervisor:
                   f"(detected in {f.latency_s:.2f}s)" + (f"\n     error: {f.error}" if f.error else ""))
         if self.faults and self.faults[-1].log_tail:
             print("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
-        print(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {os.path.join(self.job.run_dir, 'logs')}; "
+        print(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {run_dirs.logs_dir(self.job.run_dir)}; "
               f"events: {self.events.path}", flush=True)
         return 1

@@ -40,7 +40,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from megascale_jax.config import Config, ConfigError
-from megascale_jax.run_dir import checkpoint_dir, committed_steps  # noqa: F401 (checkpoint_dir: for callers)
+from megascale_jax.run_dir import committed_steps
 
 # Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
 _SHAPE_SECTIONS = ("model",)

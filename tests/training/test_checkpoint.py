@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.training import checkpoint, data
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
@@ -164,7 +165,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     # Names the bad file, briefly (the length leaves out the temporary directory's own length).
     assert "state/" in warnings[0] and len(warnings[0].replace(str(tmp_path), "")) < 300, warnings
     # Kept for inspection, out of resume's way, and a new save of step 2 works.
-    assert (tmp_path / "2.corrupt").is_dir() and checkpoint.committed_steps(str(tmp_path)) == [1]
+    assert (tmp_path / "2.corrupt").is_dir() and run_dirs.committed_steps(str(tmp_path)) == [1]
     ckpt.save(2, tiny_state(mesh, 2), {"next_index": 2})
     assert "error" not in ckpt.close()[0]
 
@@ -300,7 +301,7 @@ def test_saves_record_blocking_and_total_time(reference):
     saves = [json.loads(line) for line in (reference / "checkpoints.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saves] == [5, 10, 15, 20]
     assert all(0 < s["block_s"] <= s["total_s"] for s in saves), saves
-    assert checkpoint.committed_steps(str(reference / "checkpoints")) == [5, 10, 15, 20]
+    assert run_dirs.committed_steps(str(reference / "checkpoints")) == [5, 10, 15, 20]
 
 
 @pytest.mark.slow
@@ -311,7 +312,7 @@ def test_kill_during_background_write_then_resume_is_bitwise_exact(reference, tm
     assert killed.returncode == -9, killed.stderr[-3000:]
     ckpt_dir = run_dir / "checkpoints"
     # The step-15 write never committed: only its tmp directory exists, which resume ignores.
-    assert checkpoint.committed_steps(str(ckpt_dir)) == [5, 10]
+    assert run_dirs.committed_steps(str(ckpt_dir)) == [5, 10]
     assert any(p.name.startswith("15.") and "tmp" in p.name for p in ckpt_dir.iterdir()), list(ckpt_dir.iterdir())
     assert [r["step"] for r in records(run_dir)] == list(range(1, 16))
 
@@ -325,7 +326,7 @@ def test_kill_during_background_write_then_resume_is_bitwise_exact(reference, tm
     assert [r["step"] for r in got] == list(range(1, 21))  # 11-15 of the killed run were dropped
     for g, w in zip(got, want):
         assert (g["loss"], g["grad_norm"], g["lr"]) == (w["loss"], w["grad_norm"], w["lr"]), (g, w)
-    assert checkpoint.committed_steps(str(ckpt_dir)) == [5, 10, 15, 20]
+    assert run_dirs.committed_steps(str(ckpt_dir)) == [5, 10, 15, 20]
     # A finished run is not resumed again.
     again = run_cli(run_dir, [*TINY, *DP8])
     assert again.returncode == 2 and "finished run" in again.stderr
@@ -380,7 +381,7 @@ def test_failing_saves_keep_training_and_the_last_good_checkpoint(reference, tmp
     assert warnings and all("last good checkpoint: step 10" in w for w in warnings), warnings
     saves = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saves] == [15, 20] and all("error" in s for s in saves), saves
-    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) == [10]
+    assert run_dirs.committed_steps(str(run_dir / "checkpoints")) == [10]
     after = sorted((p.relative_to(run_dir), p.read_bytes()) for p in (run_dir / "checkpoints" / "10").rglob("*")
                    if p.is_file())
     assert after == before
@@ -537,7 +538,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_the_step_in_flight_then_resum
     assert first.returncode == 143, err[-3000:]
     assert "interrupted at step 9; checkpoint saved — re-run the same command to resume" in err.splitlines(), err[-2000:]
     assert "Traceback" not in err
-    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) == [5, 9]
+    assert run_dirs.committed_steps(str(run_dir / "checkpoints")) == [5, 9]
     assert [r["step"] for r in records(run_dir)] == list(range(1, 10))
     assert (run_dir / ".lock").read_text() == ""  # released on the way out
 
@@ -576,7 +577,7 @@ def test_a_second_signal_exits_at_once(tmp_path):
     assert "second signal (SIGINT): exiting now" in err and "Traceback" not in err, err[-3000:]
     # Nothing of step 7 was committed; step 5's background write may or may not have finished
     # before the exit (an exit "at once" does not wait for it), never half of it.
-    assert checkpoint.committed_steps(str(run_dir / "checkpoints")) in ([], [5])
+    assert run_dirs.committed_steps(str(run_dir / "checkpoints")) in ([], [5])
 
 
 def test_only_unawaited_tensorstore_read_errors_are_dropped_from_asyncio_logs(caplog):
