@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from megascale_jax import run_dir as run_dirs
+from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.model import flops
@@ -37,6 +37,9 @@ from megascale_jax.training import checkpoint, data
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import current_learning_rate, make_optimizer
+
+logger = cli.get_logger("train")
+
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
@@ -205,11 +208,10 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("initialising", 0)
     trainer = build_trainer(cfg, mesh)
     is_main = jax.process_index() == 0
-    log = tqdm.write if is_main else (lambda *_: None)
+    log = logger.info  # progress lines: rank 0's only (cli.setup_logging quiets the others)
 
     t0 = time.perf_counter()
-    warn = (lambda line: tqdm.write(line, file=sys.stderr)) if is_main else log
-    ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=warn) \
+    ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=logger.warning) \
         if cfg.checkpoint.every else None
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   trainer.init.lower().out_info, trainer.state_shardings)
@@ -394,7 +396,7 @@ def parse_args(argv):
                              "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT, $JOBSET_NAME-$JOBSET_RESTART_ATTEMPT "
                              "or 'default')")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
-    return parser.parse_intermixed_args(argv)
+    return cli.parse(parser, argv)
 
 
 def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
@@ -434,7 +436,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         if cfg.parallel.tp_overlap == "xla":  # must be set before the backend starts; ignored off-GPU
@@ -451,6 +453,7 @@ def main(argv=None) -> int:
         if coordinator:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
             jax.distributed.initialize(coordinator, args.num_processes, process_id)
+        cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         check_memory(cfg)
         tokens = data.load_tokens(cfg)
@@ -461,27 +464,23 @@ def main(argv=None) -> int:
         if jax.process_index() == 0:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     try:
         train(cfg, run_dir, train_batches, val_batches, args.redis, job)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 3
+        return cli.user_error(e, code=3)
     except Interrupted as e:
         if jax.process_index() == 0:
-            print(f"interrupted at step {e.step}; " + (
+            logger.warning(f"interrupted at step {e.step}; " + (
                 "checkpoint saved — re-run the same command to resume" if e.saved else
-                "no checkpoint saved (checkpoint.every=0 or the save failed, see above)"), file=sys.stderr, flush=True)
+                "no checkpoint saved (checkpoint.every=0 or the save failed, see above)"))
         return e.exit_code
     finally:
         if lock:
             lock.release()
-    if jax.process_index() == 0:
-        print(f"run directory: {run_dir}")
+    logger.info(f"run directory: {run_dir}")
     return 0
 
 

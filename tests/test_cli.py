@@ -348,3 +348,32 @@ def test_non_finite_loss_stops_the_run_naming_the_step(long_runs):
     records = [strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, bad_step))
     assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in records)
+
+
+def test_logging_tags_ranks_only_in_multi_process_jobs_and_splits_streams(capsys):
+    from megascale_jax import cli
+
+    log = cli.get_logger("test")
+    cli.setup_logging()
+    log.info("step 1")
+    log.warning("warning: disk slow")
+    cli.setup_logging(rank=1, processes=4)
+    log.info("step 2")
+    cli.get_logger("test", tag="[supervisor] ").info("fault")
+    cli.setup_logging(rank=2, processes=4, quiet=True)
+    log.info("not shown")
+    log.warning("shown")
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["step 1", "[rank 1] step 2", "[rank 1] [supervisor] fault"]
+    assert err.splitlines() == ["warning: disk slow", "[rank 2] shown"]
+    assert cli.user_error("mesh.pp=3 does not divide model.layers=8") == 2
+    assert capsys.readouterr().err == "error: mesh.pp=3 does not divide model.layers=8\n"
+
+
+@pytest.mark.parametrize("argv", [["--no-such-option"]])
+@pytest.mark.parametrize("command", ["train", "launch", "report", "diagnose", "flops", "pipeline_schedule"])
+def test_every_cli_rejects_a_bad_command_line_with_exit_2(command, argv):
+    r = subprocess.run([sys.executable, "-m", f"megascale_jax.{command}", *argv], capture_output=True, text=True,
+                       timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"python -m megascale_jax.{command}: error: "), r.stderr

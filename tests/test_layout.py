@@ -71,7 +71,7 @@ def test_no_import_circles():
             visit(m, [m])
 
 
-LEVELS = {"config": 0, "run_dir": 0, "parallel": 1, "model": 1, "training": 2, "observe": 3, "cluster": 4,
+LEVELS = {"config": 0, "run_dir": 0, "cli": 0, "parallel": 1, "model": 1, "training": 2, "observe": 3, "cluster": 4,
           "supervise": 5}  # train.py and the entry points sit on top of all of them
 
 

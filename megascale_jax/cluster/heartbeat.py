@@ -17,7 +17,6 @@ import json
 import os
 import socket
 import stat
-import sys
 import threading
 import time
 
@@ -25,10 +24,12 @@ import jax
 import psutil
 import redis
 
+from megascale_jax.cli import get_logger
 from megascale_jax.parallel.mesh import process_device_coords
 from megascale_jax.training.observers import LoopObserver
 from megascale_jax.cluster.rendezvous import connect, heartbeat_key
 
+log = get_logger("heartbeat")
 LOG_TAIL_BYTES = 2048
 class Heartbeat(LoopObserver):
     def __init__(self, client: redis.Redis, job: str, rank: int, interval_s: float, ttl_s: float,
@@ -80,13 +81,12 @@ class Heartbeat(LoopObserver):
         try:
             self.client.set(self.key, json.dumps(self.snapshot()), px=int(self.ttl_s * 1000))
             if self.unreachable_since is not None:
-                print(f"heartbeat: Redis reachable again after {time.time() - self.unreachable_since:.1f}s",
-                      file=sys.stderr, flush=True)
+                log.warning(f"heartbeat: Redis reachable again after {time.time() - self.unreachable_since:.1f}s")
                 self.unreachable_since = None
         except redis.RedisError as e:
             if self.unreachable_since is None:  # one line per outage, not one per beat
-                print(f"heartbeat: Redis unreachable ({e}); training continues, retrying every "
-                      f"{self.interval_s}s", file=sys.stderr, flush=True)
+                log.warning(f"heartbeat: Redis unreachable ({e}); training continues, retrying every "
+                            f"{self.interval_s}s")
                 self.unreachable_since = time.time()
 
     def snapshot(self) -> dict:

@@ -19,10 +19,10 @@ prints these numbers for a config and a (possibly hypothetical) mesh, without JA
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Iterable, Optional, Sequence
 
 
+from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError, ModelConfig, load_config
 from megascale_jax.parallel import pipeline_schedule
 
@@ -184,12 +184,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
     parser.add_argument("--target-mfu", type=float, default=0.5, help="MFU assumed for the step-time line")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")
-    args = parser.parse_intermixed_args(argv)
+    args = cli.parse(parser, argv)
     try:
         cfg = load_config(args.config, args.overrides, planning=True)
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
 
     m, mesh = cfg.model, cfg.mesh
     n_devices = mesh.dp * mesh.pp * mesh.tp

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import matplotlib
@@ -35,7 +34,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from megascale_jax import run_dir as run_dirs  # noqa: E402
+from megascale_jax import cli, run_dir as run_dirs  # noqa: E402
 from megascale_jax.config import ObserveConfig, from_dict  # noqa: E402
 from megascale_jax.run_dir import read_jsonl  # noqa: E402
 from megascale_jax.observe.hangs import RankState, describe_exit, rank_states  # noqa: E402
@@ -47,6 +46,10 @@ STATUSES = ("ok", "slow", "waiting", "hung", "stopped", "exited")
 STATUS_COLOURS = ("#7fbf7f", "#f0a030", "#9fb7d9", "#d62728", "#bbbbbb", "#888888")
 MAX_VIEW_WINDOWS = 6  # the PNG shows the most recent windows; the text shows all
 
+
+
+class NoTimings(Exception):
+    """The run directory has no timings to report on."""
 
 # ============================================================================ pictures
 
@@ -397,7 +400,7 @@ def write_report(run_dir: str, threshold: float | None = None, window: int | Non
     window = settings.straggler_window if window is None else window
     t = read_timings(run_dir)
     if len(t.step) == 0:
-        raise SystemExit(f"error: no timings under {run_dir}/timings; run with observe.timings=true")
+        raise NoTimings(f"no timings under {run_dirs.timings_dir(run_dir)}; run with observe.timings=true")
     out = run_dirs.report_dir(run_dir)
     os.makedirs(out, exist_ok=True)
     offsets = clock_offsets(t)
@@ -454,9 +457,11 @@ def main(argv=None) -> int:
     parser.add_argument("--window", type=int, help="steps per window (default: observe.straggler_window)")
     parser.add_argument("--hang-after", type=float, help="seconds without any row before a run counts as stalled "
                                                          "(default: max(60, 20 median steps))")
-    args = parser.parse_intermixed_args(argv)
+    args = cli.parse(parser, argv)
     if not os.path.isdir(args.run_dir):
-        print(f"error: run directory {args.run_dir} does not exist", file=sys.stderr)
-        return 2
-    print(write_report(args.run_dir, args.threshold, args.window, args.hang_after), end="")
+        return cli.user_error(f"run directory {args.run_dir} does not exist; pass the --run-dir of a run")
+    try:
+        print(write_report(args.run_dir, args.threshold, args.window, args.hang_after), end="")
+    except NoTimings as e:
+        return cli.user_error(e)
     return 0

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import sys
 from typing import Optional
+
+from megascale_jax import cli
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
@@ -205,10 +206,9 @@ def main(argv=None) -> int:
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
     parser.add_argument("--virtual", type=int, default=1)
-    args = parser.parse_intermixed_args(argv)
+    args = cli.parse(parser, argv)
     try:
         print(timeline(build(args.schedule, args.pp, args.virtual, args.microbatches)))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     return 0

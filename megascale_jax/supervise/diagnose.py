@@ -21,10 +21,9 @@ import dataclasses
 import json
 import os
 import socket
-import sys
 import time
 
-from megascale_jax import run_dir as run_dirs
+from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import rendezvous
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
@@ -235,7 +234,7 @@ def main(argv=None) -> int:
     parser.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 mesh.tp=2")
-    args = parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    args = cli.parse(parser, argv)
     if args.worker:
         return worker_main(args)
     import tempfile
@@ -249,8 +248,7 @@ def main(argv=None) -> int:
         worker_args = ([] if args.config is None else ["--config", args.config]) + \
             per_process_overrides(cfg, args.overrides, args.nprocs)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="megascale-diagnose-")
     server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))
     try:

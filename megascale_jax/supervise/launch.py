@@ -21,10 +21,9 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 import uuid
 
-from megascale_jax import run_dir as run_dirs
+from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.supervisor import Drill, Job, Supervisor
@@ -45,11 +44,12 @@ def parse_args(argv):
     parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
                         help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
-    return parser.parse_intermixed_args(argv)
+    return cli.parse(parser, argv)
 
 
 def main(argv=None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    log = cli.setup_logging()
     try:
         if args.nprocs < 1:
             raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
@@ -61,14 +61,12 @@ def main(argv=None) -> int:
         if any(d.rank is not None and d.rank >= args.nprocs for d in drills):
             raise ConfigError(f"--drill names a rank >= --nprocs={args.nprocs}")
     except (ConfigError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     run_dir = args.run_dir or run_dirs.default_run_dir(args.config)
     try:  # one live run per directory; the workers run under this lock (run_dir.HOLDER_ENV)
         lock = run_dirs.RunDirLock(run_dir).acquire()
     except (run_dirs.RunDirInUse, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return cli.user_error(e)
     config_args = [] if args.config is None else ["--config", args.config]
     # No persistent compilation cache: with gloo, executables loaded from it stall the first
     # step ~30 s (often past gloo's 30 s timeout) on jax 0.10.2; restarts compile afresh.
@@ -88,5 +86,5 @@ def main(argv=None) -> int:
         if server:
             server.stop()
         lock.release()
-    print(f"run directory: {run_dir}")
+    log.info(f"run directory: {run_dir}")
     return code

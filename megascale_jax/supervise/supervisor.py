@@ -36,10 +36,14 @@ import redis
 
 from megascale_jax.config import Config
 from megascale_jax import run_dir as run_dirs
+from megascale_jax.cli import get_logger
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.observe.timings import read_timings
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise.workers import WorkerGroup, error_key
+
+log = get_logger("supervise", tag="[supervisor] ")
+rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
 
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
@@ -89,7 +93,7 @@ class EventLog:
     def log(self, kind: str, summary: str, **fields) -> dict:
         record = {"time": time.time(), "kind": kind, **fields, "summary": summary}
         run_dirs.append_jsonl(self.path, [record])
-        print(f"[supervisor] {kind}: {summary}", flush=True)
+        log.info(f"{kind}: {summary}")
         return record
 
 
@@ -138,7 +142,7 @@ class HeartbeatMonitor:
             values = self.client.mget(self.keys)
         except redis.RedisError as e:
             if self.reachable:
-                print(f"[supervisor] warning: Redis unreachable ({e}); hang detection paused", flush=True)
+                log.warning(f"warning: Redis unreachable ({e}); hang detection paused")
             self.reachable = False
             return False
         if not self.reachable:
@@ -150,7 +154,7 @@ class HeartbeatMonitor:
             record = parse_heartbeat(raw, rank)
             if isinstance(record, str):
                 if self.bad.get(rank) != raw:
-                    print(f"[supervisor] warning: ignoring malformed heartbeat of rank {rank}: {record}", flush=True)
+                    log.warning(f"warning: ignoring malformed heartbeat of rank {rank}: {record}")
                     self.bad[rank] = raw
                 continue
             if record["seq"] != self.records.get(rank, {}).get("seq"):
@@ -253,6 +257,7 @@ class Supervisor:
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
         name = signal.Signals(signum).name
+        # print, not logging: this runs in a signal handler, where logging's locks may be held.
         if self.stop_signal:
             print(f"\n[supervisor] second {name}: killing the workers now", flush=True)
             raise SystemExit(128 + signum)  # unwinds through _attempt, which kills the workers
@@ -368,14 +373,13 @@ class Supervisor:
         if self.progress_printed is None:  # this attempt's start, once rank 0 restored or initialised
             if record.get("state") in ("compiling", "training"):
                 if step:
-                    print(f"[rank 0] resumed from checkpoint step {step}", flush=True)
+                    rank0.info(f"resumed from checkpoint step {step}")
                 self.progress_printed = step
             return
         if "loss" not in record or step // every <= self.progress_printed // every:
             return
         self.progress_printed = step
-        print(f"[rank 0] step {step:5d} loss {record['loss']:.4f} {record['tokens_per_s']:.0f} tokens/s",
-              flush=True)
+        rank0.info(f"step {step:5d} loss {record['loss']:.4f} {record['tokens_per_s']:.0f} tokens/s")
 
     def _stopped(self, restarts: int) -> int:
         """The end of a run stopped by a signal: which checkpoint it can resume from."""
@@ -386,8 +390,8 @@ class Supervisor:
         self.events.log("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}; newest {where}"
                         + (f"; {', '.join(f'rank {r} {describe_exit(c)}' for r, c in odd.items())}" if odd else ""),
                         signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
-        print(f"interrupted at step {steps[-1]}; checkpoint saved — re-run the same command to resume" if steps
-              else "interrupted; no checkpoint saved (checkpoint.every=0?): a re-run starts from step 0", flush=True)
+        log.logger.info(f"interrupted at step {steps[-1]}; checkpoint saved — re-run the same command to resume"
+                        if steps else "interrupted; no checkpoint saved (checkpoint.every=0?): a re-run starts from step 0")
         return 128 + self.stop_signal
 
     def _exit_fault(self, failed: dict[int, int], alive_at: float, now: float) -> Fault:
@@ -434,7 +438,7 @@ class Supervisor:
             flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window)
             slow = stragglers.flag_slow_devices(t, observe.straggler_threshold)
         except (OSError, ValueError) as e:  # timings not written yet, or a torn row
-            print(f"[supervisor] warning: straggler check skipped: {e}", flush=True)
+            log.warning(f"warning: straggler check skipped: {e}")
             return None
         complete = [f for f in flagged if f["last_step"] - f["first_step"] + 1 == observe.straggler_window]
         new = [f for f in complete if (f["rank"], f["first_step"], f["last_step"]) not in self.stragglers_seen]
@@ -483,7 +487,7 @@ class Supervisor:
         report = diagnose.run(self.job.diagnose_args, self.job.nprocs, self.redis_url,
                               f"{self.job.job_id}-diag{restarts}", self.job.env,
                               run_dirs.logs_dir(self.job.run_dir))
-        print(report.table(), flush=True)
+        log.info("diagnostics:\n" + report.table())
         faulty = report.faulty()
         verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
         # On a cluster the faulty ranks' nodes would be excluded and replaced here; locally every
@@ -505,12 +509,13 @@ class Supervisor:
 
     def _give_up(self, reason: str, restarts: int) -> int:
         self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))
-        print("\n[supervisor] gave up — fault report", flush=True)
+        lines = ["gave up — fault report"]
         for i, f in enumerate(self.faults):
-            print(f"  {i + 1}. {f.cause} of rank {f.rank} at step {f.step}: {f.detail} "
-                  f"(detected in {f.latency_s:.2f}s)" + (f"\n     error: {f.error}" if f.error else ""))
+            lines.append(f"  {i + 1}. {f.cause} of rank {f.rank} at step {f.step}: {f.detail} "
+                         f"(detected in {f.latency_s:.2f}s)" + (f"\n     error: {f.error}" if f.error else ""))
         if self.faults and self.faults[-1].log_tail:
-            print("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
-        print(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {run_dirs.logs_dir(self.job.run_dir)}; "
-              f"events: {self.events.path}", flush=True)
+            lines.append("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
+        lines.append(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {run_dirs.logs_dir(self.job.run_dir)}; "
+                     f"events: {self.events.path}")
+        log.info("\n".join(lines))
         return 1

@@ -223,6 +223,7 @@ class Checkpointer:
             raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
         if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
             mode = "single-replica" if self.cfg.checkpoint.single_replica_restore else "every-replica"
+            # Every process reports its own read (print: logging is quiet on ranks > 0).
             print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
                   f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
                   file=sys.stderr, flush=True)

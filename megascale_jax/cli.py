@@ -1,0 +1,80 @@
+"""What every `python -m megascale_jax.<cmd>` shares: its command line, its one way of reporting a
+user's mistake, and its logging.
+
+* `parse`: options and `section.key=value` overrides in any order (`parse_intermixed_args`:
+  argparse's plain `parse_args` rejects a positional after an option).
+* `user_error`: one line on stderr, `error: <what is wrong and how to fix it>`, exit code 2 —
+  never a traceback for a user mistake.
+* `setup_logging`: progress and notices go through the `megascale_jax` logger: INFO to stdout,
+  warnings and errors to stderr. In a job of several processes every line carries `[rank N]`,
+  so merged logs (SLURM's, a terminal running several workers) say who wrote what; a single
+  process prints bare lines. Lines are written through `tqdm.write`, so they never tear a
+  progress bar on a terminal. A program's own results (flops' table, the report's summary) are
+  its output, printed, not logged.
+
+jax-free: the driver uses it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+LOGGER = "megascale_jax"
+
+
+def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    return parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+
+
+def user_error(message, code: int = 2) -> int:
+    """Report what the user must fix as one line; returns the exit code (2: bad input; the train
+    CLI also uses 3 for a diverged run)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    return code
+
+
+class _TqdmHandler(logging.StreamHandler):
+    """A stream handler that writes around any live tqdm progress bar."""
+
+    def emit(self, record):
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(self.format(record), file=self.stream)
+            self.flush()
+        except Exception:  # noqa: BLE001 — logging must never raise into the program
+            self.handleError(record)
+
+
+def setup_logging(rank: int = 0, processes: int = 1, quiet: bool = False) -> logging.Logger:
+    """The `megascale_jax` logger, configured once per process (calling again reconfigures it).
+
+    quiet: only warnings and errors (processes other than 0 of a training job, whose progress
+    lines would repeat rank 0's)."""
+    logger = logging.getLogger(LOGGER)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    tag = f"[rank {rank}] " if processes > 1 else ""
+    formatter = logging.Formatter(tag.replace("%", "%%") + "%(message)s")
+    out, err = _TqdmHandler(sys.stdout), _TqdmHandler(sys.stderr)
+    out.addFilter(lambda r: r.levelno < logging.WARNING)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+    logger.propagate = False
+    return logger
+
+
+class _Tagged(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return f"{self.extra['tag']}{msg}", kwargs
+
+
+def get_logger(name: str, tag: str = "") -> logging.LoggerAdapter:
+    """A child of the `megascale_jax` logger (configured by `setup_logging`) whose lines start
+    with `tag`, e.g. the driver's "[supervisor] "."""
+    return _Tagged(logging.getLogger(f"{LOGGER}.{name}"), {"tag": tag})
