@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import os
 import sys
 import time
@@ -35,14 +34,11 @@ from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import checkpoint, data
 from megascale_jax.training.interrupt import Interrupted, StopRequest
+from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import current_learning_rate, make_optimizer
 
 logger = cli.get_logger("train")
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or gradient norm became NaN/inf."""
 
 
 # ============================================================================ state and steps
@@ -240,92 +236,63 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                   for i in range(cfg.train.eval_batches)]
         return float(jnp.mean(jnp.stack(losses)))
 
-    tokens_per_step = cfg.train.global_batch * cfg.model.seq_len
-    mfu_per_token_s = flops.mfu(1.0, cfg.model, mesh.devices.flat)  # MFU is linear in tokens/s: look peaks up once
-    records: list[dict] = []
     if is_main:
         run_dirs.keep_records_up_to(run_dirs.metrics_path(run_dir), start)
+    records: list[dict] = []
     # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (is_main and sys.stderr.isatty()),
                unit="step", dynamic_ncols=True)
+
+    def on_record(record: dict) -> None:
+        """metrics.jsonl, the progress bar, and a log line every `train.log_every` steps."""
+        records.append(record)
+        if is_main:
+            run_dirs.append_jsonl(run_dirs.metrics_path(run_dir), [record])
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+        if record["step"] % cfg.train.log_every == 0 or "val_loss" in record:
+            val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+            log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
+                f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
 
     def log_saves(saves: list[dict]) -> None:
         """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
         if is_main and saves:
             run_dirs.append_jsonl(run_dirs.saves_path(run_dir), saves)
 
-    def finish(step: int, metrics, data_wait: float, last_time: float, params=None) -> float:
-        """Fetch one step's metrics (blocking on that step only), check and record them.
-
-        With `params`, also measure the validation loss; it is left out of the step times."""
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        now = time.perf_counter()
-        watch.phase(step, "step", time.time() - (now - last_time), now - last_time)
-        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
-            raise TrainingDiverged(
-                f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: training diverged; "
-                f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip")
-        step_time = now - last_time
-        record = {"step": step, **values, "step_time_s": step_time,
-                  "tokens_per_s": tokens_per_step / step_time,
-                  "mfu": None if mfu_per_token_s is None else mfu_per_token_s * tokens_per_step / step_time,
-                  "data_wait_s": data_wait}
-        if params is not None:
-            watch.state("evaluating", step)
-            t_eval = time.time()
-            record["val_loss"] = validation_loss(params)
-            watch.phase(step, "eval", t_eval, time.time() - t_eval)
-            watch.state("training", step)
-        records.append(record)
-        watch.record(record)
-        if is_main:
-            run_dirs.append_jsonl(run_dirs.metrics_path(run_dir), [record])
-        bar.update(1)
-        bar.set_postfix(loss=f"{values['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if step % cfg.train.log_every == 0 or "val_loss" in record:
-            val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-            log(f"step {step:5d} loss {values['loss']:.4f}{val} grad_norm {values['grad_norm']:.3f} "
-                f"lr {values['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
-        return time.perf_counter()
-
-    # Metrics of step k are fetched after step k+1 has been dispatched, so the host never
-    # leaves the devices idle while it logs. Validation and checkpoint steps are finished
-    # synchronously: a checkpoint of step k is only started once record k is written, so
-    # resume never finds a checkpoint newer than the metrics.
-    pending = None
+    recorder = MetricsRecorder(
+        cfg.train.global_batch * cfg.model.seq_len,
+        flops.mfu(1.0, cfg.model, mesh.devices.flat),  # MFU is linear in tokens/s: look peaks up once
+        f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch, validation_loss, on_record)
     stop = StopRequest(mesh)  # SIGINT/SIGTERM: finish the step in flight, checkpoint it, exit
+    last = cfg.train.steps
     watch.state("training", start)
-    last_time = time.perf_counter()
+    recorder.restart_clock()
     try:
-        for step in range(start + 1, cfg.train.steps + 1):
+        for step in range(start + 1, last + 1):
+            # ---- data
             t_data, wall_data = time.perf_counter(), time.time()
             batch = first if step == start + 1 else batches.get()
             data_wait = time.perf_counter() - t_data
             watch.phase(step, "data_wait", wall_data, data_wait)
             watch.before_step(step)
             profiling = profiler.wants(step)
-            if profiling and pending:  # a traced step runs alone: the previous one is finished first
-                last_time = finish(*pending, last_time)
-                pending = None
-            if profiling:
+            if profiling:  # a traced step runs alone: the one before it is finished first
+                recorder.flush()
                 profiler.start(step)
+            # ---- step (arrival is marked before the call: a dispatch can block, and one stuck
+            # behind a hung peer must still count as arrived)
             wall_dispatch, t_dispatch = time.time(), time.perf_counter()
-            # Arrival is marked before the call: a dispatch can block (XLA:CPU runs multi-process
-            # steps in the caller), and one stuck behind a hung peer must still count as arrived.
             watch.phase(step, "dispatch", wall_dispatch, 0.0)
             state, metrics = train_step(state, batch)
             watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
-            stop_signal = stop.after_dispatch() if step < cfg.train.steps else 0
-            if pending:
-                last_time = finish(*pending, last_time)
-                pending = None
+            stop_signal = stop.after_dispatch() if step < last else 0
+            recorder.push(step, metrics, data_wait)  # records the step before this one
+            # ---- what must see this step complete: evaluation, checkpoint, profile, interrupt
+            evaluate = itstime(step, cfg.train.eval_every, last)
             saving = ckpt is not None and (ckpt.should_save(step) or bool(stop_signal))
-            if step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0):
-                last_time = finish(step, metrics, data_wait, last_time, params=state.params)
-            elif saving or profiling or stop_signal:
-                last_time = finish(step, metrics, data_wait, last_time)
-            else:
-                pending = (step, metrics, data_wait)
+            if evaluate or saving or profiling or stop_signal:
+                recorder.flush(params=state.params if evaluate else None)
             if profiling:
                 profiler.stop(step, watch)
             if saving:

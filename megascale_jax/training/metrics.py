@@ -1,0 +1,77 @@
+"""One place that turns a step's device metrics into a record, one step late.
+
+Fetching a step's loss blocks the host until that step is done; doing it right after the
+dispatch would leave the devices idle while the host logs and fetches the next batch. So the
+recorder holds step k's metrics (`push`) and fetches them only after step k+1 was dispatched,
+when k is done anyway. Steps that must be complete before the loop goes on — an evaluation, a
+checkpoint (never newer than the metrics on disk), a profiled step (traced alone), an interrupt —
+call `flush`, which records the held step at once.
+
+A record is `{step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, data_wait_s}` plus
+`val_loss` when the step was evaluated. Step time is finish-to-finish, so it covers the whole
+step however the host and devices overlapped. A non-finite loss or gradient norm raises
+`TrainingDiverged` naming the step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import jax
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf."""
+
+
+def itstime(step: int, every: int, last: int) -> bool:
+    """The cadence of every periodic action: every `every` steps (0 = never) and at the last step."""
+    return step == last or (every > 0 and step % every == 0)
+
+
+class MetricsRecorder:
+    def __init__(self, tokens_per_step: int, mfu_per_token_s: float | None, lr_hint: str, watch,
+                 evaluate: Callable, on_record: Callable[[dict], None]):
+        """evaluate(params) -> validation loss; on_record(record) is called once per step, in order.
+        lr_hint names the settings to change when training diverges."""
+        self.tokens_per_step, self.mfu_per_token_s, self.lr_hint = tokens_per_step, mfu_per_token_s, lr_hint
+        self.watch, self.evaluate, self.on_record = watch, evaluate, on_record
+        self.held: tuple | None = None  # (step, metrics, data_wait) not fetched yet
+        self.last_finish = time.perf_counter()
+
+    def restart_clock(self) -> None:
+        """The next step's time starts now (after compiling and restoring)."""
+        self.last_finish = time.perf_counter()
+
+    def push(self, step: int, metrics, data_wait: float) -> None:
+        """Step `step` was dispatched: record the step held before it, hold this one."""
+        self.flush()
+        self.held = (step, metrics, data_wait)
+
+    def flush(self, params=None) -> None:
+        """Record the held step now; with `params`, measure its validation loss too."""
+        if self.held is None:
+            return
+        (step, metrics, data_wait), self.held = self.held, None
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        now = time.perf_counter()
+        step_time = now - self.last_finish
+        self.watch.phase(step, "step", time.time() - step_time, step_time)
+        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+            raise TrainingDiverged(f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: "
+                                   f"training diverged; {self.lr_hint}")
+        record = {"step": step, **values, "step_time_s": step_time,
+                  "tokens_per_s": self.tokens_per_step / step_time,
+                  "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * self.tokens_per_step / step_time,
+                  "data_wait_s": data_wait}
+        if params is not None:  # left out of the step time: the clock restarts after it
+            self.watch.state("evaluating", step)
+            t_eval = time.time()
+            record["val_loss"] = self.evaluate(params)
+            self.watch.phase(step, "eval", t_eval, time.time() - t_eval)
+            self.watch.state("training", step)
+        self.watch.record(record)
+        self.on_record(record)
+        self.last_finish = time.perf_counter()
