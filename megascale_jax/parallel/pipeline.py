@@ -77,6 +77,16 @@ def send_forward(x, p: int):
     return jax.lax.ppermute(x, "pp", [(i, (i + 1) % p) for i in range(p)])
 
 
+def stage_view(cfg: Config, stage_layers, tokens):
+    """Inside the shard_map: this stage's layers `(v, c, ...)`, its index, its dp shard's batch cut
+    into microbatch inputs and targets, and a zero activation of one microbatch."""
+    m = cfg.parallel.microbatches
+    micro = tokens.reshape(m, -1, tokens.shape[-1])
+    inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
+    act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
+    return jax.tree.map(lambda x: x[0], stage_layers), jax.lax.axis_index("pp"), inputs, targets, act
+
+
 def _table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
     """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs."""
     out = {}
@@ -122,11 +132,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
     keep_residuals = cfg.parallel.pp_stash == "residuals"
 
     def body(stage_layers, embed, final_norm, head, tokens):
-        stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
-        stage = jax.lax.axis_index("pp")
-        micro = tokens.reshape(m, -1, tokens.shape[-1])
-        inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
-        act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
+        stage_layers, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
         fn = lambda pc, x: run_layers(cfg.model, pc, x, cfg.parallel)
 
         def work(row):
@@ -295,11 +301,7 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     masked = explicit_tp(cfg, mesh)
 
     def body(stage_layers, embed, final_norm, head, tokens):
-        stage_layers = jax.tree.map(lambda x: x[0], stage_layers)  # (v, c, ...)
-        stage = jax.lax.axis_index("pp")
-        micro = tokens.reshape(m, -1, tokens.shape[-1])
-        inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
-        act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
+        stage_layers, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
 
         def tick(carry, row):
             act_in, total = carry
