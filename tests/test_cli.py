@@ -303,6 +303,11 @@ def test_smoke_run_writes_schema_valid_metrics(long_runs):
     assert [("val_loss" in r) for r in records] == [False] * 4 + [True]
     assert isinstance(records[-1]["val_loss"], float) and math.isfinite(records[-1]["val_loss"])
     assert f"run directory: {run_dir}" in result.stdout
+    # Not a terminal: no progress bar (its \r redraws), plain step lines instead, and one closing line.
+    assert "\r" not in result.stderr and "step/s" not in result.stderr, result.stderr[-2000:]
+    assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")] == ["1", "2", "3", "4", "5"]
+    done = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1 and done[0].startswith("done: steps 1-5 in ") and "val_loss" in done[0], result.stdout
 
 
 @pytest.mark.xdist_group("cli-long-runs")
