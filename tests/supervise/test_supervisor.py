@@ -44,15 +44,19 @@ def beat(client, job, rank, seq, step, state="training"):
 
 
 def test_malformed_heartbeat_is_ignored_with_a_warning(client, capsys):
+    from megascale_jax import cli
+
+    cli.setup_logging()  # as launch does: warnings to stderr
     monitor = HeartbeatMonitor(client, "malformed", 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
     client.set(heartbeat_key("malformed", 0), b"{not json")
     client.set(heartbeat_key("malformed", 1), json.dumps({"rank": 1, "step": 3}))
     assert monitor.poll(1.0)
-    out = capsys.readouterr().out
-    assert "malformed heartbeat of rank 0: not JSON" in out and "malformed heartbeat of rank 1: missing" in out
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("[supervisor] warning: ignoring malformed heartbeat of rank 0: not JSON"), err
+    assert err[1].startswith("[supervisor] warning: ignoring malformed heartbeat of rank 1: missing"), err
     assert monitor.records == {}
     monitor.poll(2.0)
-    assert capsys.readouterr().out == ""  # one warning per bad value, not one per poll
+    assert capsys.readouterr().err == ""  # one warning per bad value, not one per poll
     beat(client, "malformed", 0, seq=1, step=4)
     monitor.poll(3.0)
     assert monitor.records[0]["step"] == 4 and monitor.check(3.0, finished=set()) is None
