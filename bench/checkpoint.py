@@ -18,8 +18,6 @@ import statistics
 import sys
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
 
 ARRAY_MB = 64  # the state is split into arrays of this size, like a model's layers
@@ -64,6 +62,37 @@ def measure_saves(cfg, directory, state, repeats):
     return saves, restores, statistics.median(checksum_s)
 
 
+class SaveFailed(RuntimeError):
+    """A save of the bench's state did not commit."""
+
+
+TABLE_HEADER = (f"{'state GB':>9}{'block s':>10}{'checksum s':>12}{'total s':>10}{'block/total':>13}"
+                f"{'excl. checksum':>16}{'GB/s':>7}{'restore s':>11}")
+
+
+def measure_size(cfg, mesh, directory: str, size_gb: float, repeats: int) -> dict:
+    """One table row: a fresh state of `size_gb` saved `repeats` times into `directory` (emptied
+    first and after) and restored as often; medians, plus every save and restore."""
+    shutil.rmtree(directory, ignore_errors=True)
+    state = make_state(size_gb, mesh)
+    gb = sum(x.nbytes for x in state.values()) / 2 ** 30
+    saves, restores, checksum = measure_saves(cfg, directory, state, repeats)
+    del state
+    shutil.rmtree(directory, ignore_errors=True)
+    failed = [s for s in saves if "error" in s]
+    if failed:
+        raise SaveFailed(f"save failed: {failed[0]['error']}")
+    block = statistics.median(s["block_s"] for s in saves)
+    total = statistics.median(s["total_s"] for s in saves)
+    restore = statistics.median(restores)
+    orbax_block = max(block - checksum, 0.0)
+    print(f"{gb:>9.2f}{block:>10.3f}{checksum:>12.3f}{total:>10.3f}{block / total:>13.1%}"
+          f"{orbax_block / total:>16.1%}{gb / total:>7.2f}{restore:>11.3f}", flush=True)
+    return {"state_gb": gb, "block_s": block, "checksum_s": checksum, "total_s": total,
+            "block_fraction": block / total, "block_fraction_excluding_checksum": orbax_block / total,
+            "write_gb_per_s": gb / total, "restore_s": restore, "saves": saves, "restores_s": restores}
+
+
 def measure_loader(cfg, steps):
     """Batches/s the grain loader delivers alone, vs the steps/s training consumes."""
     from megascale_jax.training import data
@@ -92,6 +121,7 @@ def main() -> int:
     args = parser.parse_args()
     result_path("checkpoint_cpu", args.out, args.overwrite)  # refuse before the run, not after it
 
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this CLI measures the CPU (before JAX starts)
     import jax
 
     jax.config.update("jax_num_cpu_devices", 8)
@@ -101,29 +131,13 @@ def main() -> int:
     cfg = load_config(None, ["mesh.dp=8", "mesh.tp=1", "checkpoint.keep=1", f"train.steps={args.repeats}"])
     mesh = make_mesh(cfg.mesh)
     rows = []
-    print(f"{'state GB':>9}{'block s':>10}{'checksum s':>12}{'total s':>10}{'block/total':>13}"
-          f"{'excl. checksum':>16}{'GB/s':>7}{'restore s':>11}")
+    print(TABLE_HEADER)
     for size in args.sizes_gb:
-        shutil.rmtree(args.dir, ignore_errors=True)
-        state = make_state(size, mesh)
-        gb = sum(x.nbytes for x in state.values()) / 2 ** 30
-        saves, restores, checksum = measure_saves(cfg, args.dir, state, args.repeats)
-        del state
-        failed = [s for s in saves if "error" in s]
-        if failed:
-            print(f"error: save failed: {failed[0]['error']}", file=sys.stderr)
+        try:
+            rows.append(measure_size(cfg, mesh, args.dir, size, args.repeats))
+        except SaveFailed as e:
+            print(f"error: {e}", file=sys.stderr)
             return 1
-        block = statistics.median(s["block_s"] for s in saves)
-        total = statistics.median(s["total_s"] for s in saves)
-        restore = statistics.median(restores)
-        orbax_block = max(block - checksum, 0.0)
-        rows.append({"state_gb": gb, "block_s": block, "checksum_s": checksum, "total_s": total,
-                     "block_fraction": block / total, "block_fraction_excluding_checksum": orbax_block / total,
-                     "write_gb_per_s": gb / total, "restore_s": restore,
-                     "saves": saves, "restores_s": restores})
-        print(f"{gb:>9.2f}{block:>10.3f}{checksum:>12.3f}{total:>10.3f}{block / total:>13.1%}"
-              f"{orbax_block / total:>16.1%}{gb / total:>7.2f}{restore:>11.3f}")
-    shutil.rmtree(args.dir, ignore_errors=True)
 
     tiny = load_config(None, [])
     loader_steps_per_s = measure_loader(tiny, 200)

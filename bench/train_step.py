@@ -4,8 +4,9 @@
     python bench/train_step.py --config configs/gpt_1b.yaml --name gpt_1b_cudnn model.attention=cudnn
 
 Runs `megascale_jax.train` in-process for the configured steps and summarises the steady state
-(the first `--skip` steps are dropped): median step time, tokens/s and MFU, with the device
-kind, jax/jaxlib versions and the exact command, into bench/results/<name>.json.
+(the first `--skip` steps are dropped): median step time, tokens/s and MFU, the device's peak
+memory in use (null where the device keeps no statistics, e.g. the CPU), with the device kind,
+jax/jaxlib versions and the exact command, into bench/results/<name>.json.
 """
 
 import argparse
@@ -24,6 +25,7 @@ def main() -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--name", default=None, help="result file name (default: config name)")
     parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the summary")
+    parser.add_argument("--run-dir", default=None, help="the run's directory (default: a new temporary one)")
     parser.add_argument("overrides", nargs="*")
     add_output_flags(parser, "<name>")
     args = parser.parse_intermixed_args()  # key=value overrides may follow options, as in train
@@ -32,7 +34,7 @@ def main() -> int:
 
     from megascale_jax import train
 
-    run_dir = tempfile.mkdtemp(prefix="bench-")
+    run_dir = args.run_dir or tempfile.mkdtemp(prefix="bench-")
     code = train.main(["--config", args.config, "--run-dir", run_dir, "train.eval_every=0", *args.overrides])
     if code:
         return code
@@ -53,6 +55,7 @@ def main() -> int:
         "step_time_s": median("step_time_s"),
         "tokens_per_s": median("tokens_per_s"),
         "mfu": median("mfu"),
+        "peak_bytes_in_use": (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "final_loss": records[-1]["loss"],
     }
     print(f"{'config':<28}{'device':<28}{'step s':>9}{'tokens/s':>12}{'MFU':>8}")

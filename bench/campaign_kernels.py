@@ -1,0 +1,134 @@
+"""Campaign section a, kernels: attention forward+backward per (seq, window) and contender, the
+Pallas kernel's tiles tuned per shape, and the Pallas LayerNorm+residual and bias+GeLU kernels
+against XLA. Timing, FLOP count and the fused-kernel cases are bench/attention.py's.
+
+Contenders: XLA dense causal (once per seq: it ignores the window), XLA masked window, cuDNN
+window, Pallas window (every (block_q, block_k) of the shape's grid tried, the fastest kept, all
+recorded), jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when
+importable. A contender that cannot run here is one line ("skipped: needs a GPU"); one that
+fails is one line of error; either way the others go on.
+
+Fast but wrong is worthless, and the Pallas kernels have never run on a GPU before this
+campaign: up to CHECK_MAX_SEQ (where the float32 reference's scores still fit) every
+contender's forward output is compared with `attention_reference` in float32, as `rel_err`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import campaign_process
+from attention import attention_flops, attention_impls, bench_fused, time_fwd_bwd  # bench/attention.py
+
+SHAPES = {  # keyed by dry_run
+    False: dict(seqs=(2048, 8192, 32768), windows=(512, 1024, 4096), batch=1, heads=16, head_dim=128, iters=20,
+                blocks=((64, 64), (64, 128), (128, 64), (128, 128)), fused_tokens=16384, d_model=4096),
+    True: dict(seqs=(64,), windows=(16, 32), batch=1, heads=2, head_dim=32, iters=2,
+               blocks=((16, 16), (32, 32)), fused_tokens=64, d_model=64),
+}
+CHECK_MAX_SEQ = 8192
+
+
+def tokamax_attention(window: int, on_gpu: bool):
+    """tokamax's Mosaic GPU attention (sm90 supports the window), or why it cannot run here."""
+    try:
+        import tokamax
+    except ImportError:
+        return "skipped: tokamax is not importable"
+    if not on_gpu:
+        return "skipped: needs a GPU"
+    return lambda q, k, v: tokamax.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(window - 1, 0), implementation="mosaic")
+
+
+def contenders(window: int, on_gpu: bool) -> dict:
+    """name -> attention function, or a one-line reason it cannot run here."""
+    impls = attention_impls(window)
+    del impls["pallas_window"]  # tuned separately, per block size
+    if not on_gpu:
+        impls["cudnn_window"] = "skipped: needs a GPU"
+    impls["tokamax_window"] = tokamax_attention(window, on_gpu)
+    return impls
+
+
+def relative_error(fn, qkv, reference) -> float:
+    import jax
+    import jax.numpy as jnp
+
+    out = jax.jit(fn)(*qkv).astype(jnp.float32)
+    return float(jnp.linalg.norm(out - reference) / jnp.linalg.norm(reference))
+
+
+def timed(row: dict, fn, qkv, shape: dict, reference) -> dict:
+    """`row` (its seq and window) plus the median fwd+bwd time, TFLOP/s and, given a reference,
+    rel_err; or the one-line error."""
+    try:
+        seconds = time_fwd_bwd(fn, qkv, shape["iters"])
+        work = attention_flops(shape["batch"], shape["heads"], shape["head_dim"], row["seq"], row["window"])
+        row.update(ms=seconds * 1e3, tflops=work / seconds / 1e12)
+        if reference is not None:
+            row["rel_err"] = relative_error(fn, qkv, reference)
+    except Exception as e:  # noqa: BLE001 — an implementation that cannot run is a result too
+        row["error"] = campaign_process.one_line(e)
+    return row
+
+
+def tuned_pallas(seq: int, window: int, qkv, shape, reference) -> dict:
+    """The Pallas window kernel at every tile size of shape["blocks"]: the fastest one's numbers, and all tries."""
+    from pallas_kernels import flash_attention
+
+    tries = []
+    for block_q, block_k in shape["blocks"]:
+        fn = lambda q, k, v, bq=block_q, bk=block_k: flash_attention(q, k, v, window=window, block_q=bq, block_k=bk)
+        tries.append(timed({"seq": seq, "window": window, "blocks": [block_q, block_k]}, fn, qkv, shape, None))
+    ok = [t for t in tries if "ms" in t]
+    row = {"contender": "pallas_window", "seq": seq, "window": window, "tried": tries}
+    if not ok:
+        return {**row, "error": tries[0]["error"]}
+    best = min(ok, key=lambda t: t["ms"])
+    fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=best["blocks"][0], block_k=best["blocks"][1])
+    return {**row, "blocks": best["blocks"], "ms": best["ms"], "tflops": best["tflops"],
+            **({"rel_err": relative_error(fn, qkv, reference)} if reference is not None else {})}
+
+
+def show(row: dict) -> None:
+    result = f"{row['ms']:>10.3f}{row['tflops']:>9.2f}" if "ms" in row else f"  {row.get('error') or row['skipped']}"
+    print(f"{row['seq']:>7}{str(row['window']):>8}  {row['contender']:<18}{result}", flush=True)
+
+
+def run(settings: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import attention_reference
+
+    shape = SHAPES[settings["dry_run"]]
+    on_gpu = settings["device"]["backend"] == "gpu"
+    rows = []
+    for seq in shape["seqs"]:
+        keys = jax.random.split(jax.random.PRNGKey(seq), 3)
+        qkv = [jax.random.normal(key, (shape["batch"], seq, shape["heads"], shape["head_dim"]), jnp.bfloat16)
+               for key in keys]
+        check = seq <= CHECK_MAX_SEQ
+
+        def reference(window):
+            return attention_reference(*(x.astype(jnp.float32) for x in qkv), window=window) if check else None
+
+        for window in shape["windows"]:
+            ref = reference(window)
+            for name, fn in contenders(window, on_gpu).items():
+                dense = name == "xla_dense_causal"
+                if dense and window != shape["windows"][0]:
+                    continue  # independent of the window: measured once per seq
+                row = {"contender": name, "seq": seq, "window": None if dense else window}
+                if isinstance(fn, str):
+                    row["skipped"] = fn
+                else:
+                    timed(row, fn, qkv, shape, reference(None) if dense else ref)
+                rows.append(row)
+                show(row)
+            rows.append(tuned_pallas(seq, window, qkv, shape, ref))
+            show(rows[-1])
+    fused = bench_fused(types.SimpleNamespace(fused_tokens=shape["fused_tokens"], d_model=shape["d_model"],
+                                              iters=shape["iters"]))
+    return {"settings": dict(shape), "attention": rows, "fused": fused}

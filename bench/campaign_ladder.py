@@ -1,0 +1,149 @@
+"""Campaign section b, the MFU ladder on one device: one MegaScale technique added per row.
+
+    serial_dense_adamw  serial block, full causal attention (XLA), AdamW
+    parallel_block      + the parallel block (one shared LayerNorm)
+    sliding_window      + a sliding window (still XLA: the masked scores are all computed)
+    fused_attention     + the faster of cuDNN's and the Pallas window attention
+    fused_norm_gelu     + the Pallas LayerNorm and bias+GeLU kernels
+    xla_flags           + tuned XLA flags (remat: recorded as not available, config has none)
+    lamb_4x_batch       + LAMB at 4x the global batch, by 4 microbatches of gradient accumulation
+
+Each row is `bench/train_step.py` in its own process (`campaign_process`): XLA reads XLA_FLAGS
+once per process, and an out-of-memory death or an XLA abort ends that row only. Before a row
+starts, its batch is picked from the memory estimate (`campaign_model.pick_batch`); a row
+that cannot fit even one sequence is recorded as "does not fit: ..." and never compiled. MFU
+counts the FLOPs of the row's own model (window-aware, `megascale_jax.model.flops`), so a
+window that XLA computes in full shows as *lower* MFU: the masked work is not useful work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+
+import campaign_model
+import campaign_process
+
+BASELINE = {"model.block": "serial", "model.window": "null", "model.attention": "xla", "optim.name": "adamw",
+            "model.fused_norm": "false", "model.fused_mlp": "false"}
+WINDOW = {False: 512, True: 16}  # keyed by dry_run; the dry run's sequence is 64 tokens
+# Flags that exist in XLA:GPU (an unknown flag aborts the process) and matter on one GPU: the
+# latency-hiding scheduler orders async work; double buffering overlaps the layer scan's
+# parameter reads with the previous layer's compute.
+TUNED_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
+                   "--xla_gpu_enable_while_loop_double_buffering=true")
+LAMB_MICROBATCHES = 4
+STEPS = {False: (10, 4), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
+ROW_LIMIT_S = {False: 240, True: 120}
+
+
+@dataclasses.dataclass
+class Ladder:
+    """Runs rows for one device; `settings` as the campaign passes them to its sections."""
+
+    settings: dict
+    work_dir: str
+
+    @property
+    def dry_run(self) -> bool:
+        return self.settings["dry_run"]
+
+    def row(self, name: str, changes: dict, microbatches: int = 1, batch: int | None = None,
+            xla_flags: tuple = ()) -> dict:
+        """Measure one row with `changes` as config overrides; `batch` sequences per microbatch
+        (None: the largest the estimate allows)."""
+        overrides = row_overrides(self.dry_run, changes, microbatches)
+        limit = self.settings["device"]["memory_limit_bytes"]
+        if batch is None:
+            batch, estimate = campaign_model.pick_batch(overrides, limit, self.dry_run, microbatches)
+        else:
+            estimate = campaign_model.estimate_bytes([*overrides, f"train.global_batch={batch * microbatches}"])
+        row = {"name": name, "config": dict(changes), "microbatches": microbatches, "batch": batch,
+               "global_batch": None if batch is None else batch * microbatches, "estimate_bytes": estimate,
+               "xla_flags": list(xla_flags)}
+        if batch is None or (limit is not None and estimate > campaign_model.HEADROOM * limit):
+            return {**row, "error": campaign_model.does_not_fit(estimate, limit)}
+        if changes.get("model.attention") == "cudnn" and self.settings["device"]["backend"] != "gpu":
+            return {**row, "skipped": "skipped: needs a GPU"}
+        steps, skip = STEPS[self.dry_run]
+        out = os.path.join(self.work_dir, f"{name}.json")
+        env = dict(os.environ)
+        if xla_flags:
+            env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
+        command = campaign_process.python(
+            "train_step.py", "--config", campaign_model.CONFIG, "--name", name, "--out", out, "--skip", str(skip),
+            "--run-dir", os.path.join(self.work_dir, name),
+            *overrides, f"train.global_batch={batch * microbatches}", f"train.steps={steps}")
+        done = campaign_process.run(command, env=env, limit_s=ROW_LIMIT_S[self.dry_run], prefix=f"  [{name}]")
+        if not done.ok:
+            return {**row, "error": done.failure(ROW_LIMIT_S[self.dry_run])}
+        with open(out) as f:
+            result = json.load(f)
+        return {**row, **{k: result[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes_in_use",
+                                                   "final_loss", "steps_measured")}}
+
+
+def row_overrides(dry_run: bool, changes: dict, microbatches: int = 1) -> list[str]:
+    """Config overrides of a row, batch aside (`pick_batch` adds it)."""
+    return campaign_model.base_overrides(dry_run) + [
+        f"{k}={v}" for k, v in {**changes, "parallel.microbatches": microbatches}.items()]
+
+
+def measured(row: dict) -> bool:
+    return "tokens_per_s" in row
+
+
+def remat_option() -> str:
+    """What the xla_flags row records about rematerialisation, read from the config's keys, so
+    the record stays true once a remat option exists (this ladder does not vary it)."""
+    from megascale_jax.config import Config
+
+    keys = [f"{s.name}.{k.name}" for s in dataclasses.fields(Config)
+            for k in dataclasses.fields(s.default_factory()) if "remat" in k.name]
+    return f"not varied (config has {', '.join(keys)})" if keys else \
+        "not available: megascale_jax/config.py has no remat option"
+
+
+def run(settings: dict) -> dict:
+    work_dir = tempfile.mkdtemp(prefix="campaign-ladder-")  # the rows' run directories and results
+    try:
+        return climb(Ladder(settings, work_dir))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def climb(ladder: Ladder) -> dict:
+    """Every row in order, each adding one technique to the configuration of the row before."""
+    dry_run = ladder.dry_run
+    config = dict(BASELINE)
+    rows = [ladder.row("serial_dense_adamw", config)]
+    config["model.block"] = "parallel"
+    rows.append(ladder.row("parallel_block", config))
+    config["model.window"] = WINDOW[dry_run]
+    rows.append(ladder.row("sliding_window", config))
+
+    candidates = [ladder.row(f"fused_attention_{impl}", {**config, "model.attention": impl})
+                  for impl in ("cudnn", "pallas")]
+    timed = [c for c in candidates if measured(c)]
+    if timed:
+        best = max(timed, key=lambda c: c["tokens_per_s"])
+        config["model.attention"] = best["config"]["model.attention"]
+        rows.append({**best, "name": "fused_attention", "candidates": candidates})
+    else:  # neither ran: the row says why, and the next rows keep XLA attention
+        rows.append({"name": "fused_attention", "config": dict(config), "candidates": candidates,
+                     "error": "; ".join(f"{c['name']}: {c.get('error') or c.get('skipped')}" for c in candidates)})
+
+    config["model.fused_norm"] = config["model.fused_mlp"] = "true"
+    rows.append(ladder.row("fused_norm_gelu", config))
+    rows.append({**ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS), "remat": remat_option()})
+
+    # Same memory per microbatch as the row before, four of them per step.
+    config["optim.name"] = "lamb"
+    before = rows[-1]["batch"] or 1
+    rows.append(ladder.row("lamb_4x_batch", config, microbatches=LAMB_MICROBATCHES, batch=before,
+                           xla_flags=TUNED_XLA_FLAGS))
+    return {"config": os.path.relpath(campaign_model.CONFIG, campaign_model.REPO), "window": WINDOW[dry_run],
+            "rows": rows}

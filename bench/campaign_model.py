@@ -1,0 +1,63 @@
+"""The model the campaign's training sections run, and the batch it can afford on the device.
+
+On a GPU it is configs/gpt_1b.yaml (1.4B parameters, seq 2048, bf16); in --dry-run the same
+config shrunk to a few layers of width 64, so that every code path runs on the CPU in seconds.
+The batch is chosen from `flops.memory_estimate` before anything is compiled: the largest
+batch whose estimate fits in HEADROOM of the device's memory limit. The estimate assumes no
+rematerialisation and errs high, so the chosen batch is safe rather than the true maximum; the
+ladder records the estimate next to the measured peak to calibrate it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megascale_jax.config import load_config
+from megascale_jax.model import flops
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG = os.path.join(REPO, "configs", "gpt_1b.yaml")
+TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=64",
+        "model.vocab=256"]
+# The sections time steps: no checkpoint saves (the last step would save 22 GB of state) and no
+# TensorBoard event files in their run directories.
+QUIET = ["checkpoint.every=0", "observe.tensorboard=false"]
+HEADROOM = 0.9  # of the memory limit: XLA's own workspace and fragmentation are not estimated
+MAX_BATCH = {False: 64, True: 4}  # sequences per microbatch; keyed by dry_run
+
+
+def base_overrides(dry_run: bool) -> list[str]:
+    return (TINY if dry_run else []) + QUIET
+
+
+def load(overrides: list[str]):
+    """The config with `overrides`, checked as far as sizing needs (no data, no devices)."""
+    return load_config(CONFIG, overrides, planning=True)
+
+
+def estimate_bytes(overrides: list[str]) -> float:
+    return flops.memory_estimate(load(overrides))["total"]
+
+
+def pick_batch(overrides: list[str], limit_bytes: float | None, dry_run: bool, microbatches: int = 1
+               ) -> tuple[int | None, float]:
+    """(sequences per microbatch, its estimate): the largest batch up to MAX_BATCH whose estimate
+    fits in HEADROOM x `limit_bytes` (no limit known: MAX_BATCH). (None, estimate at batch 1)
+    when not even one sequence fits. The global batch is that times `microbatches`."""
+    def estimate(batch: int) -> float:
+        return estimate_bytes([*overrides, f"parallel.microbatches={microbatches}",
+                               f"train.global_batch={batch * microbatches}"])
+
+    best, best_estimate = None, estimate(1)
+    for batch in range(1, MAX_BATCH[dry_run] + 1):
+        needed = estimate(batch)
+        if limit_bytes is not None and needed > HEADROOM * limit_bytes:
+            break  # the estimate grows with the batch
+        best, best_estimate = batch, needed
+    return best, best_estimate
+
+
+def does_not_fit(estimate: float, limit_bytes: float) -> str:
+    limit = flops.format_bytes(HEADROOM * limit_bytes)
+    return (f"does not fit: estimate {flops.format_bytes(estimate)} > limit {limit} "
+            f"({HEADROOM:.0%} of {flops.format_bytes(limit_bytes)})")

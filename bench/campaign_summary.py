@@ -1,0 +1,87 @@
+"""The tables the campaign prints last: one line per section, then each section's numbers."""
+
+from __future__ import annotations
+
+from megascale_jax.model.flops import format_bytes
+
+
+def number(value, spec: str, width: int) -> str:
+    """`value` formatted with `spec`, right-aligned in `width`; 'n/a' for None."""
+    return f"{'n/a' if value is None else format(value, spec):>{width}}"
+
+
+def outcome(row: dict) -> str:
+    """A row's one-line reason when it has no numbers."""
+    return row.get("error") or row.get("skipped") or ""
+
+
+def kernels(section: dict) -> None:
+    print("attention fwd+bwd, bf16 (TFLOP/s of the useful FLOPs; rel_err of the forward vs float32)")
+    print(f"{'seq':>7}{'window':>8}  {'contender':<18}{'ms':>10}{'TFLOP/s':>9}{'rel_err':>9}  blocks")
+    for r in section["attention"]:
+        head = f"{r['seq']:>7}{str(r['window']):>8}  {r['contender']:<18}"
+        if "ms" not in r:
+            print(f"{head}  {outcome(r)}")
+            continue
+        blocks = "x".join(map(str, r["blocks"])) if "blocks" in r else ""
+        print(f"{head}{r['ms']:>10.3f}{r['tflops']:>9.2f}{number(r.get('rel_err'), '.1e', 9)}  {blocks}")
+    print(f"\n{'fused kernel fwd+bwd':<22}{'impl':<8}{'ms':>10}")
+    for r in section["fused"]:
+        print(f"{r['kernel']:<22}{r['impl']:<8}" + (f"{r['ms']:>10.3f}" if "ms" in r else f"  {outcome(r)}"))
+
+
+def ladder(section: dict, torch_peer: dict | None) -> None:
+    peers = {p["row"]: p for p in (torch_peer or {}).get("rows", [])}
+    print(f"MFU ladder ({section['config']}, window {section['window']}; peak and estimate per device)")
+    print(f"{'row':<20}{'batch':>6}{'tokens/s':>11}{'MFU':>7}{'peak':>11}{'estimate':>11}{'torch tok/s':>13}")
+    for r in section["rows"]:
+        batch = f"{r['batch']}x{r['microbatches']}" if r.get("batch") and r["microbatches"] > 1 else r.get("batch")
+        estimate = f"{format_bytes(r['estimate_bytes']) if r.get('estimate_bytes') else 'n/a':>11}"
+        if "tokens_per_s" not in r:
+            print(f"{r['name']:<20}{str(batch):>6}{'':>29}{estimate}  {outcome(r)}")
+            continue
+        peak = r.get("peak_bytes_in_use")
+        peer = peers.get(r["name"], {})
+        print(f"{r['name']:<20}{str(batch):>6}{r['tokens_per_s']:>11.0f}{number(r['mfu'], '.1%', 7)}"
+              f"{format_bytes(peak) if peak else 'n/a':>11}{estimate}"
+              f"{number(peer.get('tokens_per_s'), '.0f', 13) if peer else ''}"
+              + (f"  ({outcome(peer)})" if peer and outcome(peer) else ""))
+    print("remat: " + next(r["remat"] for r in section["rows"] if "remat" in r))
+
+
+def checkpoints(section: dict) -> None:
+    print(f"checkpoints (median of {section['repeats']})")
+    print(f"{'state GB':>9}{'block s':>10}{'total s':>10}{'block/total':>13}{'restore s':>11}")
+    for r in section["sizes"]:
+        if "total_s" not in r:
+            print(f"{r['state_gb']:>9.2f}  {outcome(r)}")
+            continue
+        print(f"{r['state_gb']:>9.2f}{r['block_s']:>10.3f}{r['total_s']:>10.3f}{r['block_fraction']:>13.1%}"
+              f"{r['restore_s']:>11.3f}")
+
+
+def profiled(section: dict) -> None:
+    compute = ", ".join(f"{s * 1e3:.1f}" for s in section["device_compute_s"][0])
+    print(f"profiled steps {section['profiled_steps']} on devices {section['devices']}: device 0 compute ms "
+          f"[{compute}]; heat map {section['device_heatmap']}")
+
+
+def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
+    print(f"{'section':<16}{'status':<9}{'seconds':>8}  note")
+    for name, s in sections.items():
+        print(f"{name:<16}{s['status']:<9}{s['seconds']:>8.1f}  {s.get('reason', '')}")
+    ok = {name: s for name, s in sections.items() if s["status"] == "ok"}
+    tables = {"kernels": lambda: kernels(ok["kernels"]),
+              "mfu_ladder": lambda: ladder(ok["mfu_ladder"], ok.get("torch_peer")),
+              "checkpoints": lambda: checkpoints(ok["checkpoints"]),
+              "profiled_steps": lambda: profiled(ok["profiled_steps"])}
+    for name, table in tables.items():
+        if name in ok:
+            print()
+            table()
+    if "torch_peer" in ok and "mfu_ladder" not in ok:  # otherwise its column is in the ladder's table
+        print("\nPyTorch peer: " + "; ".join(
+            f"{p['row']} ({p['family']}): "
+            + (f"{p['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in p else outcome(p))
+            for p in ok["torch_peer"]["rows"]))
+    print("\nPNGs: " + (", ".join(pngs) if pngs else "none") + "".join(f"\n  not drawn: {p}" for p in problems))

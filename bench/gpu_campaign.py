@@ -1,0 +1,189 @@
+"""The GPU campaign: every measurement this project wants from a lent GPU, in one command.
+
+    python bench/gpu_campaign.py                          # all sections; ~25 min on one H100
+    python bench/gpu_campaign.py --only kernels,checkpoints --overwrite   # rerun sections
+    python bench/gpu_campaign.py --dry-run                # every section, tiny, on the CPU
+
+Sections (each in its own module, bench/campaign_<name>.py):
+  kernels         attention fwd+bwd per (seq, window) and contender, Pallas tiles tuned per
+                  shape; LayerNorm+residual and bias+GeLU, Pallas vs XLA      (campaign_kernels)
+  mfu_ladder      MFU, tokens/s and peak memory as MegaScale's techniques are added one by one
+                  to a 1.4B model on one device                                (campaign_ladder)
+  torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)        (campaign_torch)
+  checkpoints     blocking vs total save, and restore, for 1/4/16 GB      (campaign_checkpoints)
+  profiled_steps  observe.profile_every on the device, report's device heat map (campaign_profile)
+
+The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it
+(same name stem): the device, NVIDIA driver (null without nvidia-smi), jax, jaxlib, torch and
+other versions, the exact command, and per section its status ("ok", "skipped" or "error"
+with one line saying why), its wall time and its numbers. An existing result is never replaced
+without --overwrite; with --only, the sections run replace theirs in an existing result and
+the others are kept (each section records the command that produced it).
+
+Isolation: this process never starts a JAX backend (that would reserve most of the GPU's
+memory); it probes the device, then runs each section as `bench/campaign_worker.py` in a
+process of its own with a time limit (`campaign_process`), so an abort, a hang or an
+out-of-memory death costs that section only. The exit status is 1 when a section failed, after
+everything is written; 2 for a bad command line, before anything runs.
+
+--dry-run runs every section at tiny shapes on the CPU (JAX's CPU backend, Pallas in interpret
+mode; GPU-only contenders are one line, "skipped: needs a GPU"), writing into a new temporary
+directory, or --out, never into bench/results/ (it measures nothing worth keeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+import campaign_device
+import campaign_plots
+import campaign_process
+import campaign_summary
+from provenance import RESULTS, result_path, write_result  # bench/provenance.py
+
+SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
+# Time limits: safety nets against hangs, well above what each section needs on an H100
+# (together about 25 min: kernels ~5, ladder ~10, torch ~3, checkpoints ~3, profiled ~1).
+LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
+           "profiled_steps": 600}
+# In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
+# tiny models' steps takes about half as long.
+DRY_RUN_XLA_FLAGS = "--xla_backend_optimization_level=0"
+
+
+def section_list(values: list[str]) -> list[str]:
+    """`--only a --only b,c` -> [a, b, c] in campaign order; unknown names raise ValueError."""
+    names = {n.strip() for v in values for n in v.split(",") if n.strip()}
+    unknown = sorted(names - set(SECTIONS))
+    if unknown or not names:
+        raise ValueError(f"unknown section {unknown[0] if unknown else ''!r}; sections are {', '.join(SECTIONS)}")
+    return [s for s in SECTIONS if s in names]
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="python bench/gpu_campaign.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", default=[], metavar="SECTION",
+                        help=f"run only these sections (repeatable or comma list): {', '.join(SECTIONS)}")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every section at tiny shapes on the CPU, written to a temporary directory")
+    parser.add_argument("--out", default=None, help="result file (default bench/results/gpu_<device>_<date>.json)")
+    parser.add_argument("--overwrite", action="store_true", help="replace (or, with --only, update) an existing result")
+    parser.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)  # tests only
+    return parser.parse_args(argv)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_")
+
+
+def inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
+
+
+def command_line() -> str:
+    return " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+
+
+def run_piece(name: str, settings: dict, scratch: str) -> dict:
+    """Run section (or probe) `name` in its own process; its record: status, seconds, numbers."""
+    settings_path = os.path.join(scratch, f"{name}.settings.json")
+    result_file = os.path.join(scratch, f"{name}.result.json")
+    with open(settings_path, "w") as f:
+        json.dump(settings, f)
+    print(f"== {name} (limit {LIMIT_S[name]} s)", flush=True)
+    start = time.perf_counter()
+    done = campaign_process.run(campaign_process.python("campaign_worker.py", name, settings_path, result_file),
+                                env=dict(os.environ), limit_s=LIMIT_S[name], prefix=f"[{name}]")
+    record = {"seconds": round(time.perf_counter() - start, 1), "command": command_line(),
+              "finished": datetime.datetime.now().isoformat(timespec="seconds")}
+    if not done.ok:
+        return {"status": "error", "reason": done.failure(LIMIT_S[name]), **record}
+    with open(result_file) as f:
+        result = json.load(f)
+    if "skipped" in result:
+        return {"status": "skipped", "reason": result["skipped"], **record}
+    return {"status": "ok", **record, **result}
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        only = section_list(args.only) if args.only else list(SECTIONS)
+        fail = section_list(args.fail_section) if args.fail_section else []
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:  # for this process's own provenance too, and inherited by every section
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DRY_RUN_XLA_FLAGS]).strip()
+    if args.dry_run and args.out and inside(args.out, RESULTS):
+        print(f"error: --dry-run measures nothing worth keeping; pass an --out outside {os.path.relpath(RESULTS)}/",
+              file=sys.stderr)
+        return 2
+
+    scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections
+    try:
+        return campaign(args, only, fail, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
+    probe = run_piece("probe", {"dry_run": args.dry_run}, scratch)
+    if probe["status"] != "ok":
+        print(f"error: could not start JAX on this machine: {probe['reason']}", file=sys.stderr)
+        return 1
+    device = {k: probe[k] for k in ("device_kind", "backend", "device_count", "memory_limit_bytes")}
+    if device["backend"] != "gpu" and not args.dry_run:
+        print(f"error: bench/gpu_campaign.py needs a GPU (JAX backend is {device['backend']!r}); run it on a GPU "
+              "machine, or pass --dry-run to exercise every section at tiny shapes on the CPU", file=sys.stderr)
+        return 2
+
+    date = datetime.date.today().isoformat()
+    name = f"gpu_{slug(device['device_kind'])}_{date}"
+    if args.out:
+        path = args.out
+    else:
+        folder = tempfile.mkdtemp(prefix="gpu-campaign-dry-run-") if args.dry_run else RESULTS
+        path = os.path.join(folder, f"{name}.json")
+    path = result_path(name, path, args.overwrite)
+    sections = {}
+    if args.only and os.path.exists(path):  # --only updates an existing result (--overwrite given)
+        with open(path) as f:
+            existing = json.load(f)
+        if existing.get("device") != device["device_kind"]:
+            print(f"error: {os.path.relpath(path)} holds results of {existing.get('device')!r}, not of this "
+                  f"{device['device_kind']!r}; pass another --out", file=sys.stderr)
+            return 2
+        sections = existing.get("sections", {})
+    png_stem = os.path.splitext(path)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    settings = {"dry_run": args.dry_run, "device": device, "png_stem": png_stem, "fail_sections": fail}
+    failed = []
+    for section in only:
+        sections[section] = run_piece(section, settings, scratch)
+        if sections[section]["status"] == "error":
+            failed.append(section)
+            print(f"[{section}] error: {sections[section]['reason']}", flush=True)
+    sections = {s: sections[s] for s in SECTIONS if s in sections}
+    pngs, problems = campaign_plots.draw(sections, png_stem)
+    write_result(name, {"dry_run": args.dry_run, "date": date, **campaign_device.host_facts(),
+                        "memory_limit_bytes": device["memory_limit_bytes"], "sections": sections,
+                        "pngs": pngs, "png_problems": problems}, path, args.overwrite)
+    print()
+    campaign_summary.show(sections, pngs, problems)
+    print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""bench/gpu_campaign.py on the CPU: `--dry-run` runs every section at tiny shapes, a failing
+section records one line and the others still run, `--only` runs what it names and updates an
+existing result, and user mistakes are one line and exit 2. No GPU number is checked here: the
+dry run proves the campaign's plumbing; what it measures on a GPU is the GPU session's to read."""
+
+import concurrent.futures
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jaxlib
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "bench", "results")
+sys.path.insert(0, os.path.join(REPO, "bench"))  # the campaign's modules import each other as siblings
+
+import campaign_ladder  # noqa: E402
+import campaign_model  # noqa: E402
+
+SECTIONS = ["kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps"]
+LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
+               "xla_flags", "lamb_4x_batch"]
+TIMED_CONTENDERS = {"xla_dense_causal", "xla_window", "pallas_window"}  # the ones that run on the CPU
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def campaign(*args: str, tmpdir=None) -> subprocess.CompletedProcess:
+    """The campaign as a user runs it; `tmpdir`: its TMPDIR (to see what it leaves there)."""
+    # PYTHONPATH: the bench imports this checkout's package, also where another copy is installed.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
+    return subprocess.run([sys.executable, "bench/gpu_campaign.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+def one_line(text) -> bool:
+    return isinstance(text, str) and text.strip() != "" and "\n" not in text.strip()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Side by side (two cores): the full dry run; and a run whose first section fails on purpose,
+    followed by `--only` reruns of that section into the same file (refused, then with
+    --overwrite). name -> (completed process, result path, listing of bench/results before)."""
+    tmp = tmp_path_factory.mktemp("campaign")
+    before = sorted(os.listdir(RESULTS))
+    full, partial = tmp / "full" / "result.json", tmp / "partial" / "result.json"
+    full_tmpdir = tmp / "full_tmpdir"
+    full_tmpdir.mkdir()
+
+    def fail_then_rerun():
+        failed = campaign("--dry-run", "--only", "kernels,checkpoints", "--fail-section", "kernels",
+                          "--out", str(partial))
+        after_failure = partial.read_text()
+        refused = campaign("--dry-run", "--only", "kernels", "--out", str(partial))
+        unchanged = partial.read_text() == after_failure
+        rerun = campaign("--dry-run", "--only", "kernels", "--overwrite", "--out", str(partial))
+        return failed, json.loads(after_failure), refused, unchanged, rerun
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        full_run = pool.submit(campaign, "--dry-run", "--out", str(full), tmpdir=full_tmpdir)
+        partial_runs = pool.submit(fail_then_rerun)
+        return {"full": (full_run.result(), full), "partial": (*partial_runs.result(), partial),
+                "results_before": before, "left_in_tmpdir": os.listdir(full_tmpdir)}
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_runs_every_section_and_records_provenance(runs):
+    done, path = runs["full"]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(path.read_text())
+    assert list(result["sections"]) == SECTIONS
+    for name, section in result["sections"].items():
+        assert section["status"] in ("ok", "skipped"), (name, section.get("reason"))
+        assert section["seconds"] > 0
+        if section["status"] != "ok":
+            assert one_line(section["reason"]), (name, section)
+    # Only the PyTorch peer may be skipped on the CPU, and only where torch is missing.
+    torch_missing = any(result[p] is None for p in ("torch", "transformers"))
+    assert [n for n, s in result["sections"].items() if s["status"] == "skipped"] == (
+        ["torch_peer"] if torch_missing else [])
+    assert result["device"] == "cpu" and result["backend"] == "cpu" and result["dry_run"] is True
+    assert result["jax"] == jax.__version__ and result["jaxlib"] == jaxlib.__version__
+    assert "torch" in result and "driver" in result
+    assert result["command"] == f"python bench/gpu_campaign.py --dry-run --out {path}"
+    assert sorted(os.listdir(RESULTS)) == runs["results_before"]  # a dry run never writes there
+    assert runs["left_in_tmpdir"] == []  # run directories, checkpoints and section results are removed
+    for name in SECTIONS:  # the summary table names every section with its status
+        assert any(line.split()[:2] == [name, result["sections"][name]["status"]] for line in done.stdout.splitlines())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_ladder_rows(runs):
+    _, path = runs["full"]
+    ladder = json.loads(path.read_text())["sections"]["mfu_ladder"]
+    rows = ladder["rows"]
+    assert [r["name"] for r in rows] == LADDER_ROWS
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["tokens_per_s"]), r
+        assert "mfu" in r and r["mfu"] is None  # no known peak FLOP/s for the CPU
+        assert r["estimate_bytes"] > 0 and r["batch"] == campaign_model.MAX_BATCH[True]
+    by_name = {r["name"]: r for r in rows}
+    fused = by_name["fused_attention"]
+    candidates = {c["name"]: c for c in fused["candidates"]}
+    assert candidates["fused_attention_cudnn"]["skipped"] == "skipped: needs a GPU"
+    assert fused["config"]["model.attention"] == "pallas" and candidates["fused_attention_pallas"]["tokens_per_s"] > 0
+    assert by_name["fused_norm_gelu"]["config"]["model.attention"] == "pallas"  # the next rows keep the winner
+    assert by_name["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
+    assert by_name["xla_flags"]["remat"].startswith("not available")
+    lamb = by_name["lamb_4x_batch"]
+    assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
+    assert lamb["global_batch"] == 4 * by_name["xla_flags"]["global_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_kernels_have_every_contender_with_finite_times(runs):
+    _, path = runs["full"]
+    kernels = json.loads(path.read_text())["sections"]["kernels"]
+    windows = kernels["settings"]["windows"]
+    rows = kernels["attention"]
+    for seq in kernels["settings"]["seqs"]:
+        dense = [r for r in rows if r["seq"] == seq and r["contender"] == "xla_dense_causal"]
+        assert len(dense) == 1 and dense[0]["window"] is None  # measured once per seq
+        for window in windows:
+            here = {r["contender"]: r for r in rows if r["seq"] == seq and r["window"] == window}
+            assert {"xla_window", "pallas_window", "cudnn_window", "tokamax_window"} <= set(here)
+            assert here["cudnn_window"]["skipped"] == "skipped: needs a GPU"
+            assert one_line(here["tokamax_window"]["skipped"])
+            for row in [*dense, *(here[c] for c in TIMED_CONTENDERS - {"xla_dense_causal"})]:
+                assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["tflops"] > 0, row
+                assert row["rel_err"] < 2e-2, row  # bf16 inputs against the float32 reference
+            pallas = here["pallas_window"]
+            assert [t["blocks"] for t in pallas["tried"]] == [list(b) for b in kernels["settings"]["blocks"]]
+            assert pallas["ms"] == min(t["ms"] for t in pallas["tried"])
+    assert {(r["kernel"], r["impl"]) for r in kernels["fused"]} == {
+        (k, i) for k in ("layer_norm_residual", "bias_gelu") for i in ("pallas", "xla")}
+    assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in kernels["fused"])
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_checkpoints_profile_and_pngs(runs):
+    _, path = runs["full"]
+    result = json.loads(path.read_text())
+    sizes = result["sections"]["checkpoints"]["sizes"]
+    assert len(sizes) == 2 and all(0 < s["block_s"] <= s["total_s"] and s["restore_s"] > 0 for s in sizes)
+    profiled = result["sections"]["profiled_steps"]
+    assert profiled["profiled_steps"] == [2, 4, 6] and profiled["devices"] == [0]
+    assert all(s > 0 for s in profiled["device_compute_s"][0]) and len(profiled["device_collective_s"][0]) == 3
+    stem = str(path)[:-len(".json")]
+    assert result["pngs"] == [f"{stem}_{name}.png" for name in ("kernels", "ladder", "checkpoints", "device_heatmap")]
+    assert result["png_problems"] == []
+    for png in result["pngs"]:
+        with open(png, "rb") as f:
+            assert f.read(8) == PNG_MAGIC, png
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_a_failing_section_records_one_line_and_the_others_still_run(runs):
+    failed, result, *_ = runs["partial"]
+    assert failed.returncode == 1  # a section failed: after everything was written
+    assert list(result["sections"]) == ["kernels", "checkpoints"]  # --only: nothing else ran
+    kernels, checkpoints = result["sections"]["kernels"], result["sections"]["checkpoints"]
+    assert kernels["status"] == "error" and one_line(kernels["reason"])
+    assert "InjectedFailure: kernels failed on purpose" in kernels["reason"]
+    assert checkpoints["status"] == "ok" and len(checkpoints["sizes"]) == 2
+    assert "sections that failed: kernels" in failed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_only_reruns_one_section_into_an_existing_result(runs):
+    _, before, refused, unchanged, rerun, path = runs["partial"]
+    assert refused.returncode == 2 and unchanged  # an existing result needs --overwrite
+    assert refused.stderr.strip().splitlines() == [
+        f"{os.path.relpath(path)} exists; pass --overwrite to replace it, or --out PATH to write elsewhere"]
+    assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
+    assert [line for line in rerun.stdout.splitlines() if line.startswith("== ")] == [
+        "== probe (limit 300 s)", "== kernels (limit 900 s)"]
+    after = json.loads(path.read_text())
+    assert after["sections"]["kernels"]["status"] == "ok" and after["sections"]["kernels"]["attention"]
+    assert after["sections"]["checkpoints"] == before["sections"]["checkpoints"]  # kept as it was
+    assert "--overwrite" in after["sections"]["kernels"]["command"]
+
+
+def test_dry_run_without_out_writes_into_a_new_temporary_directory(tmp_path):
+    done = campaign("--dry-run", "--only", "torch_peer", tmpdir=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder,) = os.listdir(tmp_path)
+    assert folder.startswith("gpu-campaign-dry-run-")
+    (name,) = [f for f in os.listdir(tmp_path / folder) if f.endswith(".json")]
+    assert name.startswith("gpu_cpu_") and done.stdout.splitlines()[-1] == f"wrote {tmp_path / folder / name}"
+    assert list(json.loads((tmp_path / folder / name).read_text())["sections"]) == ["torch_peer"]
+
+
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
+    for args, message in [
+        (["--only", "kernels,nosuch"], "error: unknown section 'nosuch'; sections are " + ", ".join(SECTIONS)),
+        (["--dry-run", "--out", os.path.join(RESULTS, "x.json")],
+         "error: --dry-run measures nothing worth keeping; pass an --out outside bench/results/"),
+        (["--out", str(tmp_path / "x.json")],  # no GPU here, and no --dry-run
+         "error: bench/gpu_campaign.py needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
+         "or pass --dry-run to exercise every section at tiny shapes on the CPU"),
+    ]:
+        done = campaign(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert done.stderr.strip().splitlines() == [message]
+    assert not os.path.exists(os.path.join(RESULTS, "x.json")) and not os.listdir(tmp_path)
+
+
+def test_batch_is_the_largest_whose_estimate_fits():
+    overrides = campaign_ladder.row_overrides(False, campaign_ladder.BASELINE)  # the 1.4B model, XLA attention
+    estimate = lambda batch: campaign_model.estimate_bytes([*overrides, f"train.global_batch={batch}"])
+    limit = (estimate(3) + estimate(4)) / 2 / campaign_model.HEADROOM  # between 3 and 4 sequences
+    assert campaign_model.pick_batch(overrides, limit, dry_run=False) == (3, estimate(3))
+    assert campaign_model.pick_batch(overrides, None, dry_run=False)[0] == campaign_model.MAX_BATCH[False]
+    assert campaign_model.pick_batch(overrides, estimate(1) / 2, dry_run=False) == (None, estimate(1))
+
+
+def test_a_row_that_cannot_fit_is_recorded_without_starting_it(tmp_path):
+    settings = {"dry_run": False, "device": {"backend": "gpu", "memory_limit_bytes": 2 ** 30}}
+    row = campaign_ladder.Ladder(settings, str(tmp_path)).row("serial_dense_adamw", campaign_ladder.BASELINE)
+    needed = campaign_model.estimate_bytes(campaign_ladder.row_overrides(False, campaign_ladder.BASELINE)
+                                           + ["train.global_batch=1"])
+    assert row["batch"] is None and row["estimate_bytes"] == needed
+    assert row["error"] == (f"does not fit: estimate {campaign_model.flops.format_bytes(needed)} > limit 921.6 MiB "
+                            "(90% of 1.0 GiB)")
+    assert not os.listdir(tmp_path)  # never started: no row result was written
