@@ -35,6 +35,15 @@ def user_error(message, code: int = 2) -> int:
     return code
 
 
+def interrupted(step: int | None) -> str:
+    """The last line of a run stopped by SIGINT/SIGTERM (`train` and `launch` both print it):
+    `step` is the checkpoint it saved, None when none was saved."""
+    if step is None:
+        return ("interrupted; no checkpoint saved (checkpoint.every=0, or the save failed: see above) — "
+                "a re-run starts from the newest older checkpoint, if any")
+    return f"interrupted at step {step}; checkpoint saved — re-run the same command to resume"
+
+
 class _TqdmHandler(logging.StreamHandler):
     """A stream handler that writes around any live tqdm progress bar."""
 

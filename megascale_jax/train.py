@@ -440,9 +440,7 @@ def main(argv=None) -> int:
         return cli.user_error(e, code=3)
     except Interrupted as e:
         if jax.process_index() == 0:
-            logger.warning(f"interrupted at step {e.step}; " + (
-                "checkpoint saved — re-run the same command to resume" if e.saved else
-                "no checkpoint saved (checkpoint.every=0 or the save failed, see above)"))
+            logger.warning(cli.interrupted(e.step if e.saved else None))
         return e.exit_code
     finally:
         if lock:

@@ -138,10 +138,16 @@ def write_device_heatmap(t: Timings, out: str) -> bool:
     return True
 
 
+# The supervisor's events that change a run's course (listed in summary.txt), and all of its
+# events the report shows (markers in trace.json and throughput.png); stragglers are reported apart.
+RUN_COURSE = ("fault", "restart", "resumed", "give_up", "interrupted")
+SUPERVISOR_KINDS = RUN_COURSE + ("done", "drill")
+
+
 def supervisor_events(run_dir: str) -> list[dict]:
-    """events.jsonl's faults, restarts, resumes, give-ups and done marks (stragglers left out)."""
+    """events.jsonl's supervisor events (`SUPERVISOR_KINDS`) that carry a time."""
     return [e for e in read_jsonl(run_dirs.events_path(run_dir))
-            if e.get("kind") in ("fault", "restart", "resumed", "give_up", "done", "drill", "interrupted") and "time" in e]
+            if e.get("kind") in SUPERVISOR_KINDS and "time" in e]
 
 
 def mark_events(axes: list, events: list[dict]) -> None:
@@ -328,7 +334,7 @@ def apply_exits(states: list[RankState], events: list[dict]) -> None:
 def events_text(events: list[dict]) -> list[str]:
     lines = []
     for e in events:
-        if e["kind"] in ("fault", "restart", "give_up", "resumed", "interrupted"):
+        if e["kind"] in RUN_COURSE:
             lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(e['time']))} {e['kind']}: {e.get('summary', '')}")
     return lines
 

@@ -36,7 +36,7 @@ import redis
 
 from megascale_jax.config import Config
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.cli import get_logger
+from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.observe.timings import read_timings
 from megascale_jax.observe.hangs import describe_exit
@@ -390,8 +390,7 @@ class Supervisor:
         self.events.log("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}; newest {where}"
                         + (f"; {', '.join(f'rank {r} {describe_exit(c)}' for r, c in odd.items())}" if odd else ""),
                         signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
-        log.logger.info(f"interrupted at step {steps[-1]}; checkpoint saved — re-run the same command to resume"
-                        if steps else "interrupted; no checkpoint saved (checkpoint.every=0?): a re-run starts from step 0")
+        log.logger.info(interrupted(steps[-1] if steps else None))
         return 128 + self.stop_signal
 
     def _exit_fault(self, failed: dict[int, int], alive_at: float, now: float) -> Fault:

@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def _NEWLINE() -> str:
+def _line_break() -> str:
     """A line break first on a terminal, where the progress bar holds the current line."""
     return "\n" if sys.stderr.isatty() else ""
 
@@ -58,19 +58,22 @@ class StopRequest:
         self.multi = jax.process_count() > 1
         if self.multi:
             devices = mesh.devices.flatten()
-            self.sharding = NamedSharding(Mesh(devices, ("all",)), P("all"))
+            flat = Mesh(devices, ("all",))
+            self.sharding = NamedSharding(flat, P("all"))
             self.local = len([d for d in devices if d.process_index == jax.process_index()])
             self.shape = (len(devices),)
-            self.agree = jax.jit(jnp.max, out_shardings=NamedSharding(Mesh(devices, ("all",)), P()))
+            # Compiled here, before the loop: the loop's first step must not time a compilation.
+            self.agree = jax.jit(jnp.max, out_shardings=NamedSharding(flat, P())).lower(
+                jax.ShapeDtypeStruct(self.shape, np.int32, sharding=self.sharding)).compile()
         self.in_flight = None  # the all-reduce dispatched at the previous step
 
     def _handle(self, signum, frame):
         if self.signum:
-            print(f"{_NEWLINE()}second signal ({signal.Signals(signum).name}): exiting now, without a checkpoint of the "
+            print(f"{_line_break()}second signal ({signal.Signals(signum).name}): exiting now, without a checkpoint of the "
                   "step in flight", file=sys.stderr, flush=True)
             os._exit(128 + signum)
         self.signum = signum
-        print(f"{_NEWLINE()}{signal.Signals(signum).name} received: finishing the step in flight and saving a "
+        print(f"{_line_break()}{signal.Signals(signum).name} received: finishing the step in flight and saving a "
               "checkpoint (send it again to exit at once)", file=sys.stderr, flush=True)
 
     def after_dispatch(self) -> int:
