@@ -29,14 +29,14 @@ from megascale_jax.config import Config, ConfigError, check_runtime, load_config
 from megascale_jax.model import flops
 from megascale_jax.model.transformer import Transformer, loss_fn
 from megascale_jax.observe import device_profile, timings
-from megascale_jax.parallel import pipeline, sharding
+from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import checkpoint, data
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
-from megascale_jax.training.optim import current_learning_rate, make_optimizer
+from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
 
 logger = cli.get_logger("train")
 
@@ -62,18 +62,22 @@ class Trainer:
     abstract_params: Any  # ShapeDtypeStructs with shardings, for lowering without allocating
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]
+    # The layers' stored order is the pipeline's (`parallel.layout`); checkpoints hold the canonical.
+    to_canonical: Callable[[TrainState], TrainState]
+    to_stored: Callable[[TrainState], TrainState]
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
+    loss_and_grads: Callable[[Any, jax.Array], tuple[jax.Array, Any]]  # params in stored order
     eval_loss: Callable[[Any, jax.Array], jax.Array]
 
 
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, cfg.parallel)
-    optimizer = make_optimizer(cfg.optim, cfg.train.steps)
     replicated = sharding.replicated(mesh)
     dummy = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
     # Shapes and logical axes come from an abstract init; nothing is allocated here.
     boxed = jax.eval_shape(model.init, jax.random.key(0), dummy)["params"]
+    optimizer = make_optimizer(cfg.optim, cfg.train.steps, layer_axes(boxed))
     param_shardings = sharding.param_shardings(boxed, mesh)
     abstract_params = nn.unbox(boxed)
     moment_shardings = param_shardings
@@ -87,13 +91,15 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
 
     def init() -> TrainState:
         # threefry is partitionable, so values depend on the seed only, never on the shardings.
-        params = nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"]
+        params = layout.to_stored(cfg, nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"])
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
-    def grads_and_loss(params, batch):
+    def loss_and_grads(params, batch):
         m = cfg.parallel.microbatches
         if cfg.mesh.pp > 1:
-            return pipeline.loss_and_grads(cfg, mesh, params, batch)
+            # With ZeRO-1 the pipeline reduce-scatters gradients straight to the moments' dp split.
+            grad_specs = jax.tree.map(lambda s: s.spec, moment_shardings) if cfg.parallel.zero1 else None
+            return pipeline.loss_and_grads(cfg, mesh, params, batch, grad_specs)
         if m == 1:
             loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
             return loss, grads
@@ -118,11 +124,18 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         return loss_fn(model, params, batch)
 
     def train_step(state: TrainState, batch):
-        loss, grads = grads_and_loss(state.params, batch)
+        loss, grads = loss_and_grads(state.params, batch)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": current_learning_rate(opt_state)}
         return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    def reorder(convert, **jit_options):
+        """A whole-state layer-order conversion: compiled, or the identity where the orders agree."""
+        if not layout.permutes(cfg):
+            return lambda state: state
+        return _with_rules(cfg, mesh, jax.jit(functools.partial(convert, cfg), out_shardings=state_shardings,
+                                              compiler_options=options, **jit_options))
 
     metric_shardings = {"loss": replicated, "grad_norm": replicated, "lr": replicated}
     batch_sharding = sharding.batch_sharding(mesh)
@@ -132,9 +145,12 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         abstract_params=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                      abstract_params, param_shardings),
         init=_with_rules(cfg, mesh, jax.jit(init, out_shardings=state_shardings, compiler_options=options)),
+        to_canonical=reorder(layout.to_canonical), to_stored=reorder(layout.to_stored, donate_argnums=0),
         train_step=_with_rules(cfg, mesh, jax.jit(
             train_step, in_shardings=(state_shardings, batch_sharding),
             out_shardings=(state_shardings, metric_shardings), donate_argnums=0, compiler_options=options)),
+        loss_and_grads=_with_rules(cfg, mesh, jax.jit(
+            loss_and_grads, in_shardings=(param_shardings, batch_sharding), compiler_options=options)),
         eval_loss=_with_rules(cfg, mesh, jax.jit(
             eval_loss,
             in_shardings=(param_shardings, batch_sharding), out_shardings=replicated, compiler_options=options)),
@@ -217,7 +233,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         ckpt.compile(abstract_state)
     start = restored[1]["step"] if restored else 0  # steps done so far
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
-    state = restored[0] if restored else trainer.init()
+    state = trainer.to_stored(restored[0]) if restored else trainer.init()
     batches = data.Prefetcher(train_batches, trainer.batch_sharding, data_position, cfg.data.prefetch)
     first = batches.get()
     watch.state("compiling", start)
@@ -298,7 +314,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             if saving:
                 watch.state("checkpointing", step)
                 t_save = time.time()
-                log_saves(ckpt.save(step, state, batches.get_state()))
+                log_saves(ckpt.save(step, trainer.to_canonical(state), batches.get_state()))
                 watch.phase(step, "checkpoint", t_save, time.time() - t_save)
                 watch.state("training", step)
             if stop_signal:

@@ -3,39 +3,50 @@
 `loss_and_grads(cfg, mesh, params, batch)` returns the same loss and gradients as plain
 autodiff of the whole model, computed by p stages in lockstep inside one `jax.shard_map` that is
 manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls as usual).
+`loss(cfg, mesh, params, batch)` is its forward-only twin, for evaluation.
 
-* Layout. Network chunk g = j·p + s (virtual chunk j of stage s) is layers [g·c, (g+1)·c),
-  c = L/(p·v). The stacked `(L, ...)` layer parameters are viewed as `(v, p, c, ...)` and stage s
-  receives `[:, s]`; for v = 1 this is exactly the contiguous `layers -> pp` sharding of the
-  stored parameters, so no weights move. The embedding runs on stage 0 and the final norm, LM
-  head and loss on stage p−1; their gradients are summed over pp at the end.
+* Layout. The layer parameters arrive in the stored, stage-major order (`parallel.layout`):
+  stage s's block of the `layers -> pp` sharding is its v chunks, in the order it runs them, and
+  the executor only reshapes it to `(v, c, ...)`. No weight or gradient moves between devices
+  and nothing is re-laid out, for any v. The embedding runs on stage 0 and the final norm, LM
+  head and loss on stage p−1 (see "Embedding and head" below for where they are stored).
 * Ticks. A `lax.scan` over the table's rows (compile time and HLO size do not grow with m).
   Each tick a stage (1) takes its forward input — the embedding for chunk 0, otherwise the
   activation received last tick — runs the chunk and stashes what its backward needs in a slot;
-  (2) runs its backward: the chunk's vjp applied to the cotangent received last tick (for the
-  last chunk, to the gradient of head + loss, so in 1F1B F and B of the last chunk share a tick);
-  (3) sends the activation to stage s+1 and the cotangent to stage s−1 (ring).
-* Stash, `parallel.pp_stash`:
-  - `inputs` (default): a slot holds the chunk's input only; the backward recomputes the chunk's
-    forward inside its `jax.vjp`. Residual memory is `slots × one microbatch activation` (flat
-    in m for 1F1B), at the price of one extra chunk forward per backward (reported MFU counts
-    model FLOPs only, so it shows this cost).
-  - `residuals`: the forward is the chunk's `jax.vjp`; a slot holds the vjp residuals that depend
-    on the activation (found once at trace time by a dependence walk over the residual jaxpr,
-    `residuals.activation_dependent_residuals`) and the chunk output (the head's input). The weight-only
-    residuals — the parameters, per-layer weight slices of the layer scan, rotary tables, masks —
-    are not stashed but rebuilt in the backward from a vjp at a zero activation whose activation
-    path is dead code, so the backward does no forward: about F+B instead of 2F+B of compute per
-    chunk. The price is memory: every layer's activation residuals per slot — norm and MLP
-    intermediates and, with `model.attention=xla`, the heads × seq × seq attention probabilities
-    — still flat in m for 1F1B but several times the input stash (3× at d_model 64, seq 64).
+  (2) runs its backward on the cotangent received last tick (for the last chunk, on the
+  gradient of head + loss, so in 1F1B F and B of the last chunk share a tick); (3) if that was
+  the chunk's last microbatch, reduces the chunk's gradient over dp; (4) sends the activation
+  to stage s+1 and the cotangent to stage s−1 (ring).
+* Stash, `parallel.pp_stash`, a strategy with a `forward` (what to keep) and a `backward` (the
+  chunk's output and vjp, from what was kept):
+  - `inputs` (`InputStash`, default): a slot holds the chunk's input only; the backward
+    recomputes the chunk's forward inside its `jax.vjp`. Residual memory is
+    `slots × one microbatch activation` (flat in m for 1F1B), at the price of one extra chunk
+    forward per backward (reported MFU counts model FLOPs only, so it shows this cost).
+  - `residuals` (`ResidualStash`): the forward is the chunk's `jax.vjp`; a slot holds the vjp
+    residuals that depend on the activation (found once at trace time by a dependence walk over
+    the residual jaxpr, `residuals.activation_dependent_residuals`) and the chunk output (the
+    head's input). The weight-only residuals are rebuilt in the backward from a vjp at a zero
+    activation whose activation path is dead code, so the backward does no forward: about F+B
+    instead of 2F+B of compute per chunk, for several times the input stash's memory.
 * Overlap. Both `ppermute`s are issued unconditionally at the end of the tick and depend only on
-  that tick's compute of their own direction: the activation send depends on the forward only,
-  the cotangent send on the backward only, so XLA's scheduler may start the activation transfer
-  while the backward still runs. Compute sits under `lax.cond`/`lax.switch` (idle stages skip it);
-  collectives never do — a `ppermute` under a per-device predicate hangs.
-* Data parallelism is manual too: each dp replica accumulates its gradients over all
-  microbatches locally and they are summed over dp once, after the loop.
+  that tick's compute of their own direction, so XLA's scheduler may start the activation
+  transfer while the backward still runs. Compute sits under `lax.cond` (idle stages skip it);
+  pipeline collectives never do — a `ppermute` under a per-stage predicate hangs, because the
+  stages that skip it never join. With explicit tp collectives inside the chunk
+  (`tp_overlap != xla`) the chunk compute is not skipped but masked (`when`).
+* Data parallelism inside the loop. A stage's chunk gradient is complete after the chunk's last
+  microbatch's backward, which for every chunk but the first runs while other chunks still have
+  backward work (the cool-down). That tick reduces it over dp — an all-reduce, or with ZeRO-1 a
+  reduce-scatter straight to the optimizer moments' dp split (`grad_specs`) — so the transfer can
+  overlap the backward work that follows (MegaScale's per-chunk reduce-scatter). It sits under
+  a `cond` whose predicate comes from the table row of the stage, the same on every dp replica
+  of the stage, and only dp replicas of one stage take part: they all join it or all skip it.
+* Embedding and head. They are stored replicated over pp, although only stage 0 and stage p−1
+  use them: a `jax.Array` covers every device of its mesh, so living on one stage only would
+  take a second mesh (a second program). Their gradients are summed over pp and reduced over
+  dp after the loop; `flops.memory_estimate` counts them, with their optimizer state, on every
+  stage.
 """
 
 from __future__ import annotations
@@ -45,9 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from megascale_jax.parallel import sharding
 from megascale_jax.config import Config
 from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_logits, run_layers
+from megascale_jax.parallel import sharding
 from megascale_jax.parallel.pipeline_schedule import Schedule, build, forward_only
 from megascale_jax.parallel.residuals import activation_dependent_residuals
 
@@ -77,38 +88,42 @@ def send_forward(x, p: int):
     return jax.lax.ppermute(x, "pp", [(i, (i + 1) % p) for i in range(p)])
 
 
+def send_backward(x, p: int):
+    """Each stage's `x` to the previous stage (ring)."""
+    return jax.lax.ppermute(x, "pp", [(i, (i - 1) % p) for i in range(p)])
+
+
 def stage_view(cfg: Config, stage_layers, tokens):
-    """Inside the shard_map: this stage's layers `(v, c, ...)`, its index, its dp shard's batch cut
-    into microbatch inputs and targets, and a zero activation of one microbatch."""
-    m = cfg.parallel.microbatches
+    """Inside the shard_map: this stage's layers as `(v, c, ...)` (its stored block, reshaped),
+    its index, its dp shard's batch cut into microbatch inputs and targets, and a zero
+    activation of one microbatch."""
+    m, v = cfg.parallel.microbatches, cfg.parallel.pp_virtual
     micro = tokens.reshape(m, -1, tokens.shape[-1])
     inputs, targets = micro[:, :, :-1], micro[:, :, 1:]
     act = jnp.zeros((inputs.shape[1], inputs.shape[2], cfg.model.d_model), cfg.model.dtype)
-    return jax.tree.map(lambda x: x[0], stage_layers), jax.lax.axis_index("pp"), inputs, targets, act
+    chunks = jax.tree.map(lambda x: x.reshape(v, x.shape[0] // v, *x.shape[1:]), stage_layers)
+    return chunks, jax.lax.axis_index("pp"), inputs, targets, act
 
 
-def _table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
-    """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs."""
+def table_arrays(schedule: Schedule) -> dict[str, np.ndarray]:
+    """The table as int32 arrays `[tick, stage]`, scanned over as the loop's xs. `b_last` marks the
+    backward after which a stage's chunk has seen every microbatch (its gradient is complete)."""
     out = {}
     for direction, table in (("f", schedule.forward), ("b", schedule.backward)):
         for field in FIELDS:
             out[f"{direction}_{field}"] = np.array(
                 [[0 if w is None else (1 if field == "valid" else getattr(w, field)) for w in row] for row in table],
                 dtype=np.int32)
+    last = np.zeros((schedule.ticks, schedule.stages), np.int32)
+    final_tick = {}
+    for tick, row in enumerate(schedule.backward):
+        for stage, w in enumerate(row):
+            if w is not None:
+                final_tick[(stage, w.chunk)] = tick
+    for (stage, _), tick in final_tick.items():
+        last[tick, stage] = 1
+    out["b_last"] = last
     return out
-
-
-def to_stages(layers, p: int, v: int):
-    """(L, ...) stacked layers -> (p, v, c, ...): stage-major, then virtual chunk."""
-    def split(x):
-        c = x.shape[0] // (p * v)
-        return x.reshape(v, p, c, *x.shape[1:]).swapaxes(0, 1)
-    return jax.tree.map(split, layers)
-
-
-def from_stages(stages, p: int, v: int):
-    """Inverse of `to_stages`."""
-    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(-1, *x.shape[3:]), stages)
 
 
 def chunk_params_of(tree, j):
@@ -116,33 +131,130 @@ def chunk_params_of(tree, j):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), tree)
 
 
-def same_leaves(leaves, avals) -> bool:
-    """The vjp traced now has the residual leaves (shapes, dtypes) the analysis was made for."""
-    return [(x.shape, x.dtype) for x in leaves] == [(a.shape, a.dtype) for a in avals]
+def set_entry(tree, j, new, keep=True):
+    """Entry j of every leaf's leading axis replaced by `new` where `keep` (else left as it was)."""
+    def put(buf, x):
+        old = jax.lax.dynamic_index_in_dim(buf, j, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(buf, jnp.where(keep, x, old), j, 0)
+    return jax.tree.map(put, tree, new)
 
 
-def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
+def dp_dim(spec) -> int | None:
+    """The dimension a gradient is split over dp in `spec` (ZeRO-1), or None (replicated)."""
+    for dim, axes in enumerate(spec or ()):
+        if axes == "dp" or (isinstance(axes, tuple) and "dp" in axes):
+            return dim
+    return None
+
+
+def reduce_over_dp(x, dim: int | None):
+    """Sum over dp: a reduce-scatter along `dim` (the ZeRO-1 split), or an all-reduce."""
+    if dim is None:
+        return jax.lax.psum(x, "dp")
+    return jax.lax.psum_scatter(x, "dp", scatter_dimension=dim, tiled=True)
+
+
+def manual_spec(dim: int, first: str | None = None) -> P:
+    """The shard_map out spec of a reduced gradient: `first` on dimension 0, dp on `dim` (≥ 0)."""
+    out = [first] + [None] * max(dim, 0) if first else [None] * (dim + 1)
+    if dim >= 0:
+        out[dim] = "dp"
+    return P(*out)
+
+
+# ------------------------------------------------------------------ stash strategies
+
+
+class InputStash:
+    """`pp_stash=inputs`: keep the chunk input; the backward recomputes the chunk in its vjp. The
+    last chunk's forward is not run at all (its backward, in the same tick, recomputes it)."""
+
+    runs_last_forward = False
+
+    def __init__(self, fn, chunk, act):
+        self.fn = fn
+
+    def empty(self, slots: int, act):
+        return jnp.zeros((slots, *act.shape), act.dtype)
+
+    def forward(self, chunk, x):
+        return self.fn(chunk, x), x
+
+    def skipped(self, x):
+        return x
+
+    def backward(self, chunk, saved):
+        return jax.vjp(self.fn, chunk, saved)
+
+
+class ResidualStash:
+    """`pp_stash=residuals`: keep the activation-dependent vjp residuals and the chunk output; the
+    backward rebuilds the weight-only residuals from the parameters and runs no forward."""
+
+    runs_last_forward = True
+
+    def __init__(self, fn, chunk, act):
+        self.fn = fn
+        self.depends, self.avals = activation_dependent_residuals(fn, chunk, act)
+        self.kept = [a for a, d in zip(self.avals, self.depends) if d]
+
+    def _check(self, leaves, where: str):
+        same = [(x.shape, x.dtype) for x in leaves] == [(a.shape, a.dtype) for a in self.avals]
+        assert same, f"the {where} vjp differs from the analysed one"
+
+    def empty(self, slots: int, act):
+        return [jnp.zeros((slots, *a.shape), a.dtype) for a in self.kept], jnp.zeros((slots, *act.shape), act.dtype)
+
+    def forward(self, chunk, x):
+        y, vjp = jax.vjp(self.fn, chunk, x)
+        leaves = jax.tree.leaves(vjp)
+        self._check(leaves, "forward")
+        return y, ([leaf for leaf, d in zip(leaves, self.depends) if d], y)
+
+    def skipped(self, x):
+        return [jnp.zeros(a.shape, a.dtype) for a in self.kept], x
+
+    def backward(self, chunk, saved):
+        kept, y = saved
+        # The activation path of this vjp is dead code (its residuals are replaced below).
+        rebuilt, treedef = jax.tree.flatten(jax.vjp(self.fn, chunk, jnp.zeros_like(y))[1])
+        self._check(rebuilt, "backward")
+        kept = iter(kept)
+        return y, treedef.unflatten([next(kept) if d else leaf for leaf, d in zip(rebuilt, self.depends)])
+
+
+STASHES = {"inputs": InputStash, "residuals": ResidualStash}
+
+
+# ------------------------------------------------------------------ training step
+
+
+def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
+    """Loss and gradients of `batch`; `params` and the layer gradients in stored order.
+
+    `grad_specs` (a tree of PartitionSpecs like `params`): where each gradient leaves the dp
+    reduction — split over dp where a spec names dp (ZeRO-1: the optimizer moments' sharding,
+    reached by a reduce-scatter), otherwise replicated (an all-reduce). Default: replicated."""
     p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
     dp = mesh.shape["dp"]
-    schedule = schedule_for(cfg)
-    table = _table_arrays(schedule)
+    table = table_arrays(schedule_for(cfg))
+    slots = schedule_for(cfg).slots
     last_stage, last_chunk = p - 1, v - 1
     scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
     masked = explicit_tp(cfg, mesh)  # idle stages compute and mask instead of skipping (`when`)
-    keep_residuals = cfg.parallel.pp_stash == "residuals"
+    specs = grad_specs if grad_specs is not None else jax.tree.map(lambda _: P(), params)
+    is_spec = lambda x: isinstance(x, P)
+    # Per gradient leaf, the dimension its dp reduction scatters along; -1: all-reduce.
+    dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
+    reduce = lambda tree, d: jax.tree.map(lambda x, k: reduce_over_dp(x, None if k < 0 else k), tree, d)
 
     def body(stage_layers, embed, final_norm, head, tokens):
-        stage_layers, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
+        chunks, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
         fn = lambda pc, x: run_layers(cfg.model, pc, x, cfg.parallel)
+        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
 
-        def work(row):
-            """This stage's forward and backward entries of a table row."""
-            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
-            b = {k[2:]: row[k][stage] for k in row if k.startswith("b_")}
-            return f, b, f["valid"] > 0, b["valid"] > 0
-
-        def forward_input(f, f_valid, act_in):
-            first = f_valid & (stage == 0) & (f["chunk"] == 0)
+        def forward_input(f, act_in):
+            first = (f["valid"] > 0) & (stage == 0) & (f["chunk"] == 0)
             return jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
 
         def output_cotangent(b, y, cot_in):
@@ -155,139 +267,94 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch):
                 return value, grads[:2], grads[2].astype(y.dtype)
 
             def no_head(y):
-                return jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, (final_norm, head)), cot_in
+                return jnp.zeros((), jnp.float32), zeros((final_norm, head)), cot_in
 
             is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
             return jax.lax.cond(is_last, head_grads, no_head, y)
 
-        def accumulate(grads, b, d_chunk, d_head_pair, dx):
-            d_embed = jax.lax.cond(
+        def embedding_grad(b, dx):
+            return jax.lax.cond(
                 (b["valid"] > 0) & (stage == 0) & (b["chunk"] == 0),
                 lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0],
                 lambda dx: jnp.zeros_like(embed), dx)
-            g_layers, g_embed, g_head_pair = grads
-            current = chunk_params_of(g_layers, b["chunk"])
-            g_layers = jax.tree.map(lambda g, c, d: jax.lax.dynamic_update_index_in_dim(g, c + d, b["chunk"], 0),
-                                    g_layers, current, d_chunk)
-            return g_layers, g_embed + d_embed, jax.tree.map(jnp.add, g_head_pair, d_head_pair)
 
-        def communicate(act_out, dx):
-            """Activations one stage on, cotangents one stage back (ring)."""
-            act_next = send_forward(act_out, p)
-            cot_next = jax.lax.ppermute(dx, "pp", [(i, (i - 1) % p) for i in range(p)])
-            return act_next, cot_next
+        def reduce_finished_chunk(b, g_layers, reduced):
+            """After a chunk's last microbatch: its gradient, summed over dp, into `reduced`."""
+            def reduce_chunk(g_layers, reduced):
+                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"])
+                return set_entry(reduced, b["chunk"], done)
+            return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), reduce_chunk, lambda _, r: r, g_layers, reduced)
 
         def tick(carry, row):
-            act_in, cot_in, stash, grads, loss = carry
-            f, b, f_valid, b_valid = work(row)
+            act_in, cot_in, kept, (g_layers, g_embed, g_head), reduced, loss = carry
+            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
+            b = {k[2:]: row[k][stage] for k in row if k.startswith("b_")}
+            f_valid, b_valid = f["valid"] > 0, b["valid"] > 0
 
-            # --- forward: stash the chunk input, run the chunk (the last chunk runs in its backward)
-            x_in = forward_input(f, f_valid, act_in)
-            kept = jax.lax.dynamic_index_in_dim(stash, f["slot"], keepdims=False)
-            stash = jax.lax.dynamic_update_index_in_dim(stash, jnp.where(f_valid, x_in, kept), f["slot"], 0)
-            run_forward = f_valid & ~((stage == last_stage) & (f["chunk"] == last_chunk))
-            forward = lambda x: fn(chunk_params_of(stage_layers, f["chunk"]), x)
-            act_out = when(masked, run_forward, forward, lambda x: x, x_in)
+            # --- forward: run the chunk and keep what its backward needs
+            x_in = forward_input(f, act_in)
+            run_forward = f_valid
+            if not stash.runs_last_forward:
+                run_forward &= ~((stage == last_stage) & (f["chunk"] == last_chunk))
+            chunk_f = chunk_params_of(chunks, f["chunk"])
+            act_out, saved = when(masked, run_forward, lambda x: stash.forward(chunk_f, x),
+                                  lambda x: (x, stash.skipped(x)), x_in)
+            kept = set_entry(kept, f["slot"], saved, f_valid)
 
-            # --- backward: recompute the chunk from its stashed input, vjp with a cotangent that is
-            # last tick's, or for the last chunk the gradient of the head and loss
-            x_saved = jax.lax.dynamic_index_in_dim(stash, b["slot"], keepdims=False)
-            chunk = chunk_params_of(stage_layers, b["chunk"])
-
-            def backward(x):
-                y, vjp = jax.vjp(fn, chunk, x)
-                loss_add, d_head_pair, dy = output_cotangent(b, y, cot_in)
-                d_chunk, dx = vjp(dy)
-                return loss_add, d_chunk, d_head_pair, dx
-
-            def idle(x):
-                return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk),
-                        jax.tree.map(jnp.zeros_like, (final_norm, head)), jnp.zeros_like(x))
-
-            loss_add, d_chunk, d_head_pair, dx = when(masked, b_valid, backward, idle, x_saved)
-            grads = accumulate(grads, b, d_chunk, d_head_pair, dx)
-            act_next, cot_next = communicate(act_out, dx)
-            return (act_next, cot_next, stash, grads, loss + loss_add), None
-
-        def tick_residuals(carry, row):
-            """`pp_stash=residuals`: the forward keeps the vjp's activation-dependent residuals (and
-            the chunk output, for the head), the backward rebuilds the weight-only residuals from
-            the parameters and runs the vjp without recomputing the chunk."""
-            act_in, cot_in, (stash, outputs), grads, loss = carry
-            f, b, f_valid, b_valid = work(row)
-
-            # --- forward (every chunk, the last included): run the chunk's vjp, stash what
-            # depends on the activation and the output
-            x_in = forward_input(f, f_valid, act_in)
-
-            def forward(x):
-                y, vjp = jax.vjp(fn, chunk_params_of(stage_layers, f["chunk"]), x)
-                leaves = jax.tree.leaves(vjp)
-                assert same_leaves(leaves, res_avals), "forward vjp differs from the analysed one"
-                return y, [l for l, d in zip(leaves, depends) if d]
-
-            def skip(x):
-                return x, [jnp.zeros(a.shape, a.dtype) for a in stashed_avals]
-
-            act_out, res = when(masked, f_valid, forward, skip, x_in)
-            put = lambda buf, new: jax.lax.dynamic_update_index_in_dim(
-                buf, jnp.where(f_valid, new, jax.lax.dynamic_index_in_dim(buf, f["slot"], keepdims=False)),
-                f["slot"], 0)
-            stash = [put(buf, r) for buf, r in zip(stash, res)]
-            outputs = put(outputs, act_out)
-
-            # --- backward: stashed residuals + weight-only residuals rebuilt from the parameters
-            chunk = chunk_params_of(stage_layers, b["chunk"])
-            saved = ([jax.lax.dynamic_index_in_dim(buf, b["slot"], keepdims=False) for buf in stash],
-                     jax.lax.dynamic_index_in_dim(outputs, b["slot"], keepdims=False))
+            # --- backward: the chunk's vjp from what was kept, with last tick's cotangent or, for
+            # the last chunk, the gradient of the head and loss
+            chunk_b = chunk_params_of(chunks, b["chunk"])
 
             def backward(saved):
-                res, y = saved
-                # The activation path of this vjp is dead code (its residuals are replaced below).
-                rebuilt, treedef = jax.tree.flatten(jax.vjp(fn, chunk, jnp.zeros_like(act))[1])
-                assert same_leaves(rebuilt, res_avals), "backward vjp differs from the analysed one"
-                res = iter(res)
-                vjp = treedef.unflatten([next(res) if d else leaf for leaf, d in zip(rebuilt, depends)])
-                loss_add, d_head_pair, dy = output_cotangent(b, y, cot_in)
+                y, vjp = stash.backward(chunk_b, saved)
+                loss_add, d_head, dy = output_cotangent(b, y, cot_in)
                 d_chunk, dx = vjp(dy)
-                return loss_add, d_chunk, d_head_pair, dx
+                return loss_add, d_chunk, d_head, dx
 
             def idle(saved):
-                return (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, chunk),
-                        jax.tree.map(jnp.zeros_like, (final_norm, head)), jnp.zeros_like(saved[1]))
+                return jnp.zeros((), jnp.float32), zeros(chunk_b), zeros((final_norm, head)), jnp.zeros_like(act)
 
-            loss_add, d_chunk, d_head_pair, dx = when(masked, b_valid, backward, idle, saved)
-            grads = accumulate(grads, b, d_chunk, d_head_pair, dx)
-            act_next, cot_next = communicate(act_out, dx)
-            return (act_next, cot_next, (stash, outputs), grads, loss + loss_add), None
+            loss_add, d_chunk, d_head, dx = when(masked, b_valid, backward, idle, chunk_params_of(kept, b["slot"]))
+            g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
+            grads = (g_layers, g_embed + embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
+            if dp > 1:
+                reduced = reduce_finished_chunk(b, g_layers, reduced)
 
-        slots = lambda shape, dtype: jnp.zeros((schedule.slots, *shape), dtype)
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-        grads = (zeros(stage_layers), zeros(embed), zeros((final_norm, head)))
+            # --- communication: activations one stage on, cotangents one stage back
+            return (send_forward(act_out, p), send_backward(dx, p), kept, grads, reduced, loss + loss_add), None
+
+        grads = (zeros(chunks), zeros(embed), zeros((final_norm, head)))
         with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
-            if keep_residuals:  # read by tick_residuals
-                depends, res_avals = activation_dependent_residuals(
-                    fn, chunk_params_of(stage_layers, 0), act)
-                stashed_avals = [a for a, d in zip(res_avals, depends) if d]
-                stash = ([slots(a.shape, a.dtype) for a in stashed_avals], slots(act.shape, act.dtype))
-            else:
-                stash = slots(act.shape, act.dtype)
-            carry = (act, act, stash, grads, jnp.zeros((), jnp.float32))
-            (_, _, _, grads, loss), _ = jax.lax.scan(tick_residuals if keep_residuals else tick, carry, table)
-        g_layers, g_embed, (g_norm, g_head) = grads
-        g_layers = jax.lax.psum(jax.tree.map(lambda x: x[None], g_layers), "dp")
-        g_embed, g_norm, g_head, loss = jax.lax.psum((g_embed, g_norm, g_head, loss), ("dp", "pp"))
-        return loss, g_layers, g_embed, g_norm, g_head
+            stash = STASHES[cfg.parallel.pp_stash](fn, chunk_params_of(chunks, 0), act)  # read by tick
+            kept = stash.empty(slots, act)
+            # Per chunk, the dp-reduced gradient: with ZeRO-1 1/dp of it along the split dimension.
+            reduced = jax.tree.map(
+                lambda x, d: jnp.zeros(x.shape[:d + 1] + (x.shape[d + 1] // dp,) + x.shape[d + 2:], x.dtype)
+                if d >= 0 else jnp.zeros_like(x), chunks, dims["layers"]) if dp > 1 else ()
+            carry = (act, act, kept, grads, reduced, jnp.zeros((), jnp.float32))
+            (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(tick, carry, table)
+        if dp > 1:
+            g_layers = reduced
+        g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
+        g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
+        if dp > 1:
+            g_embed, g_norm, g_head = (reduce(x, dims[k]) for x, k in
+                                       ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
+        return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
 
-    stages = to_stages(params["layers"], p, v)
-    stage_spec = jax.tree.map(lambda _: P("pp"), stages)
+    layer_in = jax.tree.map(lambda _: P("pp"), params["layers"])
+    out = jax.tree.map(manual_spec, dims)
+    layer_out = jax.tree.map(lambda d: manual_spec(d, "pp"), dims["layers"])
     run = jax.shard_map(
         body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
-        in_specs=(stage_spec, P(), P(), P(), P("dp")),
-        out_specs=(P(), stage_spec, P(), P(), P()))
-    loss, g_stages, g_embed, g_norm, g_head = run(stages, params["embed"], params["final_norm"], params["head"], batch)
-    grads = {"embed": g_embed, "layers": from_stages(g_stages, p, v), "final_norm": g_norm, "head": g_head}
-    return loss, grads
+        in_specs=(layer_in, P(), P(), P(), P("dp")),
+        out_specs=(P(), layer_out, out["embed"], out["final_norm"], out["head"]))
+    loss, g_layers, g_embed, g_norm, g_head = run(params["layers"], params["embed"], params["final_norm"],
+                                                  params["head"], batch)
+    return loss, {"embed": g_embed, "layers": g_layers, "final_norm": g_norm, "head": g_head}
+
+
+# ------------------------------------------------------------------ evaluation
 
 
 def loss(cfg: Config, mesh: Mesh, params, batch):
@@ -296,12 +363,12 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     on the last stage. Layer weights stay on their stages (no all-gather over pp, unlike running
     the plain model under GSPMD); equals the single-device loss."""
     p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
-    table = _table_arrays(forward_only(schedule_for(cfg)))
+    table = table_arrays(forward_only(schedule_for(cfg)))
     scale = 1.0 / (m * mesh.shape["dp"])
     masked = explicit_tp(cfg, mesh)
 
     def body(stage_layers, embed, final_norm, head, tokens):
-        stage_layers, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
+        chunks, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
 
         def tick(carry, row):
             act_in, total = carry
@@ -309,7 +376,7 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
             valid = f["valid"] > 0
             first = valid & (stage == 0) & (f["chunk"] == 0)
             x = jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
-            chunk = chunk_params_of(stage_layers, f["chunk"])
+            chunk = chunk_params_of(chunks, f["chunk"])
             y = when(masked, valid, lambda x: run_layers(cfg.model, chunk, x, cfg.parallel), lambda x: x, x)
             last = valid & (stage == p - 1) & (f["chunk"] == v - 1)
             total += jax.lax.cond(
@@ -321,8 +388,7 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
             (_, total), _ = jax.lax.scan(tick, (act, jnp.zeros((), jnp.float32)), table)
         return jax.lax.psum(total, ("dp", "pp"))
 
-    stages = to_stages(params["layers"], p, v)
     run = jax.shard_map(
         body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
-        in_specs=(jax.tree.map(lambda _: P("pp"), stages), P(), P(), P(), P("dp")), out_specs=P())
-    return run(stages, params["embed"], params["final_norm"], params["head"], batch)
+        in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
+    return run(params["layers"], params["embed"], params["final_norm"], params["head"], batch)

@@ -5,8 +5,10 @@ matrices (projections, embedding, LM head) — never to norms or biases.
 
 LAMB is optax's own composition (`scale_by_adam` → `add_decayed_weights` → trust ratio →
 learning rate) with one change: the trust ratio ||w|| / ||update|| is computed **per layer**.
-Our layers are stacked on a leading `layers` axis for `nn.scan`; optax's `scale_by_trust_ratio`
-would take one norm over all layers at once, which is not LAMB's layer-wise adaptation.
+Our layers are stacked on a `layers` axis for `nn.scan`; optax's `scale_by_trust_ratio` would
+take one norm over all layers at once, which is not LAMB's layer-wise adaptation. The layer axis
+of each leaf is found by its logical name (`layer_axes`), not assumed to be the first; the order
+of the layers along it does not matter (the pipeline stores them stage-major).
 
 Under `jax.jit` with sharded parameters and state the norms are global (XLA inserts the
 reductions), so ZeRO-1-sharded state gives exactly the unsharded update.
@@ -14,9 +16,11 @@ reductions), so ZeRO-1-sharded state gives exactly the unsharded update.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from megascale_jax.config import OptimConfig
 
@@ -24,13 +28,20 @@ from megascale_jax.config import OptimConfig
 DECAYED = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "embed", "head"})
 
 
+NO_LAYER_AXIS = -1
+
+
 def _leaf_name(path) -> str:
     return str(getattr(path[-1], "key", path[-1]))
 
 
-def _is_stacked(path) -> bool:
-    """True for parameters under the scanned `layers` collection (leading axis = layer)."""
-    return any(getattr(k, "key", None) == "layers" for k in path)
+def layer_axes(boxed_params):
+    """For each parameter, the index of its logical axis named `layers` (`NO_LAYER_AXIS` if it has
+    none), from flax's partitioning metadata (`nn.Partitioned` boxes, e.g. `jax.eval_shape` of
+    the model's init)."""
+    specs = nn.get_partition_spec(boxed_params)
+    return jax.tree.map(lambda names: list(names).index("layers") if "layers" in tuple(names) else NO_LAYER_AXIS,
+                        specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def decay_mask(params):
@@ -44,32 +55,34 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
         decay_steps=decay_steps, end_value=cfg.lr * cfg.min_lr_ratio)
 
 
-def scale_by_layerwise_trust_ratio(min_norm: float = 0.0) -> optax.GradientTransformation:
-    """LAMB's trust ratio with one ratio per layer for stacked (scanned) parameters."""
+def scale_by_layerwise_trust_ratio(axes_of_layers, min_norm: float = 0.0) -> optax.GradientTransformation:
+    """LAMB's trust ratio with one ratio per layer for stacked (scanned) parameters;
+    `axes_of_layers` (like the parameters): each leaf's layer axis or `NO_LAYER_AXIS`."""
 
     def update_fn(updates, state, params):
-        def ratio(path, u, p):
-            axes = tuple(range(1, u.ndim)) if _is_stacked(path) and u.ndim > 1 else None
+        def ratio(u, p, layer_axis):
+            stacked = layer_axis != NO_LAYER_AXIS and u.ndim > 1
+            axes = tuple(i for i in range(u.ndim) if i != layer_axis) if stacked else None
             p_norm = jnp.sqrt(jnp.sum(jnp.square(p), axis=axes, keepdims=axes is not None))
             u_norm = jnp.sqrt(jnp.sum(jnp.square(u), axis=axes, keepdims=axes is not None))
             # As in optax: ratio 1 where either norm is zero (e.g. freshly zero-initialised biases).
             trust = jnp.where((p_norm > min_norm) & (u_norm > min_norm), p_norm / u_norm, 1.0)
             return u * trust.astype(u.dtype)
 
-        return jax.tree_util.tree_map_with_path(ratio, updates, params), state
+        return jax.tree.map(ratio, updates, params, axes_of_layers), state
 
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update_fn)
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimConfig, total_steps: int, axes_of_layers) -> optax.GradientTransformation:
     """The optimizer, its learning rate injected from the schedule (`optax.inject_hyperparams`): the
     state's `hyperparams["learning_rate"]` after an update is the rate that update used (what the
-    metrics report), so the schedule is built once, here."""
-    return optax.inject_hyperparams(_optimizer, static_args=("cfg",))(
-        learning_rate=learning_rate_schedule(cfg, total_steps), cfg=cfg)
+    metrics report), so the schedule is built once, here. `axes_of_layers`: see `layer_axes`."""
+    return optax.inject_hyperparams(_optimizer, static_args=("cfg", "axes_of_layers"))(
+        learning_rate=learning_rate_schedule(cfg, total_steps), cfg=cfg, axes_of_layers=axes_of_layers)
 
 
-def _optimizer(learning_rate, cfg: OptimConfig) -> optax.GradientTransformation:
+def _optimizer(learning_rate, cfg: OptimConfig, axes_of_layers) -> optax.GradientTransformation:
     clip = optax.clip_by_global_norm(cfg.clip) if cfg.clip is not None else optax.identity()
     if cfg.name == "adamw":
         return optax.chain(clip, optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
@@ -78,7 +91,7 @@ def _optimizer(learning_rate, cfg: OptimConfig) -> optax.GradientTransformation:
         clip,
         optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps),
         optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-        scale_by_layerwise_trust_ratio(),
+        scale_by_layerwise_trust_ratio(axes_of_layers),
         optax.scale_by_learning_rate(learning_rate),
     )
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megascale_jax.training import data
-from megascale_jax.parallel import pipeline, sharding
+from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.model.transformer import loss_fn
@@ -42,6 +42,7 @@ def reference():
 
 COLLECTIVE_MATMUL = ("parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul")
 RESIDUALS = ("parallel.pp_stash=residuals",)
+ALL_REDUCE = ("parallel.zero1=false",)  # the default is ZeRO-1 (reduce-scatter)
 GRID = [
     # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
     (2, 2, 2, "gpipe", 1, 2, ()),
@@ -56,12 +57,15 @@ GRID = [
     (2, 2, 2, "1f1b", 1, 4, RESIDUALS),
     (1, 4, 2, "interleaved_1f1b", 2, 4, RESIDUALS),
     (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL + RESIDUALS),
+    # without ZeRO-1: chunk gradients all-reduced over dp inside the tick loop
+    (2, 2, 2, "1f1b", 1, 4, ALL_REDUCE),
+    (4, 2, 1, "interleaved_1f1b", 2, 2, ALL_REDUCE + RESIDUALS),
 ]
 
 
 def grid_id(dp, pp, tp, schedule, v, m, extra):
     return (f"dp{dp}pp{pp}tp{tp}-{schedule}-v{v}m{m}{'-collective-matmul' if COLLECTIVE_MATMUL[1] in extra else ''}"
-            f"{'-residuals' if RESIDUALS[0] in extra else ''}")
+            f"{'-residuals' if RESIDUALS[0] in extra else ''}{'-all-reduce' if ALL_REDUCE[0] in extra else ''}")
 
 
 @pytest.mark.slow
@@ -72,12 +76,12 @@ def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v,
                  f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
-    params = jax.device_put(params, trainer.state_shardings.params)
-    batch = jax.device_put(batch, trainer.batch_sharding)
-    with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
-        loss, grads = jax.jit(lambda p, b: pipeline.loss_and_grads(cfg, mesh, p, b))(params, batch)
+    params = jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params)
+    loss, grads = trainer.loss_and_grads(params, jax.device_put(batch, trainer.batch_sharding))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    for path, g in jax.tree_util.tree_flatten_with_path(jax.device_get(grads))[0]:
+    if cfg.parallel.zero1 and dp > 1:  # reduce-scattered to the moments' dp split
+        assert "dp" in str(grads["layers"]["mlp"]["w1"].sharding.spec), grads["layers"]["mlp"]["w1"].sharding
+    for path, g in jax.tree_util.tree_flatten_with_path(jax.device_get(layout.to_canonical(cfg, grads)))[0]:
         ref = ref_grads
         for key in path:
             ref = ref[key.key]
@@ -130,18 +134,20 @@ def test_stashing_residuals_removes_the_backward_recompute():
 
 @pytest.mark.slow
 def test_training_with_pipeline_matches_and_state_is_layout_independent():
-    """3 train steps at dp=2×pp=2×tp=2 (1F1B) equal one device; the state moves between layouts."""
+    """3 train steps at dp=2×pp=2×tp=2 (interleaved, v=2: the layers are stored stage-major)
+    equal one device; the state moves between layouts in canonical order."""
     def run(cfg, state=None, steps=3):
         trainer = build_trainer(cfg, make_mesh(cfg.mesh))
         batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
-        state = trainer.init() if state is None else jax.device_put(state, trainer.state_shardings)
+        state = trainer.init() if state is None else trainer.to_stored(jax.device_put(state, trainer.state_shardings))
         losses = []
         for i in range(steps):
             state, metrics = trainer.train_step(state, data.make_global_batch(batches, i, trainer.batch_sharding))
             losses.append(float(metrics["loss"]))
-        return np.array(losses), jax.device_get(state)
+        return np.array(losses), jax.device_get(trainer.to_canonical(state))
 
-    piped_cfg = config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2")
+    piped_cfg = config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
+                       "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2")
     ref_losses, ref_state = run(one_device())
     losses, state = run(piped_cfg)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
@@ -169,7 +175,7 @@ def test_evaluation_through_the_pipeline_equals_one_device(reference, dp, pp, tp
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
                  f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
-    loss = trainer.eval_loss(jax.device_put(params, trainer.state_shardings.params),
+    loss = trainer.eval_loss(jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params),
                              jax.device_put(batch, trainer.batch_sharding))
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
 

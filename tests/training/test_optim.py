@@ -1,5 +1,6 @@
 """LAMB and AdamW: layer-wise trust ratio, decay mask, schedule, and sharded == unsharded."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +30,12 @@ def random_tree(key, scale=1.0):
     return treedef.unflatten([scale * jax.random.normal(k, s) for k, s in zip(keys, leaves)])
 
 
+def axes_of_layers(tree):
+    """The layer axis of each leaf of a `random_tree`: 0 under `layers` (as the model's metadata
+    names it), `NO_LAYER_AXIS` elsewhere."""
+    return {k: jax.tree.map(lambda _: 0 if k == "layers" else optim.NO_LAYER_AXIS, v) for k, v in tree.items()}
+
+
 def unstack(tree):
     """Split every stacked leaf into one leaf per layer: {'layers': {'0': ..., '1': ...}}."""
     layers = tree["layers"]
@@ -39,7 +46,7 @@ def unstack(tree):
 def test_lamb_is_optax_lamb_applied_per_layer():
     """Our stacked-layer LAMB equals optax.lamb run on the same parameters split per layer."""
     cfg = OptimConfig(name="lamb", lr=1e-2, warmup=0, min_lr_ratio=1.0, weight_decay=0.1, clip=None)
-    ours = optim.make_optimizer(cfg, total_steps=10)
+    ours = optim.make_optimizer(cfg, 10, axes_of_layers(random_tree(jax.random.key(0))))
     reference = optax.lamb(1e-2, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=0.1,
                            mask=lambda p: jax.tree_util.tree_map_with_path(
                                lambda path, _: str(path[-1].key) in optim.DECAYED, p))
@@ -59,13 +66,38 @@ def test_per_layer_trust_ratio_differs_from_whole_stack_ratio():
     """Guard: with very different layer scales, one stack-wide norm would give another update."""
     params = {"layers": {"w1": jnp.stack([jnp.ones((4, 4)), 100 * jnp.ones((4, 4))])}}
     grads = {"layers": {"w1": jax.random.normal(jax.random.key(0), (2, 4, 4))}}
-    ours, _ = optim.scale_by_layerwise_trust_ratio().update(grads, optax.EmptyState(), params)
+    ours, _ = optim.scale_by_layerwise_trust_ratio({"layers": {"w1": 0}}).update(grads, optax.EmptyState(), params)
     whole, _ = optax.scale_by_trust_ratio().update(grads, optax.ScaleByTrustRatioState(), params)
     for i in range(2):
         p, g = params["layers"]["w1"][i], grads["layers"]["w1"][i]
         expected = g * jnp.linalg.norm(p) / jnp.linalg.norm(g)
         np.testing.assert_allclose(ours["layers"]["w1"][i], expected, rtol=1e-5)
     assert not np.allclose(ours["layers"]["w1"], whole["layers"]["w1"])
+
+
+def test_the_layer_axis_is_found_by_name_not_position():
+    """A leaf whose logical axes put `layers` second gets one trust ratio per entry of that axis
+    (float64 NumPy reference); the model's own metadata gives axis 0 for stacked leaves."""
+    names = {"w": jax.sharding.PartitionSpec("embed", "layers", "mlp")}
+    boxed = {"w": nn.Partitioned(jnp.zeros((3, 2, 4)), names=("embed", "layers", "mlp"))}
+    axes = optim.layer_axes(boxed)
+    assert axes == {"w": 1}, (axes, names)
+    p = np.asarray(jax.random.normal(jax.random.key(1), (3, 2, 4)), np.float64)
+    p[:, 1] *= 50.0  # layer 1 much larger than layer 0: a whole-leaf ratio would differ
+    g = np.asarray(jax.random.normal(jax.random.key(2), (3, 2, 4)), np.float64)
+    ours, _ = optim.scale_by_layerwise_trust_ratio(axes).update(
+        {"w": jnp.asarray(g, jnp.float32)}, optax.EmptyState(), {"w": jnp.asarray(p, jnp.float32)})
+    expected = np.stack([g[:, i] * np.linalg.norm(p[:, i]) / np.linalg.norm(g[:, i]) for i in range(2)], axis=1)
+    np.testing.assert_allclose(ours["w"], expected, rtol=1e-5)
+
+    from megascale_jax.config import load_config
+    from megascale_jax.model.transformer import Transformer
+    cfg = load_config(None, ["model.layers=2", "model.d_model=16", "model.heads=2", "model.kv_heads=2"])
+    model = Transformer(cfg.model, cfg.parallel)
+    model_boxed = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, cfg.model.seq_len), jnp.int32))
+    model_axes = optim.layer_axes(model_boxed["params"])
+    assert set(jax.tree.leaves(model_axes["layers"])) == {0}
+    assert model_axes["embed"] == optim.NO_LAYER_AXIS and model_axes["head"] == optim.NO_LAYER_AXIS
 
 
 def test_decay_mask_skips_norms_and_biases():
@@ -88,8 +120,8 @@ def test_schedule_warmup_then_cosine():
 def test_sharded_state_equals_unsharded(name):
     """ZeRO-1 state sharded over dp=4 × tp=2 under jit gives the single-device update."""
     cfg = OptimConfig(name=name, lr=1e-2, warmup=1, weight_decay=0.1, clip=1.0)
-    tx = optim.make_optimizer(cfg, total_steps=10)
     params = random_tree(jax.random.key(0))
+    tx = optim.make_optimizer(cfg, 10, axes_of_layers(params))
     grads = [random_tree(jax.random.key(i + 1), scale=0.5) for i in range(3)]
 
     def run(param_sharding, state_sharding):
@@ -122,8 +154,8 @@ def test_the_state_carries_the_learning_rate_each_update_used(name):
     """The reported lr is read from the optimizer state (inject_hyperparams): after update k it is
     the warmup+cosine value at k, the closed form of which is checked above."""
     cfg = OptimConfig(name=name, lr=2.0, warmup=4, min_lr_ratio=0.1, clip=None)
-    tx = optim.make_optimizer(cfg, total_steps=20)
     params = random_tree(jax.random.key(0))
+    tx = optim.make_optimizer(cfg, 20, axes_of_layers(params))
     state = tx.init(params)
     schedule = optim.learning_rate_schedule(cfg, total_steps=20)
     for k in range(6):
