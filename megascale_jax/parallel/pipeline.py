@@ -336,10 +336,10 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
         if dp > 1:
             g_layers = reduced
         g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
-        g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
-        if dp > 1:
+        if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
             g_embed, g_norm, g_head = (reduce(x, dims[k]) for x, k in
                                        ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
+        g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
         return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
 
     layer_in = jax.tree.map(lambda _: P("pp"), params["layers"])

@@ -2,6 +2,8 @@
 and with dp and tp, stashing chunk inputs or vjp residuals; its activation memory is flat in the
 number of microbatches for 1F1B, and stashing residuals removes the backward's forward recompute."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -193,3 +195,86 @@ def test_compiled_evaluation_gathers_no_layer_weights_over_pp():
     with jax.set_mesh(mesh), sharding.axis_rules():
         plain = jax.jit(lambda p, b: loss_fn(trainer.model, p, b)).lower(trainer.abstract_params, batch)
         assert plain.compile().as_text().count("all-gather(") > 0
+
+
+# ------------------------------------------------------------------ what the compiled step moves
+
+COLLECTIVES = ("all-to-all", "collective-permute", "all-gather", "all-reduce", "reduce-scatter")
+
+
+def hlo_ops(text: str) -> list[tuple[bool, str, int]]:
+    """(inside a while loop, opcode, elements of the result) of every collective and transpose of
+    a compiled HLO module; "inside" means in a computation reachable from a loop body."""
+    computations = {m.group(1): m.group(2) for m in
+                    re.finditer(r"^(?:ENTRY )?%?([\w.\-]+) .*?\{\n(.*?)^\}", text, re.M | re.S)}
+    called = {name: set(re.findall(r"(?:body|condition|to_apply|calls|true_computation|false_computation)"
+                                   r"=%?([\w.\-]+)", body))
+              | {c.strip().lstrip("%") for group in re.findall(r"branch_computations=\{([^}]*)\}", body)
+                 for c in group.split(",")}
+              for name, body in computations.items()}
+    inside, todo = set(), re.findall(r"body=%?([\w.\-]+)", text)
+    while todo:
+        name = todo.pop()
+        if name not in inside:
+            inside.add(name)
+            todo += called.get(name, ())
+    ops = []
+    for name, body in computations.items():
+        for shape, op in re.findall(rf"= (.+?) ({'|'.join(COLLECTIVES)}|transpose)(?:-start)?\(", body):
+            elements = sum(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                           for dims in re.findall(r"\[([\d,]*)\]", shape))
+            ops.append((name in inside, op, elements))
+    return ops
+
+
+def compiled_train_step(*overrides):
+    cfg = config("mesh.tp=1", "mesh.cpu_devices=8", *overrides)
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         trainer.init.lower().out_info, trainer.state_shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    return cfg, trainer, trainer.train_step.lower(state, batch).compile().as_text()
+
+
+def test_interleaved_step_moves_and_transposes_no_weights_outside_the_tick_loop():
+    """pp=4, v=2: each stage's stored block is its chunks in run order, so outside the tick loop the
+    compiled step has no op that moves or re-lays out data — no permute, all-to-all, all-gather or
+    transpose — only the all-reduce that sums the embedding's and head's gradients over pp.
+    (Storing the layers in network order needed a collective-permute of every layer leaf each step,
+    for the weights and their gradients.)"""
+    _, _, text = compiled_train_step("mesh.dp=1", "mesh.pp=4", "parallel.pp_schedule=interleaved_1f1b",
+                                     "parallel.pp_virtual=2", "parallel.microbatches=4")
+    ops = hlo_ops(text)
+    outside = [(op, n) for inside, op, n in ops if not inside and op != "all-reduce" and n > 1]
+    assert outside == [], outside
+    assert any(inside and op == "collective-permute" for inside, op, _ in ops)  # the pipeline's own sends
+
+
+@pytest.mark.parametrize("schedule,v,zero1", [("1f1b", 1, True), ("interleaved_1f1b", 2, True),
+                                              ("interleaved_1f1b", 2, False)])
+def test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop(schedule, v, zero1):
+    """dp=2 × pp=2: every layer gradient element is reduced over dp inside the tick loop (as a
+    reduce-scatter with ZeRO-1); after the loop only the embedding, final norm and head are.
+    Storing the reductions after the loop (as one psum of all layer gradients) fails this."""
+    cfg, trainer, text = compiled_train_step(
+        "mesh.dp=2", "mesh.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}",
+        "parallel.microbatches=2", f"parallel.zero1={str(zero1).lower()}")
+    per_stage = lambda tree: sum(x.size for x in jax.tree.leaves(tree))
+    layers = per_stage(trainer.abstract_params["layers"]) // cfg.mesh.pp
+    others = per_stage({k: x for k, x in trainer.abstract_params.items() if k != "layers"})
+    # The layer leaves ZeRO-1 splits over dp (the others have no dimension dp divides).
+    split = sum(x.size for x, s in zip(jax.tree.leaves(trainer.abstract_params["layers"]),
+                                       jax.tree.leaves(trainer.state_shardings.params["layers"]))
+                if "dp" in str(sharding.zero1_sharding(s, x.shape, trainer.mesh).spec)) // cfg.mesh.pp
+    ops = hlo_ops(text)
+    dp = 2  # a reduce-scatter's result is 1/dp of what it reduces
+    reduced = lambda where: sum(n * (dp if op == "reduce-scatter" else 1) for inside, op, n in ops
+                                if inside == where and op in ("all-reduce", "reduce-scatter"))
+    # In the loop body, one reduction per leaf of one chunk (the chunk just completed; run v times).
+    assert reduced(True) >= layers // v, (reduced(True), layers, v)
+    # After the loop: the embedding, final norm and head, summed over dp and over pp (+ scalars).
+    assert reduced(False) <= 2 * others + 64, (reduced(False), others)
+    scattered = sum(n * dp for inside, op, n in ops if inside and op == "reduce-scatter")
+    assert scattered >= split // v if zero1 else scattered == 0, (scattered, split, v)
+    assert split > 0.9 * layers
