@@ -34,6 +34,7 @@ from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import checkpoint, data
 from megascale_jax.training.interrupt import Interrupted, StopRequest
+from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
@@ -239,8 +240,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
     train_step = trainer.train_step.lower(state, first).compile()
-    profiler = device_profile.StepProfiler(cfg.observe.profile_every, train_step,
-                                           run_dirs.profiles_dir(run_dir, jax.process_index()))
+    profiler = device_profile.StepProfiler(train_step, run_dirs.profiles_dir(run_dir, jax.process_index()))
     eval_loss = trainer.eval_loss.lower(state.params, first).compile()
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
@@ -258,30 +258,62 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
     bar = tqdm(total=cfg.train.steps, initial=start, disable=not (is_main and sys.stderr.isatty()),
                unit="step", dynamic_ncols=True)
+    last = cfg.train.steps
+    hooks = Hooks(last)
 
-    def on_record(record: dict) -> None:
-        """metrics.jsonl, the progress bar, and a log line every `train.log_every` steps."""
+    # ---- record hooks: each step's metrics, one step late
+    def keep_record(record: dict) -> None:
+        """metrics.jsonl and the progress bar."""
         records.append(record)
         if is_main:
             run_dirs.append_jsonl(run_dirs.metrics_path(run_dir), [record])
         bar.update(1)
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
-        if record["step"] % cfg.train.log_every == 0 or "val_loss" in record:
-            val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
-            log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
-                f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+
+    def log_record(record: dict) -> None:
+        val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
+            f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+
+    hooks.add_record("metrics", 1, keep_record)
+    hooks.add_record("log", cfg.train.log_every, log_record)
+    hooks.add_record("log evaluation", cfg.train.eval_every,  # evaluated steps between log lines
+                     lambda r: None if itstime(r["step"], cfg.train.log_every, last) else log_record(r))
+    recorder = MetricsRecorder(
+        cfg.train.global_batch * cfg.model.seq_len,
+        flops.mfu(1.0, cfg.model, mesh.devices.flat),  # MFU is linear in tokens/s: look peaks up once
+        f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch, validation_loss, hooks.on_record)
+
+    # ---- step hooks: what must see the step complete (each first records the step, `flush`)
+    hooks.add("evaluate", cfg.train.eval_every, lambda step, state: recorder.flush(params=state.params))
+
+    def start_trace(step: int) -> None:
+        recorder.flush()  # a traced step runs alone: the one before it is finished first
+        profiler.start(step)
+
+    def stop_trace(step: int, state) -> None:
+        recorder.flush()
+        profiler.stop(step, watch)
+
+    hooks.add("profile", cfg.observe.profile_every, stop_trace, before=start_trace, at_last=False)
 
     def log_saves(saves: list[dict]) -> None:
         """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
         if is_main and saves:
             run_dirs.append_jsonl(run_dirs.saves_path(run_dir), saves)
 
-    recorder = MetricsRecorder(
-        cfg.train.global_batch * cfg.model.seq_len,
-        flops.mfu(1.0, cfg.model, mesh.devices.flat),  # MFU is linear in tokens/s: look peaks up once
-        f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch, validation_loss, on_record)
+    def save(step: int, state) -> None:
+        recorder.flush()  # a checkpoint is never newer than the metrics on disk
+        watch.state("checkpointing", step)
+        t_save = time.time()
+        log_saves(ckpt.save(step, trainer.to_canonical(state), batches.get_state()))
+        watch.phase(step, "checkpoint", t_save, time.time() - t_save)
+        watch.state("training", step)
+
+    if ckpt:
+        hooks.add("checkpoint", cfg.checkpoint.every, save)
+
     stop = StopRequest(mesh)  # SIGINT/SIGTERM: finish the step in flight, checkpoint it, exit
-    last = cfg.train.steps
     watch.state("training", start)
     recorder.restart_clock()
     try:
@@ -292,10 +324,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             data_wait = time.perf_counter() - t_data
             watch.phase(step, "data_wait", wall_data, data_wait)
             watch.before_step(step)
-            profiling = profiler.wants(step)
-            if profiling:  # a traced step runs alone: the one before it is finished first
-                recorder.flush()
-                profiler.start(step)
+            hooks.before_step(step)
             # ---- step (arrival is marked before the call: a dispatch can block, and one stuck
             # behind a hung peer must still count as arrived)
             wall_dispatch, t_dispatch = time.time(), time.perf_counter()
@@ -304,22 +333,15 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
             stop_signal = stop.after_dispatch() if step < last else 0
             recorder.push(step, metrics, data_wait)  # records the step before this one
-            # ---- what must see this step complete: evaluation, checkpoint, profile, interrupt
-            evaluate = itstime(step, cfg.train.eval_every, last)
-            saving = ckpt is not None and (ckpt.should_save(step) or bool(stop_signal))
-            if evaluate or saving or profiling or stop_signal:
-                recorder.flush(params=state.params if evaluate else None)
-            if profiling:
-                profiler.stop(step, watch)
-            if saving:
-                watch.state("checkpointing", step)
-                t_save = time.time()
-                log_saves(ckpt.save(step, trainer.to_canonical(state), batches.get_state()))
-                watch.phase(step, "checkpoint", t_save, time.time() - t_save)
-                watch.state("training", step)
+            # ---- evaluation, profile, checkpoint: on their cadence
+            hooks.after_step(step, state)
+            # ---- interrupted: checkpoint this step (if its hook did not), wait for the commit, stop
             if stop_signal:
+                recorder.flush()
                 saved = False
                 if ckpt:
+                    if "checkpoint" not in hooks.due(step):
+                        save(step, state)
                     log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
                     saved = step in run_dirs.committed_steps(ckpt.directory)
                 raise Interrupted(step, stop_signal, saved)

@@ -188,20 +188,17 @@ def _union_ns(ops: list[Op]) -> float:
 
 
 class StepProfiler:
-    """Traces every `every`-th train step with `jax.profiler` (0 = never) and reports its devices'
-    times to the loop's observers. The loop runs a traced step alone (the previous step finished
-    first, the step itself finished before `stop`), so the trace holds that step's ops and
-    nothing else of training; the compiled step's HLO module name filters out anything else,
+    """Traces the train steps it is given (the loop's profile hook: every `observe.profile_every`-th)
+    with `jax.profiler` and reports its devices' times to the loop's observers. The loop runs a
+    traced step alone (the previous step finished first, the step itself finished before `stop`),
+    so the trace holds that step's ops and nothing else of training; the compiled step's HLO module name filters out anything else,
     e.g. evaluation."""
 
-    def __init__(self, every: int, compiled_step, trace_root: str):
-        self.every, self.compiled_step, self.trace_root = every, compiled_step, trace_root
+    def __init__(self, compiled_step, trace_root: str):
+        self.compiled_step, self.trace_root = compiled_step, trace_root
         self.module = None  # read from the compiled step's HLO text at the first traced step only
         self.trace_dir = None
         self.wall_at_start = 0.0
-
-    def wants(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
 
     def start(self, step: int) -> None:
         if self.module is None:

@@ -81,7 +81,8 @@ class CorruptCheckpoint(Exception):
 
 
 class Checkpointer:
-    """Saves every `checkpoint.every` steps and the last step; restores the newest good one."""
+    """Saves the steps it is given (the loop's checkpoint hook: every `checkpoint.every` steps and
+    the last); restores the newest good one."""
 
     def __init__(self, cfg: Config, directory: str, warn: Callable[[str], None]):
         self.cfg, self.directory, self.warn = cfg, directory, warn
@@ -103,10 +104,6 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def should_save(self, step: int) -> bool:
-        every = self.cfg.checkpoint.every
-        return every > 0 and (step % every == 0 or step == self.cfg.train.steps)
-
     def compile(self, abstract_state) -> None:
         """Compile the checksum up front, so the first save's blocking time has no compilation."""
         self._checksums = checksums.lower(abstract_state).compile()
@@ -125,7 +122,7 @@ class Checkpointer:
                                   data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                                   meta=ocp.args.JsonSave(meta))
         try:
-            # force: the cadence (incl. the last step) is decided by should_save above.
+            # force: the cadence (incl. the last step) is the loop's checkpoint hook's.
             self.manager.save(step, args=args, force=True)
         except Exception as e:  # e.g. the directory cannot be written
             self.warn(f"warning: checkpoint at step {step} not saved: {_one_line(e)}; training continues, "
