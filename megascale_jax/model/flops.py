@@ -108,7 +108,7 @@ XLA_SCORE_VALUES = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def memory_estimate(cfg: Config) -> dict:
+def memory_estimate(cfg: Config, slots: Optional[int] = None) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
     tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
     assume no rematerialisation. With pp > 1 they follow the pipeline table: its stash slots per
@@ -119,9 +119,8 @@ def memory_estimate(cfg: Config) -> dict:
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, m.d_model * m.vocab + final_norm
     # The embedding and the LM head (with their gradients and moments) are replicated over pp:
-    # every stage holds both, though only the first uses the embedding and the last the head. The
-    # pipeline sums their gradients over pp once per step; placing them on their own stages only
-    # is open work (issue 13), and until then the estimate counts them on every stage.
+    # every stage holds both, though only the first uses the embedding and the last the head (a
+    # jax.Array spans its whole mesh; see parallel/pipeline.py), so they count on every stage.
     edge = embed + head
     params = (m.layers // mesh.pp * _layer_params(m) + edge) / mesh.tp
     optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
@@ -134,7 +133,8 @@ def memory_estimate(cfg: Config) -> dict:
     if mesh.pp == 1:
         values = m.layers * per_layer
     else:
-        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
+        if slots is None:  # the planner passes the count from its own cached table
+            slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
         chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
         chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
         values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)

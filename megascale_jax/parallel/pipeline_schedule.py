@@ -176,12 +176,15 @@ def validate(s: Schedule) -> None:
         if g < last:
             assert b_tick[(mb, g)] == b_tick[(mb, g + 1)] + 1, f"cotangent of {(mb, g)} not from last tick"
         assert b_tick[(mb, g)] >= f_tick[(mb, g)], f"backward of {(mb, g)} before its forward"
-    # A slot is live from its forward's tick to its backward's tick, inclusive.
-    for st in range(p):
-        live = sorted((f_tick[k], b_tick[k], slot) for k, (stage, slot) in f_slot.items() if stage == st)
-        for i, (start, end, slot) in enumerate(live):
-            for start2, end2, slot2 in live[i + 1:]:
-                assert slot != slot2 or start2 > end, f"stage {st} slot {slot} reused while live"
+    # A slot is live from its forward's tick to its backward's tick, inclusive: per (stage, slot),
+    # each use must start after the previous one ended.
+    uses: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for k, (stage, slot) in f_slot.items():
+        uses.setdefault((stage, slot), []).append((f_tick[k], b_tick[k]))
+    for (st, slot), spans in uses.items():
+        spans.sort()
+        for (_, end), (start2, _) in zip(spans, spans[1:]):
+            assert start2 > end, f"stage {st} slot {slot} reused while live"
 
 
 def timeline(s: Schedule) -> str:

@@ -1,0 +1,38 @@
+"""The planner against published runs it was not fitted to: Megatron-LM's SC'21 weak-scaling table
+and Korthikanti et al. 2022's Table 5 (`megascale_jax/planner/published.py`, sources there).
+
+    python bench/plan_validation.py [--out FILE] [--overwrite]
+
+Prints published vs predicted with the relative error, and writes
+bench/results/plan_validation_a100.json. No devices are used: the prediction is arithmetic.
+"""
+
+import argparse
+import sys
+
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+
+from megascale_jax.planner.published import validation_table
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_output_flags(parser, "plan_validation_a100")
+    args = parser.parse_args()
+    result_path("plan_validation_a100", args.out, args.overwrite)
+    rows = validation_table("a100-80g")
+    print(f"{'source':<32}{'model':>6}{'GPUs':>6}  {'metric':<40}{'published':>10}{'predicted':>10}{'error':>8}")
+    for r in rows:
+        print(f"{r['source']:<32}{r['model']:>6}{r['gpus']:>6}  {r['metric']:<40}{r['published']:>10}"
+              f"{r['predicted']:>10}{r['error']:>+8.1%}")
+    errors = [abs(r["error"]) for r in rows]
+    summary = {"mean_abs_error": sum(errors) / len(errors), "max_abs_error": max(errors), "points": len(rows)}
+    print(f"mean |error| {summary['mean_abs_error']:.1%}, max {summary['max_abs_error']:.1%} over {len(rows)} points")
+    write_result("plan_validation_a100", {**summary, "rows": rows,
+                                          "calibration": "configs/calibration.yaml, a100-80g entry"},
+                 args.out, args.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

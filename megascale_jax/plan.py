@@ -1,0 +1,156 @@
+"""`python -m megascale_jax.plan --config CONFIG --gpus N --gpu {a100-80g,h100-sxm,h200}
+[--nic-gbps 8x200] [--json] [--search] [--plot OUT.png] [section.key=value ...]`
+
+Predicts the iteration time of the config's layout on N GPUs before a GPU-hour is spent: its
+breakdown (compute, pipeline bubble, exposed tp/pp/dp communication, optimizer, data), MFU,
+tokens/s and memory per device (`megascale_jax.planner`). dp is N / (tp·pp); a `mesh.dp=`
+override must agree with it (a config file's own mesh.dp is replaced). `--search` ranks every
+valid layout for N GPUs; `--plot` draws MFU and iteration time against GPU count for the layout's
+family (the same tp, pp, v and microbatch size, dp varied). Validated against published
+Megatron-LM runs: `python bench/plan_validation.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Optional, Sequence
+
+from megascale_jax import cli
+from megascale_jax.config import ConfigError, load_config, validate
+from megascale_jax.model.flops import format_bytes
+from megascale_jax.planner import calibration
+from megascale_jax.planner.search import Plan, plan, search, with_layout
+
+GIB = 2**30
+
+
+def layout_name(p: Plan) -> str:
+    c, par = p.cfg.mesh, p.cfg.parallel
+    name = f"dp={c.dp} pp={c.pp} tp={c.tp}"
+    if c.pp > 1:
+        name += f" {par.pp_schedule} v={par.pp_virtual}"
+    name += f" m={par.microbatches}"
+    name += " zero1" if par.zero1 else ""
+    name += " sp+cm" if par.sequence_parallel else ""
+    return name
+
+
+def as_json(p: Plan) -> dict:
+    pr = p.prediction
+    return {"layout": layout_name(p), "iteration_s": pr.iteration_s, "mfu": pr.mfu, "tokens_per_s": pr.tokens_per_s,
+            "breakdown": pr.breakdown, "memory_gib": {k: v / GIB for k, v in p.memory.items()},
+            "stash_slots": p.stash_slots, "fits": p.fits}
+
+
+def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
+    pr = p.prediction
+    lines = [f"{p.cfg.model.layers}-layer d_model {p.cfg.model.d_model} model, global batch "
+             f"{p.cfg.train.global_batch} x {p.cfg.model.seq_len} tokens, on {gpus} x {gpu.name}",
+             f"layout: {layout_name(p)}",
+             f"iteration: {pr.iteration_s:.3f} s   MFU {pr.mfu:.1%}   {pr.tokens_per_s:,.0f} tokens/s",
+             "breakdown:"]
+    lines += [f"  {k:<10} {v:9.3f} s  {v / pr.iteration_s:6.1%}" for k, v in pr.breakdown.items()]
+    lines.append("memory per device:" + (f" (pipeline stash: {p.stash_slots} slots per stage)" if p.stash_slots else ""))
+    lines += [f"  {k:<12} {format_bytes(v):>10}" for k, v in p.memory.items()]
+    limit = 0.75 * gpu.hbm_bytes
+    lines.append(f"fits: {'yes' if p.fits else 'NO'} ({format_bytes(p.memory['total'])} of the "
+                 f"{format_bytes(limit)} XLA may use on a {format_bytes(gpu.hbm_bytes)} GPU)")
+    return "\n".join(lines)
+
+
+def family(p: Plan, gpu: calibration.Gpu, up_to: int) -> list[Plan]:
+    """The layout's family: same tp, pp, v, schedule and sequences per microbatch, dp = 1, 2, 4, ..."""
+    c, par = p.cfg.mesh, p.cfg.parallel
+    per_micro = p.cfg.train.global_batch // (c.dp * par.microbatches)
+    out, dp = [], 1
+    while dp * c.tp * c.pp <= up_to:
+        micro = p.cfg.train.global_batch // (dp * per_micro) if p.cfg.train.global_batch % (dp * per_micro) == 0 else 0
+        if micro:
+            cfg = with_layout(p.cfg, dp * c.tp * c.pp, c.tp, c.pp, microbatches=micro)
+            try:
+                validate(cfg, planning=True)
+                out.append(plan(cfg, dp * c.tp * c.pp, gpu))
+            except ConfigError:
+                pass
+        dp *= 2
+    return out
+
+
+def draw(plans: list[Plan], out: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [p.cfg.mesh.dp * p.cfg.mesh.pp * p.cfg.mesh.tp for p in plans]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(gpus, [100 * p.prediction.mfu for p in plans], marker="o")
+    a.set(xscale="log", xlabel="GPUs", ylabel="predicted MFU (%)", ylim=(0, None))
+    b.plot(gpus, [p.prediction.iteration_s for p in plans], marker="o")
+    b.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="predicted iteration (s)")
+    c = plans[-1].cfg
+    fig.suptitle(f"pp={c.mesh.pp} tp={c.mesh.tp} v={c.parallel.pp_virtual}, global batch {c.train.global_batch}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
+    parser.add_argument("--gpus", type=int, required=True, help="number of GPUs, e.g. 12288")
+    parser.add_argument("--gpu", required=True, help="a100-80g, h100-sxm or h200 (configs/calibration.yaml)")
+    parser.add_argument("--nic-gbps", default=None, help="NICs per node x Gb/s, e.g. 8x400 (default: the GPU's system)")
+    parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    parser.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
+    parser.add_argument("--plot", default=None, help="draw MFU and iteration time against GPU count to this PNG")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.tp=8 mesh.pp=8")
+    args = cli.parse(parser, argv)
+    try:
+        gpu = calibration.gpu(args.gpu, args.nic_gbps)
+    except ValueError as e:
+        return cli.user_error(e)
+    if args.gpus < 1:
+        return cli.user_error(f"--gpus={args.gpus} must be >= 1")
+    try:
+        cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("mesh.dp=")], planning=True)
+    except ConfigError as e:
+        return cli.user_error(e)
+    tp, pp = cfg.mesh.tp, cfg.mesh.pp
+    if args.gpus % (tp * pp):
+        return cli.user_error(f"--gpus={args.gpus} is not divisible by mesh.tp x mesh.pp = {tp} x {pp}; "
+                              f"use a multiple of {tp * pp} GPUs or change the layout")
+    dp = args.gpus // (tp * pp)
+    given = [o for o in args.overrides if o.startswith("mesh.dp=")]
+    if given and given[-1] != f"mesh.dp={dp}":
+        return cli.user_error(f"{given[-1]} disagrees with --gpus={args.gpus} / (mesh.tp x mesh.pp = {tp * pp}) = "
+                              f"{dp}; drop mesh.dp or make it {dp}")
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp))
+    try:
+        validate(cfg, planning=True)  # the layout on this many GPUs (batch split over dp, ...)
+    except ConfigError as e:
+        return cli.user_error(e)
+
+    chosen = plan(cfg, args.gpus, gpu)
+    ranked = search(cfg, args.gpus, gpu) if args.search else []
+    if args.json:
+        out = as_json(chosen)
+        if args.search:
+            out["search"] = [as_json(p) for p in ranked[:10]]
+        print(json.dumps(out, indent=1))
+    else:
+        print(report(chosen, args.gpus, gpu))
+        if args.search:
+            print(f"\nbest layouts for {args.gpus} GPUs ({len(ranked)} valid, by predicted tokens/s):")
+            print(f"  {'layout':<44}{'tokens/s':>12}{'MFU':>7}{'iter s':>9}{'GiB':>7}  fits")
+            for p in ranked[:10]:
+                print(f"  {layout_name(p):<44}{p.prediction.tokens_per_s:>12,.0f}{p.prediction.mfu:>7.1%}"
+                      f"{p.prediction.iteration_s:>9.3f}{p.memory['total'] / GIB:>7.1f}  {'yes' if p.fits else 'NO'}")
+    if args.plot:
+        draw(family(chosen, gpu, max(args.gpus, 12288)), args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

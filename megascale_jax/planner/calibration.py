@@ -1,0 +1,82 @@
+"""Hardware numbers for the planner, read from `configs/calibration.yaml` (data, not code).
+
+Three kinds of value, each marked in the file:
+* datasheet values (peak FLOP/s, HBM size and bandwidth, NVLink and NIC bandwidth);
+* values taken from a named public model or paper (ring-step latencies as in Calculon's A100
+  system file; FlashAttention-2's reported efficiency);
+* a priori estimates (the matmul efficiency curve, the achieved share of link bandwidth, the
+  elementwise HBM passes), written down before the planner was first compared with the published
+  runs in tests/planner/published.py and not tuned to them since.
+When this project measures a GPU (bench/gpu_campaign.py), its numbers replace the estimates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import yaml
+
+DEFAULT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                            "configs", "calibration.yaml")
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link tier as a collective sees it from one GPU: achieved bytes/s per direction, and the
+    latency of one ring step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Gpu:
+    key: str
+    name: str
+    peak_flops: float
+    hbm_bytes: float
+    hbm_bandwidth: float
+    gpus_per_node: int
+    nvlink: Link
+    nic: Link  # one GPU's share of the node's NICs
+    matmul_max_efficiency: float
+    matmul_half_flops: float
+    attention_efficiency: float
+    elementwise_passes: float
+
+
+def parse_nic(spec: str) -> tuple[int, float]:
+    """'8x200' -> (8 NICs, 200 Gb/s each). Raises ValueError naming the expected form."""
+    try:
+        count, gbps = spec.lower().split("x")
+        count, gbps = int(count), float(gbps)
+    except ValueError:
+        raise ValueError(f"--nic-gbps {spec!r} must look like 8x200 (NICs per node x Gb/s each)") from None
+    if count < 1 or gbps <= 0:
+        raise ValueError(f"--nic-gbps {spec!r} needs at least one NIC of positive speed")
+    return count, gbps
+
+
+def load(path: str = DEFAULT_FILE) -> dict[str, dict]:
+    with open(path) as f:
+        return yaml.safe_load(f)["gpus"]
+
+
+def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE) -> Gpu:
+    """The calibrated GPU `key` (e.g. 'h100-sxm'), its NICs overridden by `nic` ('8x400')."""
+    table = load(path)
+    if key not in table:
+        raise ValueError(f"--gpu {key!r} is not one of {', '.join(table)} (configs/calibration.yaml)")
+    g = table[key]
+    count, gbps = parse_nic(nic or g["nic"])
+    eff = g["link_efficiency"]
+    # The node's NIC bandwidth shared by its GPUs (each GPU drives its own rail in a DGX).
+    nic_per_gpu = count * gbps / 8 * 1e9 / g["gpus_per_node"]
+    return Gpu(
+        key=key, name=g["name"], peak_flops=g["peak_tflops"] * 1e12, hbm_bytes=g["hbm_gib"] * 2**30,
+        hbm_bandwidth=g["hbm_tbps"] * 1e12, gpus_per_node=g["gpus_per_node"],
+        nvlink=Link(g["nvlink_gbps"] * 1e9 * eff, g["nvlink_latency_us"] * 1e-6),
+        nic=Link(nic_per_gpu * eff, g["nic_latency_us"] * 1e-6),
+        matmul_max_efficiency=g["matmul_max_efficiency"], matmul_half_flops=g["matmul_half_gflop"] * 1e9,
+        attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"])

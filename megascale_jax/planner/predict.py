@@ -1,0 +1,164 @@
+"""Iteration time, its breakdown, MFU and tokens/s of a `Workload` on a calibrated GPU.
+
+One iteration on the busiest stage (the last: it also runs the LM head), lockstep:
+
+    iteration = compute + tp + bubble + pp + dp + optimizer + data
+
+* compute: m microbatches × the stage's layers × (forward + backward + recompute), each
+  layer's GEMMs at the calibrated efficiency of their size (`costs.matmul_s`), its attention core
+  (a fused kernel, or GEMMs plus the scores' HBM traffic) and its memory-bound passes
+  (`costs.hbm_s`), plus the LM head.
+* tp: the tp collectives of every layer (2 per serial block and pass, 1 per parallel block),
+  ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs.
+* bubble: (compute + tp) · b/(1−b), b read off the schedule's table (`costs.bubble_fraction`).
+* pp: boundary sends; blocking ones cost 2 per tick, asynchronous ones only what a tick's
+  compute cannot hide.
+* dp: the gradient reduction over dp (a reduce-scatter and the parameters' all-gather with
+  ZeRO-1), over the NICs once a dp group leaves the node, minus what overlaps one microbatch's
+  backward when the reduction runs inside the backward.
+* optimizer: one memory-bound pass over its share of parameters, gradients and moments.
+* data: 0 — the loader prefetches on the host (measured data_wait is ~0 in every CPU run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megascale_jax.config import ModelConfig
+from megascale_jax.model import flops
+from megascale_jax.planner import costs
+from megascale_jax.planner.calibration import Gpu
+from megascale_jax.planner.workload import Workload
+
+OPTIMIZER_BYTES_PER_PARAM = 28  # read param, grad, 2 moments (fp32) = 16; write param, 2 moments = 12
+SCORE_VALUES = 2  # materialised attention: scores and probabilities per (head, query, key)
+ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12  # per token·d_model·layer (Korthikanti et al. 2022)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    iteration_s: float
+    breakdown: dict[str, float]  # seconds: compute, tp, bubble, pp, dp, optimizer, data
+    tokens_per_s: float
+    model_flops: float  # per iteration: 3 × forward, window-aware (MFU's numerator)
+    mfu: float
+
+
+def layer_params(w: Workload) -> int:
+    """Weights of one layer (matrices only; norms and biases are lower order)."""
+    return w.d_model * w.heads * w.head_dim + 2 * w.d_model * w.kv_heads * w.head_dim \
+        + w.heads * w.head_dim * w.d_model + 2 * w.d_model * w.mlp_dim
+
+
+def stage_params(w: Workload, last: bool = True) -> float:
+    """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
+    where they are replicated), the embedding and LM head, all split over tp."""
+    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
+    return (w.layers // w.pp * layer_params(w) + edge) / w.tp
+
+
+def context(w: Workload) -> int:
+    return w.seq_len if w.window is None else min(w.window, w.seq_len)
+
+
+def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
+    """Seconds of one layer for one microbatch on one GPU: forward, backward, recompute, and the
+    GEMM time collective matmul can hide tp transfers behind."""
+    tokens = w.microbatch_seqs * w.seq_len
+    d, h, k, hd, f, tp = w.d_model, w.heads, w.kv_heads, w.head_dim, w.mlp_dim, w.tp
+    gemms = [2 * tokens * d * (h + 2 * k) * hd / tp, 2 * tokens * h * hd * d / tp,
+             2 * tokens * d * f / tp, 2 * tokens * f * d / tp]
+    gemm = sum(costs.matmul_s(g, gpu) for g in gemms)
+    ctx = context(w)
+    heads_here = h / tp
+    attention_flops = 4 * tokens * ctx * heads_here * hd  # q·kᵀ and p·v, counted over ctx keys
+    act_values = tokens * d * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / tp)
+    if w.sequence_parallel:
+        act_values = tokens * d * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED) / tp
+    if w.fused_attention:
+        causal_share = 0.5 if w.window is None or w.window >= w.seq_len else 1.0  # blocks above the diagonal skipped
+        attention = costs.fused_attention_s(attention_flops * causal_share, gpu)
+        attention_backward = 2.5 * attention  # the kernel recomputes the scores in its backward
+        score_bytes = 0.0
+    else:  # batched GEMMs per (sequence, head) and the scores written and read back from HBM
+        per_head = 2 * w.seq_len * ctx * hd
+        attention = 2 * w.microbatch_seqs * heads_here * costs.matmul_s(per_head, gpu)
+        attention_backward = 2 * attention
+        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * ctx * SCORE_VALUES * w.activation_bytes
+    elementwise = costs.hbm_s(gpu.elementwise_passes * (act_values * w.activation_bytes + score_bytes), gpu)
+    score_pass = costs.hbm_s(gpu.elementwise_passes * score_bytes, gpu)
+    forward = gemm + attention + elementwise
+    backward = 2 * gemm + attention_backward + 2 * elementwise
+    recompute = {"none": 0.0, "selective": attention + score_pass, "full": forward}[w.recompute]
+    return {"forward": forward, "backward": backward, "recompute": recompute, "gemm": gemm}
+
+
+def tp_collective_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of tp transfers of one layer for one microbatch (forward, backward and the
+    recomputed forward): ring all-reduces (all-gather + reduce-scatter with sequence
+    parallelism, the same bytes) of the microbatch's activation."""
+    if w.tp == 1:
+        return 0.0
+    per_pass = 1 if w.block == "parallel" else 2
+    passes = 2 + (1 if w.recompute == "full" else 0)
+    link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
+    nbytes = w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes
+    return per_pass * passes * costs.ring_all_reduce_s(nbytes, w.tp, link)
+
+
+def head_s(w: Workload, gpu: Gpu) -> float:
+    """The LM head and loss for one microbatch on the last stage: the logits GEMM forward and its
+    two backward GEMMs, and the fp32 logits' HBM passes."""
+    tokens = w.microbatch_seqs * w.seq_len
+    gemm = costs.matmul_s(2 * tokens * w.d_model * w.vocab / w.tp, gpu)
+    return 3 * gemm + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu)
+
+
+def predict(w: Workload, gpu: Gpu) -> Prediction:
+    m, stage_layers = w.microbatches, w.layers // w.pp
+    t = layer_times(w, gpu)
+    tp_comm = tp_collective_s(w, gpu)
+    tp_exposed = costs.exposed_s(tp_comm, t["gemm"] * (3 if w.recompute == "full" else 2)) if w.tp_overlap else tp_comm
+    per_microbatch = stage_layers * (t["forward"] + t["backward"] + t["recompute"]) + head_s(w, gpu)
+    compute = m * per_microbatch
+    tp = m * stage_layers * tp_exposed
+    bubble_share = costs.bubble_fraction(w.schedule, w.pp, w.virtual, m,
+                                         t["forward"], t["backward"] + t["recompute"])
+    bubble = (compute + tp) * bubble_share / (1 - bubble_share)
+
+    pp = 0.0
+    if w.pp > 1:
+        link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+        nbytes = w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes / (w.tp if w.pp_split_over_tp else 1)
+        send = costs.p2p_s(nbytes, link)
+        ticks = m * w.virtual + w.pp - 1
+        tick_compute = (per_microbatch + stage_layers * tp_exposed) / w.virtual
+        pp = ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)
+
+    dp = 0.0
+    if w.dp > 1:
+        link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
+        grads = stage_params(w) * w.grad_bytes
+        if w.zero1:
+            reduce = costs.ring_all_gather_s(grads, w.dp, link)
+            gather = costs.ring_all_gather_s(stage_params(w) * w.param_bytes, w.dp, link)
+        else:
+            reduce, gather = costs.ring_all_reduce_s(grads, w.dp, link), 0.0
+        window = stage_layers * t["backward"] if w.dp_overlap == "backward" else 0.0
+        dp = costs.exposed_s(reduce, window) + gather
+
+    optimizer = costs.hbm_s(stage_params(w) / (w.dp if w.zero1 else 1) * OPTIMIZER_BYTES_PER_PARAM, gpu)
+    breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
+                 "data": 0.0}
+    iteration = sum(breakdown.values())
+    tokens = w.global_batch * w.seq_len
+    model_flops = tokens * flops.model_flops_per_token(model_config(w))
+    return Prediction(iteration_s=iteration, breakdown=breakdown, tokens_per_s=tokens / iteration,
+                      model_flops=model_flops, mfu=model_flops / (iteration * w.gpus * gpu.peak_flops))
+
+
+def model_config(w: Workload) -> ModelConfig:
+    """The model of `w` as this project's config describes one (for its FLOP count)."""
+    return ModelConfig(layers=w.layers, d_model=w.d_model, heads=w.heads, kv_heads=w.kv_heads,
+                       mlp_ratio=w.mlp_dim / w.d_model, vocab=w.vocab, seq_len=w.seq_len, window=w.window,
+                       block=w.block)

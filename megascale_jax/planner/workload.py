@@ -1,0 +1,80 @@
+"""A training layout as the cost models see it: model shape, mesh, schedule and the features
+that decide what is recomputed and what overlaps. Built from this project's config
+(`from_config`) or written out for a published run (tests/planner/published.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from megascale_jax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    # model
+    layers: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    mlp_dim: int
+    vocab: int
+    seq_len: int
+    window: Optional[int]
+    block: Literal["parallel", "serial"]
+    # batch and mesh
+    global_batch: int  # sequences per iteration
+    gpus: int
+    tp: int
+    pp: int
+    virtual: int
+    microbatches: int  # per data-parallel replica and iteration
+    schedule: str
+    # what is recomputed in the backward: nothing, the attention core only, or every layer's forward
+    recompute: Literal["none", "selective", "full"]
+    sequence_parallel: bool
+    zero1: bool
+    fused_attention: bool  # flash-style kernel (cuDNN/Pallas) vs materialised scores (XLA, Megatron 2021)
+    # overlap features
+    tp_overlap: bool  # collective matmul hides tp transfers behind the matmuls
+    pp_async: bool  # pipeline sends overlap the tick's compute (this project's ppermute) vs blocking
+    pp_split_over_tp: bool  # each tp rank sends 1/tp of the boundary activation (sequence parallel,
+                            # or Megatron's scatter/gather), instead of all of it
+    edge_on_every_stage: bool  # embedding + head stored (and reduced over dp) on every pp stage
+    dp_overlap: Literal["none", "backward"]  # gradient reduction overlapping backward work, or after it
+    activation_bytes: int = 2  # bf16/fp16 activations
+    grad_bytes: int = 4  # gradients reduced in fp32
+    param_bytes: int = 4  # fp32 parameters (all-gathered in full after a ZeRO-1 update)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def microbatch_seqs(self) -> int:
+        return self.global_batch // (self.dp * self.microbatches)
+
+
+def from_config(cfg: Config, gpus: int) -> Workload:
+    """This project's run of `cfg` on `gpus` GPUs (dp = gpus / (tp·pp)).
+
+    * Recompute: the pipeline's default `pp_stash=inputs` reruns each chunk's forward in its
+      backward ("full"); `residuals` and pp = 1 recompute nothing.
+    * Overlap: pipeline sends are asynchronous ppermutes; at pp > 1 each chunk's dp reduction runs
+      inside the tick loop's cool-down ("backward"); at pp = 1 the gradients are reduced after
+      the backward. Collective matmul (`tp_overlap=collective_matmul`) hides tp transfers.
+    """
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    return Workload(
+        layers=m.layers, d_model=m.d_model, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+        mlp_dim=m.mlp_dim, vocab=m.vocab, seq_len=m.seq_len, window=m.window, block=m.block,
+        global_batch=cfg.train.global_batch, gpus=gpus, tp=mesh.tp, pp=mesh.pp, virtual=par.pp_virtual,
+        microbatches=par.microbatches, schedule=par.pp_schedule,
+        recompute="full" if mesh.pp > 1 and par.pp_stash == "inputs" else "none",
+        sequence_parallel=par.sequence_parallel, zero1=par.zero1,
+        fused_attention=m.attention in ("cudnn", "pallas"),
+        tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
+        pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
+        dp_overlap="backward" if mesh.pp > 1 else "none",
+        activation_bytes=2 if m.dtype == "bfloat16" else 4)
