@@ -143,9 +143,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(report(chosen, args.gpus, gpu))
         if args.search:
             print(f"\nbest layouts for {args.gpus} GPUs ({len(ranked)} valid, by predicted tokens/s):")
-            print(f"  {'layout':<44}{'tokens/s':>12}{'MFU':>7}{'iter s':>9}{'GiB':>7}  fits")
+            print(f"  {'layout':<52}{'tokens/s':>12}{'MFU':>7}{'iter s':>9}{'GiB':>7}  fits")
             for p in ranked[:10]:
-                print(f"  {layout_name(p):<44}{p.prediction.tokens_per_s:>12,.0f}{p.prediction.mfu:>7.1%}"
+                print(f"  {layout_name(p):<52}{p.prediction.tokens_per_s:>12,.0f}{p.prediction.mfu:>7.1%}"
                       f"{p.prediction.iteration_s:>9.3f}{p.memory['total'] / GIB:>7.1f}  {'yes' if p.fits else 'NO'}")
     if args.plot:
         draw(family(chosen, gpu, max(args.gpus, 12288)), args.plot)

@@ -1,0 +1,168 @@
+"""The planner: its CLI and bad input, its validation against published runs it was not fitted
+to, and its agreement with this project's own schedule tables and sharded arrays."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from megascale_jax import plan
+from megascale_jax.config import load_config
+from megascale_jax.model import flops
+from megascale_jax.parallel import pipeline_schedule
+from megascale_jax.parallel.mesh import make_mesh
+from megascale_jax.planner import calibration, costs, published
+from megascale_jax.planner.search import candidates, plan as plan_layout
+from megascale_jax.train import build_trainer
+
+REPO = Path(__file__).resolve().parents[2]
+GPT_175B = ["--config", str(REPO / "configs" / "gpt_175b.yaml"), "train.global_batch=1536"]
+
+
+def run(capsys, *argv):
+    code = plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ------------------------------------------------------------------ validation
+
+
+def test_predictions_match_published_runs_within_the_target():
+    """18 published points (Megatron-LM SC'21 Table 1, Korthikanti et al. 2022 Table 5): mean
+    error ≤ 5%, max ≤ 10%, and the committed bench result is what the planner predicts today."""
+    rows = published.validation_table()
+    errors = [abs(r["error"]) for r in rows]
+    assert len(rows) == 18
+    assert np.mean(errors) <= 0.05 and max(errors) <= 0.10, [(r["model"], r["metric"], r["error"]) for r in rows]
+    # Independent of the planner: the published values themselves (README table of NVIDIA/Megatron-LM).
+    assert [r["published"] for r in rows[:10]] == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
+    committed = json.load(open(REPO / "bench" / "results" / "plan_validation_a100.json"))
+    assert [r["predicted"] for r in committed["rows"]] == [r["predicted"] for r in rows], \
+        "re-run python bench/plan_validation.py --overwrite after changing the planner or its calibration"
+
+
+def test_megatron_flop_formula_gives_the_papers_aggregate_petaflops():
+    """Guard on the fixture: 96·B·s·l·h²(…) / (TFLOP/s × GPUs) gives iteration times whose
+    aggregate rate is the table's petaFLOP/s column (4.4 … 502.0), to its rounding."""
+    aggregate = [4.4, 8.8, 18.2, 34.6, 70.8, 143.8, 227.1, 297.4, 410.2, 502.0]
+    for row, pflops in zip(published.MEGATRON_SC21, aggregate):
+        assert row[-1] * row[6] / 1e3 == pytest.approx(pflops, rel=0.01), row[0]
+
+
+# ------------------------------------------------------------------ cost models
+
+
+def test_collective_costs_are_the_ring_formulas():
+    link = calibration.Link(bandwidth=100e9, latency=10e-6)
+    assert costs.ring_all_reduce_s(8e9, 8, link) == pytest.approx(2 * 7 / 8 * 0.08 + 14 * 10e-6)
+    assert costs.ring_all_gather_s(8e9, 8, link) == pytest.approx(7 / 8 * 0.08 + 7 * 10e-6)
+    assert costs.ring_all_reduce_s(8e9, 1, link) == 0.0
+    assert costs.p2p_s(1e9, link) == pytest.approx(0.01 + 10e-6)
+    assert costs.exposed_s(3.0, 1.0) == 2.0 and costs.exposed_s(1.0, 3.0) == 0.0
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("1f1b", 4, 1, 8), ("interleaved_1f1b", 4, 2, 8), ("gpipe", 8, 1, 16),
+                                            ("interleaved_1f1b", 8, 3, 64)])
+def test_the_bubble_is_the_schedule_tables(schedule, p, v, m):
+    table = pipeline_schedule.build(schedule, p, v, m)
+    assert costs.bubble_fraction(schedule, p, v, m) == table.bubble_fraction()
+    assert costs.bubble_fraction(schedule, p, v, m) == pytest.approx((p - 1) / (m * v + p - 1))
+
+
+def test_matmul_efficiency_rises_with_size_to_the_calibrated_asymptote():
+    gpu = calibration.gpu("a100-80g")
+    small, large = costs.matmul_efficiency(1e8, gpu), costs.matmul_efficiency(1e13, gpu)
+    assert small < 0.1 * gpu.matmul_max_efficiency < large <= gpu.matmul_max_efficiency
+    assert costs.matmul_efficiency(gpu.matmul_half_flops, gpu) == pytest.approx(gpu.matmul_max_efficiency / 2)
+
+
+# ------------------------------------------------------------------ self-consistency with the runtime
+
+
+@pytest.mark.parametrize("layout", [["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.zero1=true", "parallel.microbatches=2"],
+                                    ["mesh.dp=4", "mesh.tp=2", "parallel.zero1=false"],
+                                    ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.microbatches=4"]])
+def test_parameter_and_optimizer_memory_equal_the_sharded_arrays(layout):
+    """The planner's per-device parameter and optimizer bytes are the largest per-device shard
+    sums of the trainer's real state on 8 simulated devices (within 2%: norms and biases)."""
+    cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=4",
+                             "train.global_batch=8", "mesh.cpu_devices=8", *layout])
+    gpus = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
+    planned = plan_layout(cfg, gpus, calibration.gpu("h100-sxm")).memory
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    abstract = trainer.init.lower().out_info
+
+    def per_device(tree, shardings):
+        total = {}
+        for x, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+            shard_bytes = np.prod(s.shard_shape(x.shape)) * x.dtype.itemsize
+            for d in s.device_set:
+                total[d] = total.get(d, 0) + shard_bytes
+        return max(total.values())
+
+    params = per_device(abstract.params, trainer.state_shardings.params)
+    moments = per_device(jax.tree.leaves(abstract.opt_state)[1:], jax.tree.leaves(trainer.state_shardings.opt_state)[1:])
+    assert planned["parameters"] == pytest.approx(params, rel=0.02)
+    assert planned["optimizer"] == pytest.approx(moments, rel=0.02)
+
+
+# ------------------------------------------------------------------ the command line
+
+
+def test_the_report_breaks_the_iteration_down_and_the_json_has_the_keys(capsys):
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "h100-sxm")
+    assert code == 0, err
+    for part in ("compute", "tp", "bubble", "pp", "dp", "optimizer", "data", "MFU", "tokens/s",
+                 "parameters", "gradients", "optimizer", "activations", "workspace", "stash: 15 slots"):
+        assert part in out, part
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "h100-sxm", "--json")
+    data = json.loads(out)
+    assert {"iteration_s", "mfu", "tokens_per_s", "memory_gib", "breakdown"} <= set(data)
+    assert set(data["breakdown"]) == {"compute", "tp", "bubble", "pp", "dp", "optimizer", "data"}
+    assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_s"])
+    # tokens/s and MFU follow from the iteration time: an independent recomputation
+    tokens = 1536 * 2048
+    assert data["tokens_per_s"] == pytest.approx(tokens / data["iteration_s"])
+    cfg = load_config(str(REPO / "configs" / "gpt_175b.yaml"), ["train.global_batch=1536"], planning=True)
+    assert data["mfu"] == pytest.approx(tokens * flops.model_flops_per_token(cfg.model)
+                                        / (data["iteration_s"] * 1536 * 989e12))
+
+
+def test_search_ranks_valid_layouts_and_marks_what_does_not_fit(capsys, tmp_path):
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "512", "--gpu", "a100-80g", "--json", "--search",
+                         "--plot", str(tmp_path / "scaling.png"))
+    assert code == 0, err
+    ranked = json.loads(out)["search"]
+    assert len(ranked) == 10
+    rates = [r["tokens_per_s"] for r in ranked if r["fits"]]
+    assert rates == sorted(rates, reverse=True) and rates
+    assert (tmp_path / "scaling.png").stat().st_size > 10_000
+    # Every candidate is a layout the trainer's own validation accepts.
+    cfg = load_config(str(REPO / "configs" / "gpt_175b.yaml"), ["train.global_batch=1536"], planning=True)
+    layouts = list(candidates(cfg, 512, 8))
+    assert layouts and all(c.mesh.dp * c.mesh.pp * c.mesh.tp == 512 for c in layouts)
+    # On 64 GPUs with no pipeline, 175B cannot fit: reported as such, not predicted as if it fit.
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "64", "--gpu", "a100-80g", "mesh.pp=1", "--json")
+    assert code == 0 and json.loads(out)["fits"] is False
+
+
+BAD = [
+    (["--gpus", "100"], "not divisible by mesh.tp x mesh.pp"),
+    (["--gpus", "1536", "parallel.microbatches=4"], "must be >= mesh.pp=8"),
+    (["--gpus", "1536", "mesh.pp=7"], "divisible by mesh.pp=7"),
+    (["--gpus", "1536", "mesh.tp=3"], "divisible by mesh.tp=3"),
+    (["--gpus", "1536", "--gpu", "v100"], "--gpu 'v100' is not one of"),
+    (["--gpus", "1536", "mesh.dp=8"], "disagrees with --gpus=1536"),
+    (["--gpus", "1536", "--nic-gbps", "fast"], "must look like 8x200"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD, ids=[m.split()[0] for _, m in BAD])
+def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
+    argv = [*GPT_175B, *extra] + ([] if "--gpu" in extra else ["--gpu", "h100-sxm"])
+    code, out, err = run(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
