@@ -22,7 +22,7 @@ from megascale_jax import cli
 from megascale_jax.config import ConfigError, load_config, validate
 from megascale_jax.model.flops import format_bytes
 from megascale_jax.planner import calibration
-from megascale_jax.planner.search import Plan, plan, search, with_layout
+from megascale_jax.planner.search import Plan, family, plan, search
 
 GIB = 2**30
 
@@ -59,24 +59,6 @@ def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
     lines.append(f"fits: {'yes' if p.fits else 'NO'} ({format_bytes(p.memory['total'])} of the "
                  f"{format_bytes(limit)} XLA may use on a {format_bytes(gpu.hbm_bytes)} GPU)")
     return "\n".join(lines)
-
-
-def family(p: Plan, gpu: calibration.Gpu, up_to: int) -> list[Plan]:
-    """The layout's family: same tp, pp, v, schedule and sequences per microbatch, dp = 1, 2, 4, ..."""
-    c, par = p.cfg.mesh, p.cfg.parallel
-    per_micro = p.cfg.train.global_batch // (c.dp * par.microbatches)
-    out, dp = [], 1
-    while dp * c.tp * c.pp <= up_to:
-        micro = p.cfg.train.global_batch // (dp * per_micro) if p.cfg.train.global_batch % (dp * per_micro) == 0 else 0
-        if micro:
-            cfg = with_layout(p.cfg, dp * c.tp * c.pp, c.tp, c.pp, microbatches=micro)
-            try:
-                validate(cfg, planning=True)
-                out.append(plan(cfg, dp * c.tp * c.pp, gpu))
-            except ConfigError:
-                pass
-        dp *= 2
-    return out
 
 
 def draw(plans: list[Plan], out: str) -> None:

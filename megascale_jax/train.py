@@ -228,10 +228,12 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         if cfg.checkpoint.every else None
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                   trainer.init.lower().out_info, trainer.state_shardings)
-    restored = None
+    restored, to_canonical = None, trainer.to_canonical
     if ckpt:
         restored = ckpt.restore_latest(abstract_state)
         ckpt.compile(abstract_state)
+        if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
+            to_canonical = trainer.to_canonical.lower(abstract_state).compile()
     start = restored[1]["step"] if restored else 0  # steps done so far
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
     state = trainer.to_stored(restored[0]) if restored else trainer.init()
@@ -302,13 +304,17 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         if is_main and saves:
             run_dirs.append_jsonl(run_dirs.saves_path(run_dir), saves)
 
+    saved_step = None
+
     def save(step: int, state) -> None:
+        nonlocal saved_step
         recorder.flush()  # a checkpoint is never newer than the metrics on disk
         watch.state("checkpointing", step)
         t_save = time.time()
-        log_saves(ckpt.save(step, trainer.to_canonical(state), batches.get_state()))
+        log_saves(ckpt.save(step, to_canonical(state), batches.get_state()))
         watch.phase(step, "checkpoint", t_save, time.time() - t_save)
         watch.state("training", step)
+        saved_step = step
 
     if ckpt:
         hooks.add("checkpoint", cfg.checkpoint.every, save)
@@ -340,7 +346,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                 recorder.flush()
                 saved = False
                 if ckpt:
-                    if "checkpoint" not in hooks.due(step):
+                    if saved_step != step:
                         save(step, state)
                     log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
                     saved = step in run_dirs.committed_steps(ckpt.directory)

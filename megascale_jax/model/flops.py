@@ -29,7 +29,7 @@ from megascale_jax.parallel import pipeline_schedule
 # ----------------------------------------------------------------------------- parameters
 
 
-def _layer_params(m: ModelConfig) -> int:
+def layer_params(m: ModelConfig) -> int:
     """Parameters of one transformer layer (the model stacks `layers` of them)."""
     d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
     norm = 2 * d if m.norm == "layernorm" else d  # scale (+ bias)
@@ -43,7 +43,7 @@ def param_count(model_cfg: ModelConfig) -> int:
     """All parameters: untied embedding and LM head, `layers` blocks, final norm."""
     m = model_cfg
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
-    return m.vocab * m.d_model + m.layers * _layer_params(m) + final_norm + m.d_model * m.vocab
+    return m.vocab * m.d_model + m.layers * layer_params(m) + final_norm + m.d_model * m.vocab
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -108,7 +108,7 @@ XLA_SCORE_VALUES = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
-def memory_estimate(cfg: Config, slots: Optional[int] = None) -> dict:
+def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
     tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
     assume no rematerialisation. With pp > 1 they follow the pipeline table: its stash slots per
@@ -122,7 +122,7 @@ def memory_estimate(cfg: Config, slots: Optional[int] = None) -> dict:
     # every stage holds both, though only the first uses the embedding and the last the head (a
     # jax.Array spans its whole mesh; see parallel/pipeline.py), so they count on every stage.
     edge = embed + head
-    params = (m.layers // mesh.pp * _layer_params(m) + edge) / mesh.tp
+    params = (m.layers // mesh.pp * layer_params(m) + edge) / mesh.tp
     optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
 
     micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
@@ -133,8 +133,7 @@ def memory_estimate(cfg: Config, slots: Optional[int] = None) -> dict:
     if mesh.pp == 1:
         values = m.layers * per_layer
     else:
-        if slots is None:  # the planner passes the count from its own cached table
-            slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
+        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
         chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
         chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
         values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)

@@ -237,8 +237,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     reached by a reduce-scatter), otherwise replicated (an all-reduce). Default: replicated."""
     p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
     dp = mesh.shape["dp"]
-    table = table_arrays(schedule_for(cfg))
-    slots = schedule_for(cfg).slots
+    schedule = schedule_for(cfg)
+    table, slots = table_arrays(schedule), schedule.slots
     last_stage, last_chunk = p - 1, v - 1
     scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
     masked = explicit_tp(cfg, mesh)  # idle stages compute and mask instead of skipping (`when`)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from typing import Optional
 
 from megascale_jax import cli
@@ -88,6 +89,7 @@ def _forward_order(p: int, v: int, m: int) -> list[tuple[int, int]]:
     return order
 
 
+@functools.lru_cache(maxsize=256)  # tables are immutable; the executor, memory estimate and planner share them
 def build(name: str, p: int, v: int, m: int) -> Schedule:
     check(name, p, v, m)
     fwd_order = _forward_order(p, v, m)

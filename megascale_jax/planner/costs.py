@@ -6,8 +6,6 @@ direction (bytes/s), α the latency of one ring step, P a GPU's peak FLOP/s, W i
 
 from __future__ import annotations
 
-import functools
-
 from megascale_jax.parallel import pipeline_schedule
 from megascale_jax.planner.calibration import Gpu, Link
 
@@ -63,9 +61,4 @@ def bubble_fraction(schedule: str, p: int, v: int, m: int, forward: float = 1.0,
     (`pipeline_schedule.Schedule.bubble_fraction`), = (p−1)/(m·v+p−1) for every schedule here."""
     if p == 1:
         return 0.0
-    return schedule_table(schedule, p, v, m).bubble_fraction(forward, backward)
-
-
-@functools.lru_cache(maxsize=256)
-def schedule_table(schedule: str, p: int, v: int, m: int) -> pipeline_schedule.Schedule:
-    return pipeline_schedule.build(schedule, p, v, m)
+    return pipeline_schedule.build(schedule, p, v, m).bubble_fraction(forward, backward)

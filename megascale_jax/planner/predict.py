@@ -17,7 +17,8 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   ZeRO-1), over the NICs once a dp group leaves the node, minus what overlaps one microbatch's
   backward when the reduction runs inside the backward.
 * optimizer: one memory-bound pass over its share of parameters, gradients and moments.
-* data: 0 — the loader prefetches on the host (measured data_wait is ~0 in every CPU run).
+* data: 0 — the loader prefetches on the host, off the step's critical path; this model charges
+  nothing for it.
 """
 
 from __future__ import annotations
@@ -31,8 +32,6 @@ from megascale_jax.planner.calibration import Gpu
 from megascale_jax.planner.workload import Workload
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # read param, grad, 2 moments (fp32) = 16; write param, 2 moments = 12
-SCORE_VALUES = 2  # materialised attention: scores and probabilities per (head, query, key)
-ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12  # per token·d_model·layer (Korthikanti et al. 2022)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,17 +43,11 @@ class Prediction:
     mfu: float
 
 
-def layer_params(w: Workload) -> int:
-    """Weights of one layer (matrices only; norms and biases are lower order)."""
-    return w.d_model * w.heads * w.head_dim + 2 * w.d_model * w.kv_heads * w.head_dim \
-        + w.heads * w.head_dim * w.d_model + 2 * w.d_model * w.mlp_dim
-
-
 def stage_params(w: Workload, last: bool = True) -> float:
     """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
     where they are replicated), the embedding and LM head, all split over tp."""
     edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
-    return (w.layers // w.pp * layer_params(w) + edge) / w.tp
+    return (w.layers // w.pp * flops.layer_params(model_config(w)) + edge) / w.tp
 
 
 def context(w: Workload) -> int:
@@ -72,9 +65,10 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     ctx = context(w)
     heads_here = h / tp
     attention_flops = 4 * tokens * ctx * heads_here * hd  # q·kᵀ and p·v, counted over ctx keys
-    act_values = tokens * d * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / tp)
+    replicated, sharded = flops.ACT_VALUES_REPLICATED, flops.ACT_VALUES_TP_SHARDED
+    act_values = tokens * d * (replicated + sharded / tp)
     if w.sequence_parallel:
-        act_values = tokens * d * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED) / tp
+        act_values = tokens * d * (replicated + sharded) / tp
     if w.fused_attention:
         causal_share = 0.5 if w.window is None or w.window >= w.seq_len else 1.0  # blocks above the diagonal skipped
         attention = costs.fused_attention_s(attention_flops * causal_share, gpu)
@@ -84,7 +78,7 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
         per_head = 2 * w.seq_len * ctx * hd
         attention = 2 * w.microbatch_seqs * heads_here * costs.matmul_s(per_head, gpu)
         attention_backward = 2 * attention
-        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * ctx * SCORE_VALUES * w.activation_bytes
+        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * ctx * flops.XLA_SCORE_VALUES * w.activation_bytes
     elementwise = costs.hbm_s(gpu.elementwise_passes * (act_values * w.activation_bytes + score_bytes), gpu)
     score_pass = costs.hbm_s(gpu.elementwise_passes * score_bytes, gpu)
     forward = gemm + attention + elementwise

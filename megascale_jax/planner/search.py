@@ -13,7 +13,7 @@ import dataclasses
 from typing import Iterator
 
 from megascale_jax.config import Config, ConfigError, validate
-from megascale_jax.planner import costs
+from megascale_jax.parallel import pipeline_schedule
 from megascale_jax.planner.calibration import Gpu
 from megascale_jax.model import flops
 from megascale_jax.planner.predict import Prediction, predict
@@ -44,9 +44,9 @@ def with_layout(cfg: Config, gpus: int, tp: int, pp: int, **parallel) -> Config:
 def plan(cfg: Config, gpus: int, gpu: Gpu) -> Plan:
     """Prediction and memory of `cfg` as laid out (its mesh must already span `gpus`)."""
     par = cfg.parallel
-    slots = costs.schedule_table(par.pp_schedule, cfg.mesh.pp, par.pp_virtual, par.microbatches).slots \
+    slots = pipeline_schedule.build(par.pp_schedule, cfg.mesh.pp, par.pp_virtual, par.microbatches).slots \
         if cfg.mesh.pp > 1 else 0
-    memory = dict(flops.memory_estimate(cfg, slots=slots if slots else None))
+    memory = dict(flops.memory_estimate(cfg))
     total = memory.pop("total") + WORKSPACE_BYTES
     memory |= {"workspace": WORKSPACE_BYTES, "total": total}
     return Plan(cfg, predict(from_config(cfg, gpus), gpu), memory, slots,
@@ -93,3 +93,23 @@ def search(cfg: Config, gpus: int, gpu: Gpu) -> list[Plan]:
     that do (they are reported, never recommended)."""
     plans = [plan(layout, gpus, gpu) for layout in candidates(cfg, gpus, gpu.gpus_per_node)]
     return sorted(plans, key=lambda p: (not p.fits, -p.prediction.tokens_per_s))
+
+
+def family(base: Plan, gpu: Gpu, up_to: int) -> list[Plan]:
+    """The layout's family (`--plot`): the same tp, pp, v, schedule and sequences per microbatch,
+    with dp = 1, 2, 4, ... while the GPUs stay within `up_to` and the global batch splits evenly."""
+    c, batch = base.cfg.mesh, base.cfg.train.global_batch
+    per_micro = batch // (c.dp * base.cfg.parallel.microbatches)
+    out, dp = [], 1
+    while dp * c.tp * c.pp <= up_to:
+        gpus = dp * c.tp * c.pp
+        if batch % (dp * per_micro) == 0:
+            cfg = with_layout(base.cfg, gpus, c.tp, c.pp, microbatches=batch // (dp * per_micro))
+            try:
+                validate(cfg, planning=True)
+            except ConfigError:  # e.g. fewer microbatches than stages at this dp
+                pass
+            else:
+                out.append(plan(cfg, gpus, gpu))
+        dp *= 2
+    return out
