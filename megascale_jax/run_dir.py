@@ -134,7 +134,7 @@ def keep_records_up_to(path: str, step: int) -> None:
     with open(path) as f:
         lines = f.readlines()
     # A line cut short by a kill is not JSON; it is after the checkpoint step in any case.
-    kept = [line for line in lines if _record_step(line) is not None and _record_step(line) <= step]
+    kept = [line for line in lines if (at := _record_step(line)) is not None and at <= step]
     if kept != lines:
         with open(path + ".tmp", "w") as f:
             f.writelines(kept)
