@@ -10,6 +10,7 @@ section gets the whole device.
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 import subprocess
 
 
@@ -46,6 +47,11 @@ def nvidia_driver() -> str | None:
         return None
     lines = out.stdout.split()
     return lines[0] if out.returncode == 0 and lines else None
+
+
+def versions() -> dict:
+    """The JAX, jaxlib and Python versions of this interpreter, without importing jax."""
+    return {"jax": version("jax"), "jaxlib": version("jaxlib"), "python": platform.python_version()}
 
 
 def host_facts() -> dict:

@@ -33,8 +33,8 @@ def tokamax_attention(window: int, on_gpu: bool):
     """tokamax's Mosaic GPU attention (sm90 supports the window), or why it cannot run here."""
     try:
         import tokamax
-    except ImportError:
-        return "skipped: tokamax is not importable"
+    except Exception as e:  # noqa: BLE001 — an optional peer that does not import is one line, never a failure
+        return f"skipped: tokamax is not importable ({campaign_process.one_line(e)})"
     if not on_gpu:
         return "skipped: needs a GPU"
     return lambda q, k, v: tokamax.dot_product_attention(

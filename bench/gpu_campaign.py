@@ -3,6 +3,7 @@
     python bench/gpu_campaign.py                          # all sections; ~25 min on one H100
     python bench/gpu_campaign.py --only kernels,checkpoints --overwrite   # rerun sections
     python bench/gpu_campaign.py --dry-run                # every section, tiny, on the CPU
+    python bench/gpu_campaign.py --tiny                   # every section, tiny, on the GPU (smoke test)
 
 Sections (each in its own module, bench/campaign_<name>.py):
   kernels         attention fwd+bwd per (seq, window) and contender, Pallas tiles tuned per
@@ -18,7 +19,9 @@ The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs b
 other versions, the exact command, and per section its status ("ok", "skipped" or "error"
 with one line saying why), its wall time and its numbers. An existing result is never replaced
 without --overwrite; with --only, the sections run replace theirs in an existing result and
-the others are kept (each section records the command that produced it).
+the others are kept (each section records the command that produced it). The file is written
+after every section, so a campaign stopped from outside (a lease's time limit) keeps what it
+finished.
 
 Isolation: this process never starts a JAX backend (that would reserve most of the GPU's
 memory); it probes the device, then runs each section as `bench/campaign_worker.py` in a
@@ -28,7 +31,9 @@ everything is written; 2 for a bad command line, before anything runs.
 
 --dry-run runs every section at tiny shapes on the CPU (JAX's CPU backend, Pallas in interpret
 mode; GPU-only contenders are one line, "skipped: needs a GPU"), writing into a new temporary
-directory, or --out, never into bench/results/ (it measures nothing worth keeping).
+directory, or --out, never into bench/results/ (it measures nothing worth keeping). --tiny runs
+the same tiny shapes on this machine's own backend: a minute-long smoke test of every GPU code
+path before a full campaign spends its time (written like a dry run, never into bench/results/).
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ import campaign_device
 import campaign_plots
 import campaign_process
 import campaign_summary
-from provenance import RESULTS, result_path, write_result  # bench/provenance.py
+from provenance import RESULTS, result_path  # bench/provenance.py
 
 SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
@@ -74,6 +79,8 @@ def parse_args(argv):
                         help=f"run only these sections (repeatable or comma list): {', '.join(SECTIONS)}")
     parser.add_argument("--dry-run", action="store_true",
                         help="every section at tiny shapes on the CPU, written to a temporary directory")
+    parser.add_argument("--tiny", action="store_true",
+                        help="every section at the dry run's tiny shapes on this machine's backend (a GPU smoke test)")
     parser.add_argument("--out", default=None, help="result file (default bench/results/gpu_<device>_<date>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace (or, with --only, update) an existing result")
     parser.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)  # tests only
@@ -113,6 +120,14 @@ def run_piece(name: str, settings: dict, scratch: str) -> dict:
     return {"status": "ok", **record, **result}
 
 
+def save(path: str, result: dict) -> None:
+    """Write the campaign's result (replacing this run's own earlier write of it). The provenance
+    comes from the probe and the installed versions: this process never starts a JAX backend."""
+    with open(path + ".partial", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".partial", path)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -124,8 +139,10 @@ def main(argv=None) -> int:
     if args.dry_run:  # for this process's own provenance too, and inherited by every section
         os.environ["JAX_PLATFORMS"] = "cpu"
         os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), DRY_RUN_XLA_FLAGS]).strip()
-    if args.dry_run and args.out and inside(args.out, RESULTS):
-        print(f"error: --dry-run measures nothing worth keeping; pass an --out outside {os.path.relpath(RESULTS)}/",
+    tiny = args.dry_run or args.tiny
+    if tiny and args.out and inside(args.out, RESULTS):
+        flag = "--dry-run" if args.dry_run else "--tiny"
+        print(f"error: {flag} measures nothing worth keeping; pass an --out outside {os.path.relpath(RESULTS)}/",
               file=sys.stderr)
         return 2
 
@@ -137,12 +154,13 @@ def main(argv=None) -> int:
 
 
 def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
-    probe = run_piece("probe", {"dry_run": args.dry_run}, scratch)
+    tiny = args.dry_run or args.tiny
+    probe = run_piece("probe", {"dry_run": tiny}, scratch)
     if probe["status"] != "ok":
         print(f"error: could not start JAX on this machine: {probe['reason']}", file=sys.stderr)
         return 1
     device = {k: probe[k] for k in ("device_kind", "backend", "device_count", "memory_limit_bytes")}
-    if device["backend"] != "gpu" and not args.dry_run:
+    if device["backend"] != "gpu" and not tiny:
         print(f"error: bench/gpu_campaign.py needs a GPU (JAX backend is {device['backend']!r}); run it on a GPU "
               "machine, or pass --dry-run to exercise every section at tiny shapes on the CPU", file=sys.stderr)
         return 2
@@ -152,7 +170,7 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     if args.out:
         path = args.out
     else:
-        folder = tempfile.mkdtemp(prefix="gpu-campaign-dry-run-") if args.dry_run else RESULTS
+        folder = tempfile.mkdtemp(prefix="gpu-campaign-dry-run-") if tiny else RESULTS
         path = os.path.join(folder, f"{name}.json")
     path = result_path(name, path, args.overwrite)
     sections = {}
@@ -167,18 +185,21 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     png_stem = os.path.splitext(path)[0]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    settings = {"dry_run": args.dry_run, "device": device, "png_stem": png_stem, "fail_sections": fail}
+    settings = {"dry_run": tiny, "device": device, "png_stem": png_stem, "fail_sections": fail}
+    header = {"command": command_line(), "device": device["device_kind"], "devices": device["device_count"],
+              "backend": device["backend"], **campaign_device.versions(), "dry_run": args.dry_run,
+              "tiny": args.tiny, "date": date, **campaign_device.host_facts(),
+              "memory_limit_bytes": device["memory_limit_bytes"]}
     failed = []
     for section in only:
         sections[section] = run_piece(section, settings, scratch)
         if sections[section]["status"] == "error":
             failed.append(section)
             print(f"[{section}] error: {sections[section]['reason']}", flush=True)
-    sections = {s: sections[s] for s in SECTIONS if s in sections}
+        sections = {s: sections[s] for s in SECTIONS if s in sections}
+        save(path, {**header, "sections": sections})  # what is done survives a stop from outside
     pngs, problems = campaign_plots.draw(sections, png_stem)
-    write_result(name, {"dry_run": args.dry_run, "date": date, **campaign_device.host_facts(),
-                        "memory_limit_bytes": device["memory_limit_bytes"], "sections": sections,
-                        "pngs": pngs, "png_problems": problems}, path, args.overwrite)
+    save(path, {**header, "sections": sections, "pngs": pngs, "png_problems": problems})
     print()
     campaign_summary.show(sections, pngs, problems)
     print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
