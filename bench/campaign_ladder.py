@@ -4,7 +4,7 @@
     parallel_block      + the parallel block (one shared LayerNorm)
     sliding_window      + a sliding window (still XLA: the masked scores are all computed)
     fused_attention     + the faster of cuDNN's and the Pallas window attention
-    fused_norm_gelu     + the Pallas LayerNorm and bias+GeLU kernels
+    fused_norm_gelu     + the Pallas LayerNorm and bias+GeLU kernels (kept below only if faster)
     xla_flags           + tuned XLA flags (remat: recorded as not available, config has none)
     lamb_4x_batch       + LAMB at 4x the global batch, by 4 microbatches of gradient accumulation
 
@@ -136,8 +136,14 @@ def climb(ladder: Ladder) -> dict:
         rows.append({"name": "fused_attention", "config": dict(config), "candidates": candidates,
                      "error": "; ".join(f"{c['name']}: {c.get('error') or c.get('skipped')}" for c in candidates)})
 
-    config["model.fused_norm"] = config["model.fused_mlp"] = "true"
-    rows.append(ladder.row("fused_norm_gelu", config))
+    fused = {**config, "model.fused_norm": "true", "model.fused_mlp": "true"}
+    rows.append(ladder.row("fused_norm_gelu", fused))
+    # Kept for the rows above it only where it is faster: a Pallas kernel that loses to XLA's own
+    # fusion is not a technique this configuration should carry into the flags and LAMB rows.
+    rows[-1]["kept"] = measured(rows[-1]) and measured(rows[-2]) and \
+        rows[-1]["tokens_per_s"] > rows[-2]["tokens_per_s"]
+    if rows[-1]["kept"]:
+        config = fused
     rows.append({**ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS), "remat": remat_option()})
 
     # Same memory per microbatch as the row before, four of them per step.
