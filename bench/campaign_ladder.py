@@ -57,6 +57,7 @@ class Ladder:
         (None: the largest the estimate allows)."""
         overrides = row_overrides(self.dry_run, changes, microbatches)
         limit = self.settings["device"]["memory_limit_bytes"]
+        batch = batch or self.settings.get("batch")  # --batch: the same for every row
         if batch is None:
             batch, estimate = campaign_model.pick_batch(overrides, limit, self.dry_run, microbatches)
         else:

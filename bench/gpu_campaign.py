@@ -59,6 +59,7 @@ SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_step
 # (together about 25 min: kernels ~5, ladder ~10, torch ~3, checkpoints ~3, profiled ~1).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
+MEM_FRACTION = "0.90"  # of the GPU's memory for JAX's allocator, unless XLA_PYTHON_CLIENT_MEM_FRACTION is set
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
 # tiny models' steps takes about half as long.
 DRY_RUN_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -81,6 +82,8 @@ def parse_args(argv):
                         help="every section at tiny shapes on the CPU, written to a temporary directory")
     parser.add_argument("--tiny", action="store_true",
                         help="every section at the dry run's tiny shapes on this machine's backend (a GPU smoke test)")
+    parser.add_argument("--batch", type=int, default=None, metavar="N",
+                        help="sequences per microbatch in the training sections (default: the largest the estimate fits)")
     parser.add_argument("--out", default=None, help="result file (default bench/results/gpu_<device>_<date>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace (or, with --only, update) an existing result")
     parser.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)  # tests only
@@ -146,6 +149,11 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
+    if args.batch is not None and args.batch < 1:
+        print(f"error: --batch must be at least 1, got {args.batch}", file=sys.stderr)
+        return 2
+    # Every section is the GPU's only user: JAX may take 90% of its memory, not its default 75%.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections
     try:
         return campaign(args, only, fail, scratch)
@@ -185,11 +193,12 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     png_stem = os.path.splitext(path)[0]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    settings = {"dry_run": tiny, "device": device, "png_stem": png_stem, "fail_sections": fail}
+    settings = {"dry_run": tiny, "device": device, "png_stem": png_stem, "fail_sections": fail, "batch": args.batch}
     header = {"command": command_line(), "device": device["device_kind"], "devices": device["device_count"],
               "backend": device["backend"], **campaign_device.versions(), "dry_run": args.dry_run,
               "tiny": args.tiny, "date": date, **campaign_device.host_facts(),
-              "memory_limit_bytes": device["memory_limit_bytes"]}
+              "memory_limit_bytes": device["memory_limit_bytes"],
+              "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
     failed = []
     for section in only:
         sections[section] = run_piece(section, settings, scratch)
