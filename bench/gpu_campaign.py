@@ -59,7 +59,6 @@ SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_step
 # (together about 25 min: kernels ~5, ladder ~10, torch ~3, checkpoints ~3, profiled ~1).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
-MEM_FRACTION = "0.90"  # of the GPU's memory for JAX's allocator, unless XLA_PYTHON_CLIENT_MEM_FRACTION is set
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
 # tiny models' steps takes about half as long.
 DRY_RUN_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -152,8 +151,6 @@ def main(argv=None) -> int:
     if args.batch is not None and args.batch < 1:
         print(f"error: --batch must be at least 1, got {args.batch}", file=sys.stderr)
         return 2
-    # Every section is the GPU's only user: JAX may take 90% of its memory, not its default 75%.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", MEM_FRACTION)
     scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections
     try:
         return campaign(args, only, fail, scratch)
