@@ -109,6 +109,7 @@ def remat_option() -> str:
 
 
 def run(settings: dict) -> dict:
+    campaign_model.host_only_jax()
     work_dir = tempfile.mkdtemp(prefix="campaign-ladder-")  # the rows' run directories and results
     try:
         return climb(Ladder(settings, work_dir))

@@ -47,6 +47,16 @@ def estimate_bytes(overrides: list[str]) -> float:
     return memory["parameters"] + memory["gradients"] + memory["optimizer"] + residual_bytes(cfg, micro) + logits
 
 
+def host_only_jax() -> None:
+    """Keep this process's JAX on the CPU: a section that only plans (the ladder, whose rows run
+    in processes of their own; the PyTorch peer) must not start the GPU backend, which would
+    reserve 75% of the GPU's memory for nothing. A config setting, so child processes do not
+    inherit it the way they would inherit JAX_PLATFORMS."""
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+
+
 def residual_bytes(cfg, batch: int) -> float:
     """Bytes of the residuals that autodiff keeps from the forward for the backward, `batch`
     sequences, no rematerialisation: traced abstractly (`jax.eval_shape` of `jax.vjp`, nothing

@@ -99,6 +99,7 @@ def run(settings: dict) -> dict:
     except ImportError as e:
         return {"skipped": f"skipped: torch/transformers not importable ({e})"}
     dry_run, found = settings["dry_run"], settings["device"]
+    campaign_model.host_only_jax()
     if not dry_run and not torch.cuda.is_available():  # a CPU build would take an hour at 1.4B parameters
         return {"skipped": f"skipped: torch {torch.__version__} sees no CUDA device"}
     peak = flops.peak_flops(found["device_kind"])
