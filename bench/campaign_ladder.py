@@ -36,7 +36,7 @@ WINDOW = {False: 512, True: 16}  # keyed by dry_run; the dry run's sequence is 6
 TUNED_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                    "--xla_gpu_enable_while_loop_double_buffering=true")
 LAMB_MICROBATCHES = 4
-STEPS = {False: (8, 3), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
+STEPS = {False: (6, 2), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
 ROW_LIMIT_S = {False: 240, True: 120}
 
 
