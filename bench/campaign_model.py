@@ -9,6 +9,7 @@ backward keeps (no rematerialisation); the ladder records it next to the measure
 
 from __future__ import annotations
 
+import functools
 import os
 
 from megascale_jax.config import load_config
@@ -65,14 +66,20 @@ def residual_bytes(cfg, batch: int) -> float:
     keep q, k, v, the output and the softmax statistics)."""
     import dataclasses
 
+    model_cfg = cfg.model
+    if model_cfg.attention == "cudnn":
+        model_cfg = dataclasses.replace(model_cfg, attention="pallas")
+    one, two = _residual_bytes_at_one_and_two(model_cfg)
+    return one + (two - one) * (batch - 1)
+
+
+@functools.lru_cache(maxsize=None)  # a batch search asks once per model, not once per batch
+def _residual_bytes_at_one_and_two(model_cfg) -> tuple[int, int]:
     import jax
     import jax.numpy as jnp
 
     from megascale_jax.model import transformer
 
-    model_cfg = cfg.model
-    if model_cfg.attention == "cudnn":
-        model_cfg = dataclasses.replace(model_cfg, attention="pallas")
     model = transformer.Transformer(model_cfg)
 
     def traced(n: int) -> int:
@@ -85,8 +92,7 @@ def residual_bytes(cfg, batch: int) -> float:
         leaves = jax.tree.leaves(jax.eval_shape(residuals, params, jax.ShapeDtypeStruct(tokens.shape, jnp.int32)))
         return sum(x.size * x.dtype.itemsize for x in leaves)
 
-    one, two = traced(1), traced(2)
-    return one + (two - one) * (batch - 1)
+    return traced(1), traced(2)
 
 
 def pick_batch(overrides: list[str], limit_bytes: float | None, dry_run: bool, microbatches: int = 1

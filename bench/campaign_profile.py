@@ -17,7 +17,7 @@ import campaign_process
 STEPS, PROFILE_EVERY = 6, 2
 TRAIN_LIMIT_S = 400
 # A smaller version of the ladder's model: the section checks the profiler's rows, not speed.
-SHAPE = {False: ["model.layers=4"], True: []}  # keyed by dry_run
+SHAPE = {False: ["model.layers=4"], True: ["model.attention=xla"]}  # keyed by dry_run (cuDNN needs a GPU)
 
 
 def run(settings: dict) -> dict:

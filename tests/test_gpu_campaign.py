@@ -208,6 +208,9 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
         (["--only", "kernels,nosuch"], "error: unknown section 'nosuch'; sections are " + ", ".join(SECTIONS)),
         (["--dry-run", "--out", os.path.join(RESULTS, "x.json")],
          "error: --dry-run measures nothing worth keeping; pass an --out outside bench/results/"),
+        (["--tiny", "--out", os.path.join(RESULTS, "x.json")],
+         "error: --tiny measures nothing worth keeping; pass an --out outside bench/results/"),
+        (["--dry-run", "--batch", "0"], "error: --batch must be at least 1, got 0"),
         (["--out", str(tmp_path / "x.json")],  # no GPU here, and no --dry-run
          "error: bench/gpu_campaign.py needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
          "or pass --dry-run to exercise every section at tiny shapes on the CPU"),

@@ -145,6 +145,27 @@ def memory_estimate(cfg: Config) -> dict:
     return parts
 
 
+def compiled_bytes(analysis) -> int:
+    """Bytes a compiled program holds at its peak by XLA's buffer assignment (`memory_analysis()`):
+    its arguments, its outputs that do not reuse a donated argument, its temporaries and code."""
+    return (analysis.argument_size_in_bytes + analysis.output_size_in_bytes - analysis.alias_size_in_bytes
+            + analysis.temp_size_in_bytes + analysis.generated_code_size_in_bytes)
+
+
+def check_compiled_fits(analysis, limit_bytes: Optional[float], where: str) -> None:
+    """Refuse (ConfigError, one line) a compiled step that needs more than `limit_bytes`."""
+    if analysis is None or limit_bytes is None:
+        return
+    needed = compiled_bytes(analysis)
+    if needed <= limit_bytes:
+        return
+    raise ConfigError(
+        f"the compiled train step needs {format_bytes(needed)} per device (XLA's buffer assignment: "
+        f"{format_bytes(analysis.temp_size_in_bytes)} of temporaries), more than the {format_bytes(limit_bytes)} "
+        f"of {where}; lower train.global_batch, raise parallel.microbatches, use model.attention=cudnn, or "
+        "shard over more devices")
+
+
 def check_fits(cfg: Config, limit_bytes: Optional[float], devices_sharing: int = 1, where: str = "device") -> None:
     """Refuse (ConfigError) a config whose `memory_estimate` cannot fit: before compiling, not as a
     RESOURCE_EXHAUSTED after it. `devices_sharing` devices draw on the same `limit_bytes` (the

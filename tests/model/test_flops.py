@@ -227,3 +227,25 @@ def test_parameter_estimate_matches_the_real_per_device_shards(layout):
     real = sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
                for x in jax.tree.leaves(trainer.abstract_params))
     assert flops.memory_estimate(cfg)["parameters"] == pytest.approx(real, rel=0.02)
+
+
+def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
+    """The pre-flight check on XLA's own buffer assignment (train.check_compiled_memory): a step
+    whose compiled peak exceeds the limit is refused naming both sizes; one that fits passes."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from megascale_jax.config import ConfigError
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 512)), jnp.float32)
+    analysis = jax.jit(lambda a: jnp.tanh(a @ a.T) @ a).lower(x).compile().memory_analysis()
+    needed = flops.compiled_bytes(analysis)
+    # At least the argument and the (256, 512) float32 result, held side by side (no donation).
+    assert needed >= 2 * x.nbytes
+    flops.check_compiled_fits(analysis, needed, "a test device")  # exactly fits: no error
+    flops.check_compiled_fits(analysis, None, "a test device")  # no limit known: no check
+    with pytest.raises(ConfigError) as e:
+        flops.check_compiled_fits(analysis, needed - 1, "a test device")
+    message = str(e.value)
+    assert "\n" not in message and flops.format_bytes(needed) in message and "a test device" in message
+    assert "train.global_batch" in message
