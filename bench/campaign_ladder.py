@@ -5,7 +5,8 @@
     sliding_window      + a sliding window (still XLA: the masked scores are all computed)
     fused_attention     + the faster of cuDNN's and the Pallas window attention
     fused_norm_gelu     + the Pallas LayerNorm and bias+GeLU kernels (kept below only if faster)
-    xla_flags           + tuned XLA flags (remat: recorded as not available, config has none)
+    xla_flags           + tuned XLA flags
+    remat               + model.remat=dots at the largest batch that then fits (kept below only if faster)
     lamb_4x_batch       + LAMB at 4x the global batch, by 4 microbatches of gradient accumulation
 
 Each row is `bench/train_step.py` in its own process (`campaign_process`): XLA reads XLA_FLAGS
@@ -52,12 +53,14 @@ class Ladder:
         return self.settings["dry_run"]
 
     def row(self, name: str, changes: dict, microbatches: int = 1, batch: int | None = None,
-            xla_flags: tuple = ()) -> dict:
+            xla_flags: tuple = (), largest: bool = False) -> dict:
         """Measure one row with `changes` as config overrides; `batch` sequences per microbatch
-        (None: the largest the estimate allows)."""
+        (None: the campaign's --batch, else the largest the estimate allows; `largest`: the
+        largest, whatever --batch says)."""
         overrides = row_overrides(self.dry_run, changes, microbatches)
         limit = self.settings["device"]["memory_limit_bytes"]
-        batch = batch or self.settings.get("batch")  # --batch: the same for every row
+        if not largest:
+            batch = batch or self.settings.get("batch")  # --batch: the same for every row
         if batch is None:
             batch, estimate = campaign_model.pick_batch(overrides, limit, self.dry_run, microbatches)
         else:
@@ -97,15 +100,9 @@ def measured(row: dict) -> bool:
     return "tokens_per_s" in row
 
 
-def remat_option() -> str:
-    """What the xla_flags row records about rematerialisation, read from the config's keys, so
-    the record stays true once a remat option exists (this ladder does not vary it)."""
-    from megascale_jax.config import Config
-
-    keys = [f"{s.name}.{k.name}" for s in dataclasses.fields(Config)
-            for k in dataclasses.fields(s.default_factory()) if "remat" in k.name]
-    return f"not varied (config has {', '.join(keys)})" if keys else \
-        "not available: megascale_jax/config.py has no remat option"
+def faster(row: dict, before: dict) -> bool:
+    """Whether `row` beat the row before it (both measured): the condition for keeping its change."""
+    return measured(row) and measured(before) and row["tokens_per_s"] > before["tokens_per_s"]
 
 
 def run(settings: dict) -> dict:
@@ -142,15 +139,21 @@ def climb(ladder: Ladder) -> dict:
     rows.append(ladder.row("fused_norm_gelu", fused))
     # Kept for the rows above it only where it is faster: a Pallas kernel that loses to XLA's own
     # fusion is not a technique this configuration should carry into the flags and LAMB rows.
-    rows[-1]["kept"] = measured(rows[-1]) and measured(rows[-2]) and \
-        rows[-1]["tokens_per_s"] > rows[-2]["tokens_per_s"]
+    rows[-1]["kept"] = faster(rows[-1], rows[-2])
     if rows[-1]["kept"]:
         config = fused
-    rows.append({**ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS), "remat": remat_option()})
+    rows.append(ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS))
+    # Rematerialisation trades recomputed FLOPs for memory; it pays only where the memory buys a
+    # larger batch that runs faster, so the row takes the largest batch the estimate then allows.
+    remat = {**config, "model.remat": "dots"}
+    rows.append(ladder.row("remat", remat, xla_flags=TUNED_XLA_FLAGS, largest=True))
+    rows[-1]["kept"] = faster(rows[-1], rows[-2])
+    if rows[-1]["kept"]:
+        config = remat
 
-    # Same memory per microbatch as the row before, four of them per step.
-    config["optim.name"] = "lamb"
-    before = rows[-1]["batch"] or 1
+    # Same memory per microbatch as the configuration carried this far, four of them per step.
+    config = {**config, "optim.name": "lamb"}
+    before = (rows[-1] if rows[-1]["kept"] else rows[-2])["batch"] or 1
     rows.append(ladder.row("lamb_4x_batch", config, microbatches=LAMB_MICROBATCHES, batch=before,
                            xla_flags=TUNED_XLA_FLAGS))
     return {"config": os.path.relpath(campaign_model.CONFIG, campaign_model.REPO), "window": WINDOW[dry_run],

@@ -46,7 +46,6 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
               f"{format_bytes(peak) if peak else 'n/a':>11}{estimate}"
               f"{number(peer.get('tokens_per_s'), '.0f', 13) if peer else ''}"
               + (f"  ({outcome(peer)})" if peer and outcome(peer) else ""))
-    print("remat: " + next(r["remat"] for r in section["rows"] if "remat" in r))
 
 
 def checkpoints(section: dict) -> None:

@@ -65,6 +65,10 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
+    # What each layer's backward recomputes instead of storing (transformer.REMAT_POLICIES):
+    # none stores everything; dots keeps the matmul outputs and recomputes norms, GeLU and the
+    # attention softmax; full keeps only each layer's input and reruns the layer.
+    remat: Literal["none", "dots", "full"] = "none"
 
     @property
     def head_dim(self) -> int:

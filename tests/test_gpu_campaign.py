@@ -23,7 +23,7 @@ import campaign_model  # noqa: E402
 
 SECTIONS = ["kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps"]
 LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
-               "xla_flags", "lamb_4x_batch"]
+               "xla_flags", "remat", "lamb_4x_batch"]
 TIMED_CONTENDERS = {"xla_dense_causal", "xla_window", "pallas_window"}  # the ones that run on the CPU
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -114,10 +114,14 @@ def test_dry_run_ladder_rows(runs):
     assert fused["config"]["model.attention"] == "pallas" and candidates["fused_attention_pallas"]["tokens_per_s"] > 0
     assert by_name["fused_norm_gelu"]["config"]["model.attention"] == "pallas"  # the next rows keep the winner
     assert by_name["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
-    assert by_name["xla_flags"]["remat"].startswith("not available")
+    remat = by_name["remat"]
+    assert remat["config"]["model.remat"] == "dots" and remat["kept"] == (
+        remat["tokens_per_s"] > by_name["xla_flags"]["tokens_per_s"])
     lamb = by_name["lamb_4x_batch"]
+    before = remat if remat["kept"] else by_name["xla_flags"]  # the rows below carry remat only if it won
     assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
-    assert lamb["global_batch"] == 4 * by_name["xla_flags"]["global_batch"]
+    assert lamb["config"].get("model.remat") == before["config"].get("model.remat")
+    assert lamb["global_batch"] == 4 * before["global_batch"]
 
 
 @pytest.mark.slow

@@ -110,8 +110,9 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
-    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations. Activations
-    assume no rematerialisation. With pp > 1 they follow the pipeline table: its stash slots per
+    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations (see
+    `model.remat` below; XLA stores 2-5x these values without it, which the compiled check in
+    train.check_compiled_memory catches on GPUs). With pp > 1 they follow the pipeline table: its stash slots per
     stage (flat in m for 1F1B, m·v for gpipe) each hold one chunk's input (`pp_stash=inputs`, plus
     one chunk's residuals live while its backward recomputes it) or one chunk's residuals and
     output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""
@@ -130,11 +131,15 @@ def memory_estimate(cfg: Config) -> dict:
     per_layer = tokens * m.d_model * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / mesh.tp)
     if m.attention == "xla":
         per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
+    # model.remat=full keeps only each layer's input, plus one layer's activations while its
+    # backward recomputes it; dots is counted as none (an upper bound).
+    kept = tokens * m.d_model if m.remat == "full" else per_layer
+    working = per_layer if m.remat == "full" else 0
     if mesh.pp == 1:
-        values = m.layers * per_layer
+        values = m.layers * kept + working
     else:
         slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
-        chunk = m.layers // (mesh.pp * par.pp_virtual) * per_layer
+        chunk = m.layers // (mesh.pp * par.pp_virtual) * kept + working
         chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
         values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
     activations = values * _DTYPE_BYTES[m.dtype]

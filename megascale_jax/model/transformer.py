@@ -160,10 +160,19 @@ class Block(nn.Module):
         return _constrain(y, ("batch", "act_seq", "embed")), None
 
 
-def scanned_blocks(length: int):
-    """`length` stacked layers as one module: `(x, None) -> (x, None)`."""
+# model.remat -> what a layer's forward keeps for its backward (None: everything autodiff saves).
+# dots: matmul outputs without batch dimensions (the projections and MLP matmuls, not attention's
+# batched score products), the usual choice when memory, not FLOPs, limits the batch.
+REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                  "full": jax.checkpoint_policies.nothing_saveable}
+
+
+def scanned_blocks(length: int, remat: str = "none"):
+    """`length` stacked layers as one module: `(x, None) -> (x, None)`, each layer rematerialised
+    per `remat` (a ModelConfig.remat value)."""
+    block = Block if remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return nn.scan(
-        Block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+        block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
         metadata_params={nn.PARTITION_NAME: "layers"})
 
 
@@ -175,7 +184,7 @@ def embed_tokens(cfg: ModelConfig, embed, tokens):
 def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = ParallelConfig()):
     """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk."""
     length = jax.tree.leaves(layer_params)[0].shape[0]
-    return scanned_blocks(length)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
+    return scanned_blocks(length, cfg.remat)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
 
 
 def project_vocab(cfg: ModelConfig, x, head):
@@ -207,7 +216,7 @@ class Transformer(nn.Module):
         c = self.cfg
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
         x = embed_tokens(c, embed, tokens)
-        x, _ = scanned_blocks(c.layers)(c, self.parallel, name="layers")(x, None)
+        x, _ = scanned_blocks(c.layers, c.remat)(c, self.parallel, name="layers")(x, None)
         x = Norm(c, name="final_norm")(x)
         head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
         return project_vocab(c, x, head)

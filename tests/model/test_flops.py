@@ -249,3 +249,18 @@ def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
     message = str(e.value)
     assert "\n" not in message and flops.format_bytes(needed) in message and "a test device" in message
     assert "train.global_batch" in message
+
+
+def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
+    """model.remat=full: each layer keeps only its (tokens, d_model) input, and one layer's full
+    activations are live while its backward recomputes it. By hand for SMALL (8 sequences of 4
+    tokens, d 8, 2 layers, float32, xla attention with 2 heads): one layer stores (5 + 12) values
+    per token and element of d plus 2 score values per (head, query, key)."""
+    cfg = Config(model=dataclasses.replace(SMALL, remat="full"), train=TrainConfig(global_batch=8))
+    tokens, d, layers = 8 * 4, 8, 2
+    one_layer = tokens * d * (5 + 12) + 8 * 2 * 4 * 4 * 2
+    logits = tokens * 16 * 4  # fp32 logits of the vocab of 16
+    expected = (layers * tokens * d + one_layer) * 4 + logits
+    assert flops.memory_estimate(cfg)["activations"] == expected
+    stored = flops.memory_estimate(Config(model=SMALL, train=TrainConfig(global_batch=8)))["activations"]
+    assert stored == layers * one_layer * 4 + logits  # no remat: every layer's activations
