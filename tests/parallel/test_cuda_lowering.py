@@ -40,6 +40,7 @@ LAYOUTS = {
                              "parallel.sequence_parallel=true"],
     "tp-xla": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=xla"],
     "pp2-1f1b": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.pp_schedule=1f1b", "parallel.microbatches=2"],
+    "tp-none-remat": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=none", "model.remat=dots"],
 }
 TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"
 
