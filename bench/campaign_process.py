@@ -77,9 +77,14 @@ def run(command: list[str], *, env: dict, limit_s: float, prefix: str) -> Finish
 
 
 def one_line(error: BaseException) -> str:
-    """An exception as one line: its type and the first line of its message."""
-    text = str(error).strip()
-    return f"{type(error).__name__}: {text.splitlines()[0][:300]}" if text else type(error).__name__
+    """An exception as one line: its type and the first line of its message. A first line that
+    only introduces what follows (Triton's "at 21:12:", then source, then the cause) is joined
+    to the message's last line, where such errors name their cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(error).__name__
+    text = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return f"{type(error).__name__}: {text[:300]}"
 
 
 def python(script: str, *args: str) -> list[str]:

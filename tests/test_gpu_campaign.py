@@ -243,3 +243,18 @@ def test_a_row_that_cannot_fit_is_recorded_without_starting_it(tmp_path):
     assert row["error"] == (f"does not fit: estimate {campaign_model.flops.format_bytes(needed)} > limit 921.6 MiB "
                             "(90% of 1.0 GiB)")
     assert not os.listdir(tmp_path)  # never started: no row result was written
+
+
+def test_an_error_whose_first_line_is_a_header_keeps_its_cause():
+    """Triton's CompilationError starts "at 21:12:", then source, then the cause: the campaign's
+    one line must name the cause (the H200 run recorded only "CompilationError: at 21:12:")."""
+    import campaign_process
+
+    class CompilationError(Exception):
+        pass
+
+    triton = CompilationError("at 21:12:\n    acc = tl.dot(q, k)\n            ^\nValueError('shape mismatch: 64 vs 128')")
+    assert campaign_process.one_line(triton) == \
+        "CompilationError: at 21:12: ... ValueError('shape mismatch: 64 vs 128')"
+    assert campaign_process.one_line(RuntimeError("out of memory\ndetails")) == "RuntimeError: out of memory"
+    assert campaign_process.one_line(KeyError()) == "KeyError"
