@@ -167,3 +167,21 @@ def test_bad_input_is_one_line_and_exit_2(capsys, extra, message):
     code, out, err = run(capsys, *argv)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_a_window_saves_time_only_with_a_fused_attention_kernel(capsys):
+    """XLA attention computes every score and masks it, so a window saves it nothing (H200,
+    bench/results/gpu_nvidia_h200_2026-11-23.json: 0.331 s/step with a 512 window, 0.335 s
+    without); a fused kernel skips the blocks outside the window."""
+    base = ["--config", str(REPO / "configs" / "gpt_1b.yaml"), "--gpus", "1", "--gpu", "h200", "--json",
+            "train.global_batch=4", "parallel.microbatches=1"]
+
+    def iteration(*overrides):
+        code, out, err = run(capsys, *base, *overrides)
+        assert code == 0, err
+        return json.loads(out)["iteration_s"]
+
+    assert iteration("model.attention=xla", "model.window=512") == pytest.approx(
+        iteration("model.attention=xla", "model.window=null"), rel=1e-12)
+    assert iteration("model.attention=cudnn", "model.window=512") < iteration("model.attention=cudnn",
+                                                                              "model.window=null")
