@@ -60,7 +60,9 @@ def from_config(cfg: Config, gpus: int) -> Workload:
     """This project's run of `cfg` on `gpus` GPUs (dp = gpus / (tp·pp)).
 
     * Recompute: the pipeline's default `pp_stash=inputs` reruns each chunk's forward in its
-      backward ("full"); `residuals` and pp = 1 recompute nothing.
+      backward ("full"); `residuals` and pp = 1 recompute nothing, unless `model.remat` asks:
+      full reruns each layer ("full"), dots reruns its norms, GeLU and softmax ("selective",
+      which this planner prices as the attention and its score pass).
     * Overlap: pipeline sends are asynchronous ppermutes; at pp > 1 each chunk's dp reduction runs
       inside the tick loop's cool-down ("backward"); at pp = 1 the gradients are reduced after
       the backward. Collective matmul (`tp_overlap=collective_matmul`) hides tp transfers.
@@ -71,7 +73,8 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         mlp_dim=m.mlp_dim, vocab=m.vocab, seq_len=m.seq_len, window=m.window, block=m.block,
         global_batch=cfg.train.global_batch, gpus=gpus, tp=mesh.tp, pp=mesh.pp, virtual=par.pp_virtual,
         microbatches=par.microbatches, schedule=par.pp_schedule,
-        recompute="full" if mesh.pp > 1 and par.pp_stash == "inputs" else "none",
+        recompute="full" if m.remat == "full" or (mesh.pp > 1 and par.pp_stash == "inputs")
+        else "selective" if m.remat == "dots" else "none",
         sequence_parallel=par.sequence_parallel, zero1=par.zero1,
         fused_attention=m.attention in ("cudnn", "pallas"),
         tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
