@@ -206,7 +206,9 @@ def test_two_processes_straggler_then_hang(tmp_path):
             assert time.time() < deadline, "rank 1 never dispatched the step rank 0 stopped at"
             time.sleep(0.5)
     finally:
-        for p in procs:
+        # Running rank 1 first: killed after rank 0, it can see rank 0's sockets close and record
+        # itself "failed" before its own SIGKILL lands (seen once in CI). Stopped rank 0 cannot react.
+        for p in reversed(procs):
             p.send_signal(signal.SIGKILL)
             p.wait(timeout=60)
 
