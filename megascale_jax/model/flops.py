@@ -126,6 +126,25 @@ def memory_estimate(cfg: Config) -> dict:
     params = (m.layers // mesh.pp * layer_params(m) + edge) / mesh.tp
     optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
 
+    tokens = cfg.train.global_batch // (mesh.dp * par.microbatches) * m.seq_len
+    chunk, chunk_io = _chunk_values(cfg)
+    if mesh.pp == 1:
+        values = chunk
+    else:
+        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
+        values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
+    activations = values * _DTYPE_BYTES[m.dtype]
+    activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
+    parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
+             "activations": activations}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def _chunk_values(cfg: Config) -> tuple[float, float]:
+    """(values one pipeline chunk stores for its backward, values of one microbatch's activation
+    passed between chunks), per device for one microbatch; at pp = 1 the chunk is every layer."""
+    m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
     tokens = micro_seqs * m.seq_len
     per_layer = tokens * m.d_model * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / mesh.tp)
@@ -135,19 +154,15 @@ def memory_estimate(cfg: Config) -> dict:
     # backward recomputes it; dots is counted as none (an upper bound).
     kept = tokens * m.d_model if m.remat == "full" else per_layer
     working = per_layer if m.remat == "full" else 0
-    if mesh.pp == 1:
-        values = m.layers * kept + working
-    else:
-        slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
-        chunk = m.layers // (mesh.pp * par.pp_virtual) * kept + working
-        chunk_io = tokens * m.d_model  # one microbatch's activation between chunks
-        values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
-    activations = values * _DTYPE_BYTES[m.dtype]
-    activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
-    parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
-             "activations": activations}
-    parts["total"] = sum(parts.values())
-    return parts
+    return m.layers // (mesh.pp * par.pp_virtual) * kept + working, tokens * m.d_model
+
+
+def stash_slot_bytes(cfg: Config) -> float:
+    """Bytes one pipeline stash slot holds on a device: one microbatch's chunk input
+    (`pp_stash=inputs`), or that plus the chunk's residuals (`pp_stash=residuals`)."""
+    chunk, chunk_io = _chunk_values(cfg)
+    slot = chunk_io if cfg.parallel.pp_stash == "inputs" else chunk + chunk_io
+    return slot * _DTYPE_BYTES[cfg.model.dtype]
 
 
 def compiled_bytes(analysis) -> int:

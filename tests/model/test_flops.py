@@ -264,3 +264,22 @@ def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
     assert flops.memory_estimate(cfg)["activations"] == expected
     stored = flops.memory_estimate(Config(model=SMALL, train=TrainConfig(global_batch=8)))["activations"]
     assert stored == layers * one_layer * 4 + logits  # no remat: every layer's activations
+
+
+def test_stash_slot_bytes_by_hand_and_the_activations_they_add_up_to():
+    """SMALL with 8 layers on pp=4, 2 sequences of 4 tokens per microbatch, float32, xla attention.
+    A slot holds one microbatch's chunk input (8 tokens x d 8) with pp_stash=inputs, and also the
+    chunk's residuals (2 layers x (8 x 8 x 17 values + 2 seqs x 2 heads x 4 x 4 scores x 2)) with
+    pp_stash=residuals."""
+    def cfg(stash):
+        return Config(model=dataclasses.replace(SMALL, layers=8), mesh=MeshConfig(pp=4), train=TrainConfig(global_batch=8),
+                      parallel=ParallelConfig(pp_schedule="1f1b", microbatches=4, pp_stash=stash))
+
+    chunk_input = 8 * 8
+    chunk = 2 * (8 * 8 * (5 + 12) + 2 * 2 * 4 * 4 * 2)
+    assert flops.stash_slot_bytes(cfg("inputs")) == chunk_input * 4
+    assert flops.stash_slot_bytes(cfg("residuals")) == (chunk + chunk_input) * 4
+    slots = flops.pipeline_schedule.build("1f1b", 4, 1, 4).slots
+    logits = 8 * 16 * 4
+    assert flops.memory_estimate(cfg("inputs"))["activations"] == slots * chunk_input * 4 + chunk * 4 + logits
+    assert flops.memory_estimate(cfg("residuals"))["activations"] == slots * (chunk + chunk_input) * 4 + logits
