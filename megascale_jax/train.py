@@ -32,7 +32,7 @@ from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.training import checkpoint, data
+from megascale_jax.training import checkpoint, data, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
@@ -451,6 +451,8 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
         try:
             os.makedirs(run_dir, exist_ok=True)
             save_config(cfg, run_dirs.config_path(run_dir))
+            if cfg.data.source == "tokens":  # which tokenizer the token ids mean, when it is known
+                tokenizer.record_in_run_dir(cfg.data.path, run_dir)
         except OSError as e:
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     except ConfigError:

@@ -1,0 +1,111 @@
+"""A byte-level BPE tokenizer trained on a local corpus, and the flat token file that
+`data.source=tokens` reads (`python -m megascale_jax.tokenize`).
+
+Byte-level (GPT-2 style, Hugging Face `tokenizers`): every byte has a token, so any text
+encodes and `decode(encode(text)) == text` exactly. Documents (the input files) are separated by
+END_OF_TEXT, as GPT-2 does. Token ids are written as one flat uint16 file (uint32 above 65,536
+tokens) beside `tokenizer.json` and `tokens.json`, which records the dtype, the vocabulary and the
+tokenizer file's SHA-256; a run on the token file copies these into its run directory
+(`record_in_run_dir`). Nothing here touches the network.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+
+import numpy as np
+
+END_OF_TEXT = "<|endoftext|>"
+TOKENIZER_FILE, TOKENS_FILE, META_FILE = "tokenizer.json", "tokens.bin", "tokens.json"
+MIN_VOCAB = 256 + 1  # every byte, and END_OF_TEXT
+
+
+class TokenizerError(ValueError):
+    """A user mistake (no input files, a vocabulary too small, an output that exists): one line."""
+
+
+def input_files(pattern: str) -> list[str]:
+    paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    if not paths:
+        raise TokenizerError(f"--input {pattern!r} matches no files; pass a glob of local text files")
+    if not any(os.path.getsize(p) for p in paths):
+        raise TokenizerError(f"--input {pattern!r}: all {len(paths)} matched files are empty")
+    return paths
+
+
+def check_vocab(vocab: int) -> None:
+    if vocab < MIN_VOCAB:
+        raise TokenizerError(f"--vocab {vocab} is below {MIN_VOCAB} (256 bytes and {END_OF_TEXT}); raise it")
+    if vocab > 1 << 32:
+        raise TokenizerError(f"--vocab {vocab} does not fit the uint32 token file; lower it")
+
+
+def train_bpe(paths: list[str], vocab: int):
+    """A byte-level BPE of `vocab` tokens (bytes, END_OF_TEXT, then merges) trained on `paths`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    check_vocab(vocab)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[END_OF_TEXT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train(paths, trainer)
+    return tokenizer
+
+
+def encode_files(tokenizer, paths: list[str]) -> np.ndarray:
+    """The files' token ids, END_OF_TEXT after each, as one flat array of the smallest dtype."""
+    eos = tokenizer.token_to_id(END_OF_TEXT)
+    ids: list[int] = []
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            ids.extend(tokenizer.encode(f.read()).ids)
+        ids.append(eos)
+    return np.asarray(ids, dtype=token_dtype(tokenizer.get_vocab_size()))
+
+
+def token_dtype(vocab: int) -> str:
+    return "uint16" if vocab <= 1 << 16 else "uint32"
+
+
+def write(out_dir: str, tokenizer, tokens: np.ndarray, paths: list[str], overwrite: bool = False) -> dict:
+    """tokenizer.json, tokens.bin and tokens.json in `out_dir`; an existing one is kept unless
+    `overwrite`. Returns the metadata written to tokens.json."""
+    targets = [os.path.join(out_dir, name) for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE)]
+    existing = [t for t in targets if os.path.exists(t)]
+    if existing and not overwrite:
+        raise TokenizerError(f"{existing[0]} exists; pass --overwrite to replace it, or another --out")
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save(targets[0])
+    tokens.tofile(targets[1])
+    meta = {"vocab": tokenizer.get_vocab_size(), "token_dtype": str(tokens.dtype), "tokens": int(tokens.size),
+            "end_of_text": tokenizer.token_to_id(END_OF_TEXT), "files": len(paths),
+            "tokenizer_sha256": sha256(targets[0])}
+    with open(targets[2], "w") as f:
+        json.dump(meta, f, indent=1)
+    return meta
+
+
+def sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def record_in_run_dir(token_file: str, run_dir: str) -> bool:
+    """Copy the tokenizer that wrote `token_file` (tokenizer.json and tokens.json beside it) into
+    `run_dir`/tokenizer/, so the run says which tokenizer its token ids mean. False when the
+    token file has no tokenizer beside it (made elsewhere)."""
+    source = os.path.dirname(os.path.abspath(token_file))
+    files = [os.path.join(source, name) for name in (TOKENIZER_FILE, META_FILE)]
+    if not all(os.path.isfile(f) for f in files):
+        return False
+    target = os.path.join(run_dir, "tokenizer")
+    os.makedirs(target, exist_ok=True)
+    for f in files:
+        shutil.copyfile(f, os.path.join(target, os.path.basename(f)))
+    return True

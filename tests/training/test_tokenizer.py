@@ -1,0 +1,90 @@
+"""`python -m megascale_jax.tokenize` as a user runs it (a scratch directory, relative paths):
+the byte-level BPE round-trips every file of the corpus, the token file holds exactly what the
+`tokenizers` library encodes, a run on it trains and records the tokenizer in its run directory,
+and mistakes are one line with exit 2."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[interop]')")
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = ["the", "model", "attention", "window", "pipeline", "tensor", "gradient", "naïve", "über", "日本語",
+         "émigré", "x = f(y) + 1;", "\t", "  ", "\n", "ß", "🙂"]
+
+
+def run(module: str, *args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Six seeded random text files (unicode, code, odd whitespace) under corpus/, tokenized into
+    tok/ with a 400-token vocabulary."""
+    work = tmp_path_factory.mktemp("tokenize")
+    rng = np.random.default_rng(0)
+    (work / "corpus" / "sub").mkdir(parents=True)
+    texts = {}
+    for i in range(6):
+        name = f"corpus/{'sub/' if i % 2 else ''}doc{i}.txt"
+        texts[name] = " ".join(rng.choice(WORDS, size=400)) + ("" if i % 3 else "\n")
+        (work / name).write_text(texts[name], encoding="utf-8")
+    done = run("megascale_jax.tokenize", "--input", "corpus/**/*.txt", "--vocab", "400", "--out", "tok", cwd=work)
+    return work, texts, done
+
+
+def test_round_trip_and_the_token_file_holds_what_tokenizers_encodes(corpus):
+    work, texts, done = corpus
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((work / "tok" / "tokens.json").read_text())
+    assert meta["token_dtype"] == "uint16" and meta["files"] == 6 and 257 <= meta["vocab"] <= 400
+    tok = tokenizers.Tokenizer.from_file(str(work / "tok" / "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    expected = []
+    for name in sorted(texts, key=lambda n: str(work / n)):  # the files in glob's sorted order
+        ids = tok.encode(texts[name]).ids
+        assert tok.decode(ids) == texts[name]  # byte-level: every file decodes to itself
+        assert len(ids) < len(texts[name].encode("utf-8"))  # the merges compress
+        expected += ids + [eos]
+    tokens = np.fromfile(work / "tok" / "tokens.bin", dtype=np.uint16)
+    np.testing.assert_array_equal(tokens, expected)
+    assert meta["tokens"] == len(expected) and meta["end_of_text"] == eos
+    assert f"data.source=tokens data.path={os.path.join('tok', 'tokens.bin')} data.token_dtype=uint16" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_run_on_the_token_file_trains_and_records_its_tokenizer(corpus):
+    work, _, done = corpus
+    meta = json.loads((work / "tok" / "tokens.json").read_text())
+    trained = run("megascale_jax.train", "--run-dir", "run", "data.source=tokens", "data.path=tok/tokens.bin",
+                  f"model.vocab={meta['vocab']}", "model.seq_len=32", "train.global_batch=8", "train.steps=3",
+                  "model.layers=1", "model.d_model=32", "mesh.dp=1", "mesh.tp=1", "checkpoint.every=0",
+                  "train.eval_every=0", cwd=work)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    recorded = work / "run" / "tokenizer"
+    assert (recorded / "tokenizer.json").read_bytes() == (work / "tok" / "tokenizer.json").read_bytes()
+    assert json.loads((recorded / "tokens.json").read_text()) == meta
+
+
+def test_bad_input_is_one_line_and_exit_2_and_nothing_is_replaced(corpus):
+    work, _, _ = corpus
+    before = (work / "tok" / "tokens.bin").read_bytes()
+    for args, message in [
+        (["--input", "nowhere/*.txt", "--vocab", "400", "--out", "x"],
+         "error: --input 'nowhere/*.txt' matches no files; pass a glob of local text files"),
+        (["--input", "corpus/**/*.txt", "--vocab", "100", "--out", "x"],
+         "error: --vocab 100 is below 257 (256 bytes and <|endoftext|>); raise it"),
+        (["--input", "corpus/**/*.txt", "--vocab", "400", "--out", "tok"],
+         f"error: {os.path.join('tok', 'tokenizer.json')} exists; pass --overwrite to replace it, or another --out"),
+    ]:
+        done = run("megascale_jax.tokenize", *args, cwd=work)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], (args, done.stderr)
+    assert (work / "tok" / "tokens.bin").read_bytes() == before and not (work / "x").exists()
