@@ -4,7 +4,8 @@ On a GPU it is configs/gpt_1b.yaml (1.4B parameters, seq 2048, bf16); in --dry-r
 config shrunk to a few layers of width 64, so that every code path runs on the CPU in seconds.
 The batch is chosen before anything is compiled (`estimate_bytes`): the largest batch whose
 estimate fits in HEADROOM of the device's memory limit. The estimate traces the residuals the
-backward keeps (no rematerialisation); the ladder records it next to the measured peak.
+backward keeps (as the row's model.remat leaves them); the ladder records it next to the
+measured peak.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def host_only_jax() -> None:
 
 def residual_bytes(cfg, batch: int) -> float:
     """Bytes of the residuals that autodiff keeps from the forward for the backward, `batch`
-    sequences, no rematerialisation: traced abstractly (`jax.eval_shape` of `jax.vjp`, nothing
+    sequences, under the config's model.remat: traced abstractly (`jax.eval_shape` of `jax.vjp`, nothing
     runs) at one and two sequences, which fixes the line a + b·batch they lie on. cuDNN's
     attention cannot be traced without a GPU; the Pallas kernel's residuals stand in for it (both
     keep q, k, v, the output and the softmax statistics)."""

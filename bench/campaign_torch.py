@@ -107,8 +107,9 @@ def run(settings: dict) -> dict:
     for row, family in PEERS.items():
         changes = campaign_ladder.BASELINE | ({"model.block": "parallel"} if row == "parallel_block" else {})
         overrides = campaign_ladder.row_overrides(dry_run, changes)
-        batch, estimate = campaign_model.pick_batch(overrides, found["memory_limit_bytes"], dry_run)
-        batch = settings.get("batch") or batch  # --batch: the ladder's rows ran at it too
+        batch = settings.get("batch")  # --batch: the ladder's rows ran at it too
+        if batch is None:
+            batch, estimate = campaign_model.pick_batch(overrides, found["memory_limit_bytes"], dry_run)
         if batch is None:
             rows.append({"row": row, "family": family,
                          "error": campaign_model.does_not_fit(estimate, found["memory_limit_bytes"])})

@@ -20,7 +20,6 @@ from typing import Optional, Sequence
 
 from megascale_jax import cli
 from megascale_jax.config import ConfigError, load_config, validate
-from megascale_jax.model import flops
 from megascale_jax.model.flops import format_bytes
 from megascale_jax.planner import calibration
 from megascale_jax.planner.search import Plan, family, plan, search
@@ -43,8 +42,7 @@ def as_json(p: Plan) -> dict:
     pr = p.prediction
     return {"layout": layout_name(p), "iteration_s": pr.iteration_s, "mfu": pr.mfu, "tokens_per_s": pr.tokens_per_s,
             "breakdown": pr.breakdown, "memory_gib": {k: v / GIB for k, v in p.memory.items()},
-            "stash_slots": p.stash_slots,
-            "stash_slot_gib": flops.stash_slot_bytes(p.cfg) / GIB if p.stash_slots else 0.0, "fits": p.fits}
+            "stash_slots": p.stash_slots, "stash_slot_gib": p.stash_slot_bytes / GIB, "fits": p.fits}
 
 
 def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
@@ -56,7 +54,7 @@ def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
              "breakdown:"]
     lines += [f"  {k:<10} {v:9.3f} s  {v / pr.iteration_s:6.1%}" for k, v in pr.breakdown.items()]
     lines.append("memory per device:" + (f" (pipeline stash: {p.stash_slots} slots per stage of "
-                                         f"{format_bytes(flops.stash_slot_bytes(p.cfg))} each)" if p.stash_slots else ""))
+                                         f"{format_bytes(p.stash_slot_bytes)} each)" if p.stash_slots else ""))
     lines += [f"  {k:<12} {format_bytes(v):>10}" for k, v in p.memory.items()]
     limit = 0.75 * gpu.hbm_bytes
     lines.append(f"fits: {'yes' if p.fits else 'NO'} ({format_bytes(p.memory['total'])} of the "

@@ -19,7 +19,7 @@ from megascale_jax.training import tokenizer as bpe
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.tokenize", description=__doc__.splitlines()[2])
+    parser = argparse.ArgumentParser(prog="python -m megascale_jax.tokenize", description="Train a byte-level BPE on local text files and write the token file it encodes.")
     parser.add_argument("--input", required=True, help="glob of local text files (quote it), e.g. 'corpus/**/*.txt'")
     parser.add_argument("--vocab", required=True, type=int, help=f"tokens in the vocabulary (at least {bpe.MIN_VOCAB})")
     parser.add_argument("--out", required=True, help="directory for tokenizer.json, tokens.bin and tokens.json")
@@ -33,7 +33,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cli.user_error(bpe.TokenizerError("python -m megascale_jax.tokenize needs the `tokenizers` package; "
                                                  "pip install -e '.[interop]'"))
     try:
-        bpe.check_vocab(args.vocab)  # before reading the corpus
         paths = bpe.input_files(args.input)
         tokenizer = bpe.train_bpe(paths, args.vocab)
         tokens = bpe.encode_files(tokenizer, paths)

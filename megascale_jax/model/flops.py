@@ -110,9 +110,10 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
-    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations (see
-    `model.remat` below; XLA stores 2-5x these values without it, which the compiled check in
-    train.check_compiled_memory catches on GPUs). With pp > 1 they follow the pipeline table: its stash slots per
+    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations: Megatron's 17
+    values per token and layer, which this model's XLA program exceeds (on GPUs
+    `train.check_compiled_memory` checks the compiled step itself). `model.remat=full` keeps only
+    layer inputs (`_chunk_values`). With pp > 1 they follow the pipeline table: its stash slots per
     stage (flat in m for 1F1B, m·v for gpipe) each hold one chunk's input (`pp_stash=inputs`, plus
     one chunk's residuals live while its backward recomputes it) or one chunk's residuals and
     output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""

@@ -29,6 +29,7 @@ class Plan:
     prediction: Prediction
     memory: dict[str, float]  # bytes per device: parameters, gradients, optimizer, activations, workspace, total
     stash_slots: int  # pipeline stash slots per stage (0 without a pipeline)
+    stash_slot_bytes: float  # what one slot holds per device (0 without a pipeline)
     fits: bool
 
 
@@ -50,6 +51,7 @@ def plan(cfg: Config, gpus: int, gpu: Gpu) -> Plan:
     total = memory.pop("total") + WORKSPACE_BYTES
     memory |= {"workspace": WORKSPACE_BYTES, "total": total}
     return Plan(cfg, predict(from_config(cfg, gpus), gpu), memory, slots,
+                flops.stash_slot_bytes(cfg) if slots else 0.0,
                 memory["total"] <= FIT_FRACTION * gpu.hbm_bytes)
 
 

@@ -37,18 +37,14 @@ def input_files(pattern: str) -> list[str]:
     return paths
 
 
-def check_vocab(vocab: int) -> None:
-    if vocab < MIN_VOCAB:
-        raise TokenizerError(f"--vocab {vocab} is below {MIN_VOCAB} (256 bytes and {END_OF_TEXT}); raise it")
-    if vocab > 1 << 32:
-        raise TokenizerError(f"--vocab {vocab} does not fit the uint32 token file; lower it")
-
-
 def train_bpe(paths: list[str], vocab: int):
     """A byte-level BPE of `vocab` tokens (bytes, END_OF_TEXT, then merges) trained on `paths`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    check_vocab(vocab)
+    if vocab < MIN_VOCAB:
+        raise TokenizerError(f"--vocab {vocab} is below {MIN_VOCAB} (256 bytes and {END_OF_TEXT}); raise it")
+    if vocab > 1 << 32:
+        raise TokenizerError(f"--vocab {vocab} does not fit a uint32 token file; lower it")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -60,13 +56,12 @@ def train_bpe(paths: list[str], vocab: int):
 
 def encode_files(tokenizer, paths: list[str]) -> np.ndarray:
     """The files' token ids, END_OF_TEXT after each, as one flat array of the smallest dtype."""
-    eos = tokenizer.token_to_id(END_OF_TEXT)
-    ids: list[int] = []
+    eos, dtype = tokenizer.token_to_id(END_OF_TEXT), token_dtype(tokenizer.get_vocab_size())
+    pieces = []  # one compact array per file: no Python int per token of the whole corpus
     for path in paths:
         with open(path, encoding="utf-8", errors="replace") as f:
-            ids.extend(tokenizer.encode(f.read()).ids)
-        ids.append(eos)
-    return np.asarray(ids, dtype=token_dtype(tokenizer.get_vocab_size()))
+            pieces.append(np.asarray(tokenizer.encode(f.read()).ids + [eos], dtype=dtype))
+    return np.concatenate(pieces)
 
 
 def token_dtype(vocab: int) -> str:
@@ -96,16 +91,15 @@ def sha256(path: str) -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def record_in_run_dir(token_file: str, run_dir: str) -> bool:
+def record_in_run_dir(token_file: str, run_dir: str) -> None:
     """Copy the tokenizer that wrote `token_file` (tokenizer.json and tokens.json beside it) into
-    `run_dir`/tokenizer/, so the run says which tokenizer its token ids mean. False when the
-    token file has no tokenizer beside it (made elsewhere)."""
+    `run_dir`/tokenizer/, so the run says which tokenizer its token ids mean. A token file with
+    no tokenizer beside it (made elsewhere) records nothing."""
     source = os.path.dirname(os.path.abspath(token_file))
     files = [os.path.join(source, name) for name in (TOKENIZER_FILE, META_FILE)]
     if not all(os.path.isfile(f) for f in files):
-        return False
+        return
     target = os.path.join(run_dir, "tokenizer")
     os.makedirs(target, exist_ok=True)
     for f in files:
         shutil.copyfile(f, os.path.join(target, os.path.basename(f)))
-    return True
