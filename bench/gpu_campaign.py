@@ -1,6 +1,6 @@
 """The GPU campaign: every measurement this project wants from a lent GPU, in one command.
 
-    python bench/gpu_campaign.py                          # all sections; ~25 min on one H100
+    python bench/gpu_campaign.py                          # all sections; ~15 min on one H200
     python bench/gpu_campaign.py --only kernels,checkpoints --overwrite   # rerun sections
     python bench/gpu_campaign.py --dry-run                # every section, tiny, on the CPU
     python bench/gpu_campaign.py --tiny                   # every section, tiny, on the GPU (smoke test)
@@ -56,7 +56,8 @@ from provenance import RESULTS, result_path  # bench/provenance.py
 
 SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
-# (together about 25 min: kernels ~5, ladder ~10, torch ~3, checkpoints ~3, profiled ~1).
+# (on an H200, 2026-11-23: kernels 246 s, ladder 194 s without its first row and the later remat row,
+# torch 163 s, checkpoints 81 s, profiled 23 s).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
