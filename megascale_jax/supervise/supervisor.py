@@ -210,6 +210,13 @@ class HeartbeatMonitor:
                                      f"{now - since:.1f}s", since, now))
         if not stalled:
             return None
+        # A stopped rank (SIGSTOP) loses its heartbeats and its steps together, but a peer's stall
+        # clock started at that peer's last step, which can precede the stopped rank's last
+        # heartbeat: the peer's stall would be reported before the real hang. A rank silent for
+        # over half the timeout (longer than any healthy heartbeat gap, which validation keeps
+        # below it) is left to the hang check above, due within the other half.
+        if any(now - self.arrived[r] > self.hang_timeout_s / 2 for r in running if r in self.arrived):
+            return None
         # Peers in one stuck collective stop within a poll of each other, at finished steps at most
         # one apart (metrics are fetched one step late); blame among all of them, whether or not
         # their own stall clock has run out (a rank never seen advancing waits the startup time).

@@ -83,6 +83,24 @@ def test_monitor_tells_a_stall_from_a_hang(client):
     assert (fault.cause, fault.rank, fault.at) == ("hang", 0, 9.5)
 
 
+def test_a_stopped_rank_is_a_hang_even_when_its_peers_stall_clock_runs_out_first(client):
+    """Rank 0 is stopped (SIGSTOP) after its last heartbeat at t=2.5; rank 1, waiting for it,
+    last advanced at t=1 and keeps beating. Rank 1's stall clock runs out first (t=6.2), but the
+    fault is rank 0's hang (seen once in CI as a stall)."""
+    job = "stopped"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
+    for seq, t, step0, step1 in [(0, 0.0, 1, 1), (1, 1.0, 2, 2), (2, 2.0, 3, 2), (3, 2.5, 3, 2)]:
+        beat(client, job, 0, seq, step0)
+        beat(client, job, 1, seq, step1)
+        monitor.poll(t)
+    for seq, t in enumerate([3.5, 4.5, 5.5, 6.0, 7.0], start=4):  # rank 1 alone goes on beating
+        beat(client, job, 1, seq, 2)
+        monitor.poll(t)
+        assert monitor.check(t + 0.2, finished=set()) is None, t  # t + 0.2 = 6.2: rank 1's clock is out
+    fault = monitor.check(7.6, finished=set())
+    assert (fault.cause, fault.rank, fault.at) == ("hang", 0, 2.5)
+
+
 def test_monitor_names_a_rank_that_never_beats(client):
     monitor = HeartbeatMonitor(client, "silent", 2, hang_timeout_s=5, startup_timeout_s=30, now=0.0)
     for seq, t in enumerate([1.0, 28.0, 30.5]):
