@@ -98,8 +98,9 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     def loss_and_grads(params, batch):
         m = cfg.parallel.microbatches
         if cfg.mesh.pp > 1:
-            # With ZeRO-1 the pipeline reduce-scatters gradients straight to the moments' dp split.
-            grad_specs = jax.tree.map(lambda s: s.spec, moment_shardings) if cfg.parallel.zero1 else None
+            # The moments' sharding: the gradients' tp split and, with ZeRO-1, the dp split the
+            # pipeline reduce-scatters them to.
+            grad_specs = jax.tree.map(lambda s: s.spec, moment_shardings)
             return pipeline.loss_and_grads(cfg, mesh, params, batch, grad_specs)
         if m == 1:
             loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)

@@ -83,6 +83,24 @@ def when(masked: bool, pred, fn, otherwise, x):
     return jax.tree.map(lambda a, b: jnp.where(pred, a, b), fn(x), otherwise(x))
 
 
+def scoped(name: str, fn):
+    """`fn` under a jax name scope: a branch's collectives carry `name` in their HLO op_name, which
+    is how `observe.collectives` counts a branch's collectives (`branch_runs` says how often)."""
+    def run(*args):
+        with jax.named_scope(name):
+            return fn(*args)
+    return run
+
+
+def branch_runs(cfg: Config, stage: int) -> dict[str, int]:
+    """How many times per step a device of `stage` runs each scoped branch of the training step:
+    the embedding (and its gradient) once per microbatch on stage 0, the head and loss once per
+    microbatch on the last stage, the dp reduction once per chunk on every stage."""
+    p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
+    return {"pp_embed": m if stage == 0 else 0, "pp_embed_grad": m if stage == 0 else 0,
+            "pp_head": m if stage == p - 1 else 0, "pp_dp_reduce": v}
+
+
 def send_forward(x, p: int):
     """Each stage's `x` to the next stage (ring: the last stage's goes to stage 0)."""
     return jax.lax.ppermute(x, "pp", [(i, (i + 1) % p) for i in range(p)])
@@ -147,11 +165,18 @@ def dp_dim(spec) -> int | None:
     return None
 
 
-def reduce_over_dp(x, dim: int | None):
-    """Sum over dp: a reduce-scatter along `dim` (the ZeRO-1 split), or an all-reduce."""
+def reduce_over_dp(x, dim: int | None, tp_spec: P = P()):
+    """Sum over dp: a reduce-scatter along `dim` (the ZeRO-1 split), or an all-reduce. A gradient
+    split over tp (`tp_spec`) is reduced shard by shard, under a shard_map manual over tp: left to
+    GSPMD, a reduce-scatter in this dp-manual region gathered the tp shards first, moving tp×
+    the bytes over dp."""
     if dim is None:
-        return jax.lax.psum(x, "dp")
-    return jax.lax.psum_scatter(x, "dp", scatter_dimension=dim, tiled=True)
+        op = lambda y: jax.lax.psum(y, "dp")
+    else:
+        op = lambda y: jax.lax.psum_scatter(y, "dp", scatter_dimension=dim, tiled=True)
+    if all(a is None for a in tp_spec):
+        return op(x)
+    return jax.shard_map(op, in_specs=tp_spec, out_specs=tp_spec, axis_names={"tp"}, check_vma=False)(x)
 
 
 def manual_spec(dim: int, first: str | None = None) -> P:
@@ -232,9 +257,10 @@ STASHES = {"inputs": InputStash, "residuals": ResidualStash}
 def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     """Loss and gradients of `batch`; `params` and the layer gradients in stored order.
 
-    `grad_specs` (a tree of PartitionSpecs like `params`): where each gradient leaves the dp
-    reduction — split over dp where a spec names dp (ZeRO-1: the optimizer moments' sharding,
-    reached by a reduce-scatter), otherwise replicated (an all-reduce). Default: replicated."""
+    `grad_specs` (a tree of PartitionSpecs like `params`): where each gradient lives — its tp
+    split, kept by the accumulators inside the loop, and where it leaves the dp reduction: split
+    over dp where a spec names dp (ZeRO-1: the optimizer moments' sharding, reached by a
+    reduce-scatter), otherwise replicated (an all-reduce). Default: replicated."""
     p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
     dp = mesh.shape["dp"]
     schedule = schedule_for(cfg)
@@ -246,7 +272,15 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     is_spec = lambda x: isinstance(x, P)
     # Per gradient leaf, the dimension its dp reduction scatters along; -1: all-reduce.
     dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
-    reduce = lambda tree, d: jax.tree.map(lambda x, k: reduce_over_dp(x, None if k < 0 else k), tree, d)
+    # Each gradient's tp split (the manual axes dropped): the accumulators inside the loop keep it,
+    # where GSPMD would otherwise choose, and the dp reduction works on it shard by shard.
+    tp_specs = jax.tree.map(lambda s: P(*(None if a in ("dp", "pp") else a for a in s)), specs, is_leaf=is_spec)
+    reduce = lambda tree, d, tp: jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, d, tp,
+                                              is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
+    chunk_tp_specs = tp_specs["layers"]  # one chunk's leaves: (c, ...), like the stored (L, ...)
+    tp_specs = {**tp_specs, "layers": jax.tree.map(lambda s: P(None, *s), tp_specs["layers"], is_leaf=is_spec)}
+    keep_tp = lambda tree, specs: (tree if grad_specs is None else
+                                   jax.tree.map(jax.lax.with_sharding_constraint, tree, specs))
 
     def body(stage_layers, embed, final_norm, head, tokens):
         chunks, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
@@ -255,7 +289,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
 
         def forward_input(f, act_in):
             first = (f["valid"] > 0) & (stage == 0) & (f["chunk"] == 0)
-            return jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
+            return jax.lax.cond(first, scoped("pp_embed", lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]])),
+                                lambda: act_in)
 
         def output_cotangent(b, y, cot_in):
             """(loss, d(final_norm, head), dy): for the last chunk the gradient of head + loss at its
@@ -270,20 +305,22 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
                 return jnp.zeros((), jnp.float32), zeros((final_norm, head)), cot_in
 
             is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
-            return jax.lax.cond(is_last, head_grads, no_head, y)
+            return jax.lax.cond(is_last, scoped("pp_head", head_grads), no_head, y)
 
         def embedding_grad(b, dx):
             return jax.lax.cond(
                 (b["valid"] > 0) & (stage == 0) & (b["chunk"] == 0),
-                lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0],
+                scoped("pp_embed_grad",
+                       lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0]),
                 lambda dx: jnp.zeros_like(embed), dx)
 
         def reduce_finished_chunk(b, g_layers, reduced):
             """After a chunk's last microbatch: its gradient, summed over dp, into `reduced`."""
             def reduce_chunk(g_layers, reduced):
-                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"])
+                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"], chunk_tp_specs)
                 return set_entry(reduced, b["chunk"], done)
-            return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), reduce_chunk, lambda _, r: r, g_layers, reduced)
+            return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), scoped("pp_dp_reduce", reduce_chunk),
+                                lambda _, r: r, g_layers, reduced)
 
         def tick(carry, row):
             act_in, cot_in, kept, (g_layers, g_embed, g_head), reduced, loss = carry
@@ -318,12 +355,14 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
             g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
             grads = (g_layers, g_embed + embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
             if dp > 1:
-                reduced = reduce_finished_chunk(b, g_layers, reduced)
+                reduced = keep_tp(reduce_finished_chunk(b, g_layers, reduced), tp_specs["layers"])
+            grads = keep_tp(grads, grad_tp_specs)
 
             # --- communication: activations one stage on, cotangents one stage back
             return (send_forward(act_out, p), send_backward(dx, p), kept, grads, reduced, loss + loss_add), None
 
-        grads = (zeros(chunks), zeros(embed), zeros((final_norm, head)))
+        grad_tp_specs = (tp_specs["layers"], tp_specs["embed"], (tp_specs["final_norm"], tp_specs["head"]))
+        grads = keep_tp((zeros(chunks), zeros(embed), zeros((final_norm, head))), grad_tp_specs)
         with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
             stash = STASHES[cfg.parallel.pp_stash](fn, chunk_params_of(chunks, 0), act)  # read by tick
             kept = stash.empty(slots, act)
@@ -331,13 +370,14 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
             reduced = jax.tree.map(
                 lambda x, d: jnp.zeros(x.shape[:d + 1] + (x.shape[d + 1] // dp,) + x.shape[d + 2:], x.dtype)
                 if d >= 0 else jnp.zeros_like(x), chunks, dims["layers"]) if dp > 1 else ()
+            reduced = keep_tp(reduced, tp_specs["layers"]) if dp > 1 else ()
             carry = (act, act, kept, grads, reduced, jnp.zeros((), jnp.float32))
             (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(tick, carry, table)
         if dp > 1:
             g_layers = reduced
         g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
         if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
-            g_embed, g_norm, g_head = (reduce(x, dims[k]) for x, k in
+            g_embed, g_norm, g_head = (reduce(x, dims[k], tp_specs[k]) for x, k in
                                        ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
         g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
         return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head

@@ -9,7 +9,8 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   (a fused kernel, or GEMMs plus the scores' HBM traffic) and its memory-bound passes
   (`costs.hbm_s`), plus the LM head.
 * tp: the tp collectives of every layer (2 per serial block and pass, 1 per parallel block),
-  ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs.
+  ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs; and the LM
+  head's and embedding's (`edge_tp_s`).
 * bubble: (compute + tp) · b/(1−b), b read off the schedule's table (`costs.bubble_fraction`).
 * pp: boundary sends; blocking ones cost 2 per tick, asynchronous ones only what a tick's
   compute cannot hide.
@@ -25,11 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from megascale_jax.config import ModelConfig
 from megascale_jax.model import flops
-from megascale_jax.planner import costs
+from megascale_jax.planner import costs, traffic
 from megascale_jax.planner.calibration import Gpu
-from megascale_jax.planner.workload import Workload
+from megascale_jax.planner.workload import Workload, model_config, stage_params
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # read param, grad, 2 moments (fp32) = 16; write param, 2 moments = 12
 
@@ -41,13 +41,6 @@ class Prediction:
     tokens_per_s: float
     model_flops: float  # per iteration: 3 × forward, window-aware (MFU's numerator)
     mfu: float
-
-
-def stage_params(w: Workload, last: bool = True) -> float:
-    """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
-    where they are replicated), the embedding and LM head, all split over tp."""
-    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
-    return (w.layers // w.pp * flops.layer_params(model_config(w)) + edge) / w.tp
 
 
 def context(w: Workload) -> int:
@@ -103,6 +96,17 @@ def tp_collective_s(w: Workload, gpu: Gpu) -> float:
     return per_pass * passes * costs.ring_all_reduce_s(nbytes, w.tp, link)
 
 
+def edge_tp_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of the LM head's and the embedding's tp collectives per iteration (bytes from
+    `traffic.tp_bytes`, at the tp link's bandwidth, plus one ring's latency per microbatch and
+    collective), not overlapped: the loss waits for the head's reductions."""
+    if w.tp == 1:
+        return 0.0
+    link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
+    sent = traffic.tp_bytes(w)
+    return (sent["head"] + sent["embedding"]) / link.bandwidth + 2 * w.microbatches * 2 * (w.tp - 1) * link.latency
+
+
 def head_s(w: Workload, gpu: Gpu) -> float:
     """The LM head and loss for one microbatch on the last stage: the logits GEMM forward and its
     two backward GEMMs, and the fp32 logits' HBM passes."""
@@ -118,7 +122,7 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     tp_exposed = costs.exposed_s(tp_comm, t["gemm"] * (3 if w.recompute == "full" else 2)) if w.tp_overlap else tp_comm
     per_microbatch = stage_layers * (t["forward"] + t["backward"] + t["recompute"]) + head_s(w, gpu)
     compute = m * per_microbatch
-    tp = m * stage_layers * tp_exposed
+    tp = m * stage_layers * tp_exposed + edge_tp_s(w, gpu)
     bubble_share = costs.bubble_fraction(w.schedule, w.pp, w.virtual, m,
                                          t["forward"], t["backward"] + t["recompute"])
     bubble = (compute + tp) * bubble_share / (1 - bubble_share)
@@ -152,10 +156,3 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     model_flops = tokens * flops.model_flops_per_token(model_config(w))
     return Prediction(iteration_s=iteration, breakdown=breakdown, tokens_per_s=tokens / iteration,
                       model_flops=model_flops, mfu=model_flops / (iteration * w.gpus * gpu.peak_flops))
-
-
-def model_config(w: Workload) -> ModelConfig:
-    """The model of `w` as this project's config describes one (for its FLOP count)."""
-    return ModelConfig(layers=w.layers, d_model=w.d_model, heads=w.heads, kv_heads=w.kv_heads,
-                       mlp_ratio=w.mlp_dim / w.d_model, vocab=w.vocab, seq_len=w.seq_len, window=w.window,
-                       block=w.block)

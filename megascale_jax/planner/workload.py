@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from megascale_jax.config import Config
+from megascale_jax.config import Config, ModelConfig
+from megascale_jax.model import flops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +44,10 @@ class Workload:
                             # or Megatron's scatter/gather), instead of all of it
     edge_on_every_stage: bool  # embedding + head stored (and reduced over dp) on every pp stage
     dp_overlap: Literal["none", "backward"]  # gradient reduction overlapping backward work, or after it
+    # how this project's runtime communicates (False for published Megatron runs)
+    masked_idle_ticks: bool = False  # pp > 1 with explicit tp collectives: idle ticks run masked chunks
+    gspmd_edges: bool = False  # embedding and head partitioned by GSPMD (traffic.tp_bytes says how)
+    dp_reduce_per_microbatch: bool = False  # gradients all-reduced once per microbatch (traffic.dp_bytes)
     activation_bytes: int = 2  # bf16/fp16 activations
     grad_bytes: int = 4  # gradients reduced in fp32
     param_bytes: int = 4  # fp32 parameters (all-gathered in full after a ZeRO-1 update)
@@ -80,4 +85,20 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
         pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
         dp_overlap="backward" if mesh.pp > 1 else "none",
+        masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla", gspmd_edges=True,
+        dp_reduce_per_microbatch=mesh.pp == 1,
         activation_bytes=2 if m.dtype == "bfloat16" else 4)
+
+
+def model_config(w: Workload) -> ModelConfig:
+    """The model of `w` as this project's config describes one (for its FLOP count)."""
+    return ModelConfig(layers=w.layers, d_model=w.d_model, heads=w.heads, kv_heads=w.kv_heads,
+                       mlp_ratio=w.mlp_dim / w.d_model, vocab=w.vocab, seq_len=w.seq_len, window=w.window,
+                       block=w.block)
+
+
+def stage_params(w: Workload, last: bool = True) -> float:
+    """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
+    where they are replicated), the embedding and LM head, all split over tp."""
+    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
+    return (w.layers // w.pp * flops.layer_params(model_config(w)) + edge) / w.tp

@@ -1,0 +1,112 @@
+"""Bytes one GPU of the last pipeline stage (the one the iteration time follows) sends per
+iteration, per mesh axis, with ring collectives: the planner's communication volume, which
+`tests/planner -k traffic` checks against the collectives of the compiled step
+(`observe.collectives`).
+
+For a buffer of B bytes over a group of n: an all-reduce sends 2(n−1)/n·B, an all-gather or a
+reduce-scatter (n−1)/n·B, a point-to-point send B. Sequence parallelism's all-gather +
+reduce-scatter and collective matmul's ring of permutes send what one all-reduce sends.
+
+Symbols: A = one microbatch's activation (seqs × seq_len × d_model × activation bytes), m the
+microbatches, L the layers, P the stage's parameters per GPU (`workload.stage_params`).
+"""
+
+from __future__ import annotations
+
+from megascale_jax.parallel import pipeline_schedule
+from megascale_jax.planner.workload import Workload, stage_params
+
+LOSS_BYTES = 4  # the loss's vocab-split reductions (max, sum, the target's logit) are float32
+
+
+def all_reduce(nbytes: float, n: int) -> float:
+    return 2 * (n - 1) / n * nbytes
+
+
+def gather(nbytes: float, n: int) -> float:
+    """An all-gather of a B-byte result, or a reduce-scatter of a B-byte input."""
+    return (n - 1) / n * nbytes
+
+
+def activation_bytes(w: Workload) -> float:
+    return w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes
+
+
+def ticks(w: Workload) -> int:
+    """Rows of the schedule's table: the pipeline loop's iterations (each sends both ways)."""
+    return pipeline_schedule.build(w.schedule, w.pp, w.virtual, w.microbatches).ticks
+
+
+def layer_runs(w: Workload) -> int:
+    """Layer forwards (each with its backward) one GPU runs per iteration: m·L/pp, or, when idle
+    ticks compute masked chunks (`masked_idle_ticks`), one chunk of L/(pp·v) layers every tick."""
+    if w.pp > 1 and w.masked_idle_ticks:
+        return ticks(w) * w.layers // (w.pp * w.virtual)
+    return w.microbatches * w.layers // w.pp
+
+
+def tp_bytes(w: Workload) -> dict[str, float]:
+    """tp, per iteration:
+    * layers: layer_runs × (1 collective per pass for the parallel block, 2 for the serial) ×
+      (forward, backward, and a recomputed forward under full recompute) × all_reduce(A);
+    * head (last stage), per microbatch: the backward's all_reduce(A), plus with sequence
+      parallelism the forward's gather(A) — GSPMD all-reduces the whole activation and slices
+      it (`gspmd_edges`) where Megatron reduce-scatters; and the loss's three float32
+      all-reduces of one value per token;
+    * embedding (pp = 1: the last stage is also the first), per microbatch: the lookup's
+      all_reduce(A), or, under sequence parallelism with `gspmd_edges`, the vocab-split table
+      all-gathered and its float32 gradient all-reduced; Megatron's lookup reduce-scatters A.
+    """
+    n = w.tp
+    if n == 1:
+        return {"layers": 0.0, "head": 0.0, "embedding": 0.0}
+    a, m = activation_bytes(w), w.microbatches
+    per_pass = 1 if w.block == "parallel" else 2
+    passes = 2 + (1 if w.recompute == "full" else 0)
+    layers = layer_runs(w) * per_pass * passes * all_reduce(a, n)
+    head_backward = all_reduce(a, n) if not w.sequence_parallel or w.gspmd_edges else gather(a, n)
+    head = m * (head_backward + (gather(a, n) if w.sequence_parallel else 0.0)
+                + 3 * all_reduce(w.microbatch_seqs * w.seq_len * LOSS_BYTES, n))
+    embedding = 0.0
+    if w.pp == 1:
+        table = w.vocab * w.d_model * w.param_bytes
+        if w.sequence_parallel and w.gspmd_edges:
+            embedding = m * (gather(table, n) + all_reduce(table, n))
+        else:
+            embedding = m * (gather(a, n) if w.sequence_parallel else all_reduce(a, n))
+    return {"layers": layers, "head": head, "embedding": embedding}
+
+
+def pp_bytes(w: Workload) -> dict[str, float]:
+    """pp, per iteration: every tick sends one activation forward and one cotangent back,
+    2 · ticks · A (A/tp under sequence parallelism, split over tp like the residual stream); after
+    the loop the embedding's and head's gradients, replicated on every stage, are all-reduced
+    over pp — after the dp reduction, so with ZeRO-1 only their 1/dp share."""
+    if w.pp == 1:
+        return {"sends": 0.0, "edge_gradients": 0.0}
+    a = activation_bytes(w) / (w.tp if w.pp_split_over_tp else 1)
+    edge = 2 * w.vocab * w.d_model / w.tp * w.grad_bytes / (w.dp if w.zero1 else 1)
+    return {"sends": 2 * ticks(w) * a, "edge_gradients": all_reduce(edge, w.pp) if w.edge_on_every_stage else 0.0}
+
+
+def dp_bytes(w: Workload) -> dict[str, float]:
+    """dp, per iteration: the gradients' all_reduce(P · grad bytes) — with ZeRO-1 their
+    reduce-scatter and the updated parameters' all-gather, gather(P · grad bytes) +
+    gather(P · param bytes). With `dp_reduce_per_microbatch` (this project at pp = 1, where GSPMD
+    places the reduction inside the microbatch and layer loops) each of the m microbatches
+    all-reduces its gradients, ZeRO-1 or not, and ZeRO-1 adds the parameters' all-gather."""
+    if w.dp == 1:
+        return {"gradients": 0.0, "parameters": 0.0}
+    params = stage_params(w)
+    grads = params * w.grad_bytes
+    if w.dp_reduce_per_microbatch:
+        return {"gradients": w.microbatches * all_reduce(grads, w.dp),
+                "parameters": gather(params * w.param_bytes, w.dp) if w.zero1 else 0.0}
+    if w.zero1:
+        return {"gradients": gather(grads, w.dp), "parameters": gather(params * w.param_bytes, w.dp)}
+    return {"gradients": all_reduce(grads, w.dp), "parameters": 0.0}
+
+
+def bytes_per_axis(w: Workload) -> dict[str, float]:
+    """{'tp': ..., 'pp': ..., 'dp': ...}: each axis's components summed."""
+    return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()), "dp": sum(dp_bytes(w).values())}
