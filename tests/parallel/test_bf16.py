@@ -19,7 +19,6 @@ something else — a wrong sharding, a lost reduction — misses by 100x the tol
 
 import functools
 
-import jax
 import numpy as np
 import pytest
 

@@ -550,7 +550,7 @@ def test_a_second_run_is_refused_and_sigterm_saves_the_step_in_flight_then_resum
     assert [r["step"] for r in got] == list(range(1, 21))
     assert [(g["loss"], g["grad_norm"], g["lr"]) for g in got] == [(w["loss"], w["grad_norm"], w["lr"]) for w in want]
     done = [line for line in resumed.stdout.splitlines() if line.startswith("done: ")]
-    assert len(done) == 1 and done[0].startswith(f"done: steps 10-20 in ") and \
+    assert len(done) == 1 and done[0].startswith("done: steps 10-20 in ") and \
         f"final loss {want[-1]['loss']:.4f}, val_loss {want[-1]['val_loss']:.4f}" in done[0], resumed.stdout
 
 
