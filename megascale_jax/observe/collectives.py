@@ -13,8 +13,9 @@ device assignment).
 
 The HLO spells replica groups three ways, all parsed here: explicit (`{{0,1},{2,3}}`), iota
 (`[4,2]<=[2,4]T(1,0)`) and mesh (`mesh['axis_0'=4,'axis_1'=2], device_ids=([2,4]T(1,0))
-{'axis_1'}`). Collectives inside a `conditional` are refused: which branch runs is data, not
-program text.
+{'axis_1'}`). Which branch of a `conditional` runs is data, not program text: a collective
+inside one is counted only when the caller says how often its named scope runs per step
+(`branch_runs`; the pipeline's are `pipeline.branch_runs`), and refused otherwise.
 """
 
 from __future__ import annotations

@@ -272,13 +272,12 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     is_spec = lambda x: isinstance(x, P)
     # Per gradient leaf, the dimension its dp reduction scatters along; -1: all-reduce.
     dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
-    # Each gradient's tp split (the manual axes dropped): the accumulators inside the loop keep it,
+    # Each gradient's tp split (the manual axes dropped), in the stored layout — which is also a
+    # chunk's, (c, ...) like (L, ...) — and in the loop's (v, c, ...). The accumulators keep it,
     # where GSPMD would otherwise choose, and the dp reduction works on it shard by shard.
     tp_specs = jax.tree.map(lambda s: P(*(None if a in ("dp", "pp") else a for a in s)), specs, is_leaf=is_spec)
-    reduce = lambda tree, d, tp: jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, d, tp,
-                                              is_leaf=lambda x: not isinstance(x, (dict, list, tuple)))
-    chunk_tp_specs = tp_specs["layers"]  # one chunk's leaves: (c, ...), like the stored (L, ...)
-    tp_specs = {**tp_specs, "layers": jax.tree.map(lambda s: P(None, *s), tp_specs["layers"], is_leaf=is_spec)}
+    loop_layer_specs = jax.tree.map(lambda s: P(None, *s), tp_specs["layers"], is_leaf=is_spec)
+    reduce = lambda tree, d, tp: jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, d, tp)
     keep_tp = lambda tree, specs: (tree if grad_specs is None else
                                    jax.tree.map(jax.lax.with_sharding_constraint, tree, specs))
 
@@ -317,7 +316,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
         def reduce_finished_chunk(b, g_layers, reduced):
             """After a chunk's last microbatch: its gradient, summed over dp, into `reduced`."""
             def reduce_chunk(g_layers, reduced):
-                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"], chunk_tp_specs)
+                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"], tp_specs["layers"])
                 return set_entry(reduced, b["chunk"], done)
             return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), scoped("pp_dp_reduce", reduce_chunk),
                                 lambda _, r: r, g_layers, reduced)
@@ -355,13 +354,13 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
             g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
             grads = (g_layers, g_embed + embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
             if dp > 1:
-                reduced = keep_tp(reduce_finished_chunk(b, g_layers, reduced), tp_specs["layers"])
+                reduced = keep_tp(reduce_finished_chunk(b, g_layers, reduced), loop_layer_specs)
             grads = keep_tp(grads, grad_tp_specs)
 
             # --- communication: activations one stage on, cotangents one stage back
             return (send_forward(act_out, p), send_backward(dx, p), kept, grads, reduced, loss + loss_add), None
 
-        grad_tp_specs = (tp_specs["layers"], tp_specs["embed"], (tp_specs["final_norm"], tp_specs["head"]))
+        grad_tp_specs = (loop_layer_specs, tp_specs["embed"], (tp_specs["final_norm"], tp_specs["head"]))
         grads = keep_tp((zeros(chunks), zeros(embed), zeros((final_norm, head))), grad_tp_specs)
         with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
             stash = STASHES[cfg.parallel.pp_stash](fn, chunk_params_of(chunks, 0), act)  # read by tick
@@ -370,7 +369,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
             reduced = jax.tree.map(
                 lambda x, d: jnp.zeros(x.shape[:d + 1] + (x.shape[d + 1] // dp,) + x.shape[d + 2:], x.dtype)
                 if d >= 0 else jnp.zeros_like(x), chunks, dims["layers"]) if dp > 1 else ()
-            reduced = keep_tp(reduced, tp_specs["layers"]) if dp > 1 else ()
+            reduced = keep_tp(reduced, loop_layer_specs) if dp > 1 else ()
             carry = (act, act, kept, grads, reduced, jnp.zeros((), jnp.float32))
             (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(tick, carry, table)
         if dp > 1:

@@ -31,18 +31,29 @@ def hbm_s(nbytes: float, gpu: Gpu) -> float:
     return nbytes / gpu.hbm_bandwidth
 
 
+def ring_all_reduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each of n GPUs sends in a ring all-reduce of B bytes: 2(n−1)/n · B."""
+    return 2 * (n - 1) / n * nbytes
+
+
+def ring_all_gather_bytes(nbytes: float, n: int) -> float:
+    """Bytes each of n GPUs sends in a ring all-gather whose full result is B bytes (or a
+    reduce-scatter whose full input is): (n−1)/n · B."""
+    return (n - 1) / n * nbytes
+
+
 def ring_all_reduce_s(nbytes: float, n: int, link: Link) -> float:
     """Ring all-reduce of B bytes over n GPUs: t = 2(n−1)/n · B/β + 2(n−1)·α (0 for n = 1)."""
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+    return ring_all_reduce_bytes(nbytes, n) / link.bandwidth + 2 * (n - 1) * link.latency
 
 
 def ring_all_gather_s(nbytes: float, n: int, link: Link) -> float:
     """Ring all-gather (or reduce-scatter) whose full result is B bytes: t = (n−1)/n · B/β + (n−1)·α."""
     if n <= 1:
         return 0.0
-    return (n - 1) / n * nbytes / link.bandwidth + (n - 1) * link.latency
+    return ring_all_gather_bytes(nbytes, n) / link.bandwidth + (n - 1) * link.latency
 
 
 def p2p_s(nbytes: float, link: Link) -> float:

@@ -89,11 +89,8 @@ def tp_collective_s(w: Workload, gpu: Gpu) -> float:
     parallelism, the same bytes) of the microbatch's activation."""
     if w.tp == 1:
         return 0.0
-    per_pass = 1 if w.block == "parallel" else 2
-    passes = 2 + (1 if w.recompute == "full" else 0)
     link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
-    nbytes = w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes
-    return per_pass * passes * costs.ring_all_reduce_s(nbytes, w.tp, link)
+    return traffic.layer_tp_collectives(w) * costs.ring_all_reduce_s(traffic.activation_bytes(w), w.tp, link)
 
 
 def edge_tp_s(w: Workload, gpu: Gpu) -> float:
@@ -130,8 +127,7 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     pp = 0.0
     if w.pp > 1:
         link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
-        nbytes = w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes / (w.tp if w.pp_split_over_tp else 1)
-        send = costs.p2p_s(nbytes, link)
+        send = costs.p2p_s(traffic.boundary_bytes(w), link)
         ticks = m * w.virtual + w.pp - 1
         tick_compute = (per_microbatch + stage_layers * tp_exposed) / w.virtual
         pp = ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)

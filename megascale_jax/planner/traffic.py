@@ -14,22 +14,30 @@ microbatches, L the layers, P the stage's parameters per GPU (`workload.stage_pa
 from __future__ import annotations
 
 from megascale_jax.parallel import pipeline_schedule
+from megascale_jax.planner import costs
 from megascale_jax.planner.workload import Workload, stage_params
 
 LOSS_BYTES = 4  # the loss's vocab-split reductions (max, sum, the target's logit) are float32
 
 
-def all_reduce(nbytes: float, n: int) -> float:
-    return 2 * (n - 1) / n * nbytes
-
-
-def gather(nbytes: float, n: int) -> float:
-    """An all-gather of a B-byte result, or a reduce-scatter of a B-byte input."""
-    return (n - 1) / n * nbytes
+all_reduce, gather = costs.ring_all_reduce_bytes, costs.ring_all_gather_bytes
 
 
 def activation_bytes(w: Workload) -> float:
+    """A: one microbatch's residual stream on one GPU (whole over tp)."""
     return w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes
+
+
+def boundary_bytes(w: Workload) -> float:
+    """One pipeline send: A, or A/tp when each tp rank sends its share (`pp_split_over_tp`)."""
+    return activation_bytes(w) / (w.tp if w.pp_split_over_tp else 1)
+
+
+def layer_tp_collectives(w: Workload) -> int:
+    """tp all-reduces (or their equivalents) of one layer and microbatch: 1 per pass for the
+    parallel block, 2 for the serial, over the forward, the backward, and a recomputed forward
+    under full recompute."""
+    return (1 if w.block == "parallel" else 2) * (2 + (1 if w.recompute == "full" else 0))
 
 
 def ticks(w: Workload) -> int:
@@ -47,8 +55,7 @@ def layer_runs(w: Workload) -> int:
 
 def tp_bytes(w: Workload) -> dict[str, float]:
     """tp, per iteration:
-    * layers: layer_runs × (1 collective per pass for the parallel block, 2 for the serial) ×
-      (forward, backward, and a recomputed forward under full recompute) × all_reduce(A);
+    * layers: layer_runs × layer_tp_collectives × all_reduce(A);
     * head (last stage), per microbatch: the backward's all_reduce(A), plus with sequence
       parallelism the forward's gather(A) — GSPMD all-reduces the whole activation and slices
       it (`gspmd_edges`) where Megatron reduce-scatters; and the loss's three float32
@@ -61,9 +68,7 @@ def tp_bytes(w: Workload) -> dict[str, float]:
     if n == 1:
         return {"layers": 0.0, "head": 0.0, "embedding": 0.0}
     a, m = activation_bytes(w), w.microbatches
-    per_pass = 1 if w.block == "parallel" else 2
-    passes = 2 + (1 if w.recompute == "full" else 0)
-    layers = layer_runs(w) * per_pass * passes * all_reduce(a, n)
+    layers = layer_runs(w) * layer_tp_collectives(w) * all_reduce(a, n)
     head_backward = all_reduce(a, n) if not w.sequence_parallel or w.gspmd_edges else gather(a, n)
     head = m * (head_backward + (gather(a, n) if w.sequence_parallel else 0.0)
                 + 3 * all_reduce(w.microbatch_seqs * w.seq_len * LOSS_BYTES, n))
@@ -79,14 +84,13 @@ def tp_bytes(w: Workload) -> dict[str, float]:
 
 def pp_bytes(w: Workload) -> dict[str, float]:
     """pp, per iteration: every tick sends one activation forward and one cotangent back,
-    2 · ticks · A (A/tp under sequence parallelism, split over tp like the residual stream); after
+    2 · ticks · boundary_bytes (A/tp under sequence parallelism, split like the residual stream); after
     the loop the embedding's and head's gradients, replicated on every stage, are all-reduced
     over pp — after the dp reduction, so with ZeRO-1 only their 1/dp share."""
     if w.pp == 1:
         return {"sends": 0.0, "edge_gradients": 0.0}
-    a = activation_bytes(w) / (w.tp if w.pp_split_over_tp else 1)
     edge = 2 * w.vocab * w.d_model / w.tp * w.grad_bytes / (w.dp if w.zero1 else 1)
-    return {"sends": 2 * ticks(w) * a, "edge_gradients": all_reduce(edge, w.pp) if w.edge_on_every_stage else 0.0}
+    return {"sends": 2 * ticks(w) * boundary_bytes(w), "edge_gradients": all_reduce(edge, w.pp) if w.edge_on_every_stage else 0.0}
 
 
 def dp_bytes(w: Workload) -> dict[str, float]:

@@ -1,0 +1,82 @@
+"""Bytes per mesh axis and step: the planner's (`planner/traffic.py`) against every collective of
+the compiled train step (`observe/collectives.py`), on 8 simulated CPU devices.
+
+    python bench/collective_bytes.py [--out FILE] [--overwrite]
+
+The first four layouts are those `tests/planner -k planned_bytes` holds to 5%. The last three
+show what the runtime still pays at pp = 1; their `ideal` column is the planner with one
+gradient reduction per step (`dp_reduce_per_microbatch` off). Writes
+bench/results/collective_bytes_cpu.json.
+"""
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+
+from compiled_step import compile_train_step  # bench/compiled_step.py
+from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+
+SHAPE = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "train.global_batch=8",
+         "mesh.cpu_devices=8"]
+LAYOUTS = {
+    "dp4 tp2, 2 accumulation steps": ["mesh.dp=4", "mesh.tp=2", "parallel.microbatches=2", "parallel.zero1=false"],
+    "dp2 pp2 tp2, 1F1B, ZeRO-1": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
+                                  "parallel.zero1=true"],
+    "dp2 pp2 tp2, interleaved, serial": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
+                                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
+                                         "model.block=serial", "parallel.zero1=false"],
+    "dp2 pp2 tp2, SP + collective matmul": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
+                                            "parallel.sequence_parallel=true",
+                                            "parallel.tp_overlap=collective_matmul"],
+    # what the runtime still pays at pp = 1
+    "dp4 tp2, 2 accumulation steps, ZeRO-1": ["mesh.dp=4", "mesh.tp=2", "parallel.microbatches=2",
+                                              "parallel.zero1=true"],
+    "dp2 tp4, SP + collective matmul, serial": ["mesh.dp=2", "mesh.tp=4", "parallel.sequence_parallel=true",
+                                                "parallel.tp_overlap=collective_matmul", "model.block=serial",
+                                                "parallel.zero1=false"],
+    "dp1 pp4 tp2, SP": ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.microbatches=4",
+                        "parallel.sequence_parallel=true"],
+}
+
+
+def measure(overrides: list[str]) -> dict:
+    from megascale_jax.observe import collectives
+    from megascale_jax.parallel import pipeline
+    from megascale_jax.parallel.mesh import make_mesh
+    from megascale_jax.planner import traffic
+    from megascale_jax.planner.workload import from_config
+
+    compiled = compile_train_step(SHAPE + overrides)
+    cfg = compiled.cfg
+    runs = pipeline.branch_runs(cfg, stage=cfg.mesh.pp - 1) if cfg.mesh.pp > 1 else {}
+    measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
+    w = from_config(cfg, gpus=8)
+    planned = traffic.bytes_per_axis(w)
+    ideal = traffic.bytes_per_axis(dataclasses.replace(w, dp_reduce_per_microbatch=False))
+    return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_output_flags(parser, "collective_bytes_cpu")
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts
+    result_path("collective_bytes_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+    rows = {}
+    print(f"{'layout':<42}{'axis':>5}{'measured B':>12}{'planned B':>12}{'error':>8}{'ideal B':>12}{'measured/ideal':>16}")
+    for name, overrides in LAYOUTS.items():
+        r = rows[name] = measure(overrides)
+        for axis in ("tp", "pp", "dp"):
+            got, planned, ideal = r["measured"].get(axis, 0.0), r["planned"][axis], r["ideal"][axis]
+            if got or planned:
+                print(f"{name:<42}{axis:>5}{got:>12.0f}{planned:>12.0f}{planned / got - 1:>+8.1%}{ideal:>12.0f}"
+                      f"{got / ideal:>15.2f}x", flush=True)
+    write_result("collective_bytes_cpu", {"devices": "8 simulated CPU devices", "rows": rows}, args.out,
+                 args.overwrite)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
