@@ -61,7 +61,16 @@ class ModelConfig:
     window: Optional[int] = None  # sliding window: token sees itself + previous window-1; None = causal
     attention: Literal["xla", "cudnn", "pallas"] = "xla"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
-    activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
+    # gelu / gelu_tanh: act(x W1 + b1) W2. swiglu: (silu(x Wg + bg) * (x W1 + b1)) W2, Llama's gated MLP.
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu_tanh"
+    # The MLP's hidden width. None: d_model * mlp_ratio, or for swiglu Llama's rule, 2/3 of that
+    # rounded up to a multiple of 256 (11008 for d_model=4096), so the three matrices hold about
+    # the parameters of the two of a GeLU MLP. An HF config's intermediate_size goes here.
+    mlp_hidden: Optional[int] = None
+    bias: bool = True  # biases on the q/k/v/output projections and the MLP (GPT-3, Phi); false: Llama, Mistral
+    tied_embeddings: bool = False  # the LM head is the embedding's transpose (one matrix, both gradients)
+    rope_base: float = 10000.0  # rotary frequencies base^(-2i/rotated dims) (HF rope_theta)
+    rope_fraction: float = 1.0  # share of each head's dims rotated, the first ones (HF partial_rotary_factor)
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
@@ -76,7 +85,17 @@ class ModelConfig:
 
     @property
     def mlp_dim(self) -> int:
-        return int(round(self.d_model * self.mlp_ratio))
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        width = self.d_model * self.mlp_ratio
+        if self.activation == "swiglu":
+            return -(-int(2 * width / 3) // 256) * 256
+        return int(round(width))
+
+    @property
+    def rotary_dims(self) -> int:
+        """Dims of each head that rotary positions rotate (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.rope_fraction)
 
 
 @dataclass(frozen=True)
@@ -328,6 +347,15 @@ def validate(cfg: Config, planning: bool = False) -> None:
     for key in ("layers", "d_model", "heads", "kv_heads", "seq_len", "vocab"):
         require(getattr(mo, key) > 0, f"model.{key}={getattr(mo, key)} must be > 0")
     require(mo.mlp_ratio > 0, f"model.mlp_ratio={mo.mlp_ratio} must be > 0")
+    require(mo.mlp_hidden is None or mo.mlp_hidden > 0, f"model.mlp_hidden={mo.mlp_hidden} must be > 0 (or null)")
+    require(mo.rope_base > 1, f"model.rope_base={mo.rope_base} must be > 1")
+    require(0 < mo.rope_fraction <= 1 and mo.rotary_dims >= 2 and mo.rotary_dims % 2 == 0,
+            f"model.rope_fraction={mo.rope_fraction} must rotate an even number >= 2 of the head's "
+            f"{mo.head_dim} dims (0 < fraction <= 1)")
+    require(not (mo.fused_mlp and mo.activation == "swiglu"),
+            "model.fused_mlp=true has a bias+GeLU kernel only; set model.fused_mlp=false with activation=swiglu")
+    require(not (mo.fused_mlp and not mo.bias),
+            "model.fused_mlp=true fuses the MLP bias with GeLU; set model.fused_mlp=false with model.bias=false")
     require(mo.window is None or mo.window >= 1,
             f"model.window={mo.window} must be >= 1 (or null for full causal attention)")
     require(not (mo.fused_norm and mo.norm != "layernorm"),
@@ -338,7 +366,7 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(mo.heads % m.tp == 0, f"model.heads={mo.heads} must be divisible by mesh.tp={m.tp}")
     require(mo.kv_heads % m.tp == 0, f"model.kv_heads={mo.kv_heads} must be divisible by mesh.tp={m.tp}")
     require(mo.mlp_dim % m.tp == 0,
-            f"MLP width d_model*mlp_ratio={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
+            f"MLP width (model.mlp_hidden, else from mlp_ratio)={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
     if p.sequence_parallel:
         require(mo.seq_len % m.tp == 0,
                 f"model.seq_len={mo.seq_len} must be divisible by mesh.tp={m.tp} with parallel.sequence_parallel=true")

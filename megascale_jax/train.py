@@ -16,7 +16,6 @@ import sys
 import time
 from typing import Any, Callable
 
-import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -37,19 +36,13 @@ from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
+from megascale_jax.training.state import TrainState
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
 
 logger = cli.get_logger("train")
 
 
 # ============================================================================ state and steps
-
-
-@flax.struct.dataclass
-class TrainState:
-    step: jax.Array  # number of updates applied so far
-    params: Any
-    opt_state: Any
 
 
 @dataclasses.dataclass

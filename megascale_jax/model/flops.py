@@ -34,16 +34,19 @@ def layer_params(m: ModelConfig) -> int:
     d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
     norm = 2 * d if m.norm == "layernorm" else d  # scale (+ bias)
     norms = 1 if m.block == "parallel" else 2  # the parallel block shares one norm
-    attention = (d * h * hd + h * hd) + 2 * (d * k * hd + k * hd) + (h * hd * d + d)  # q, k+v, o
-    mlp = (d * f + f) + (f * d + d)
+    b = int(m.bias)
+    attention = (d * h * hd + b * h * hd) + 2 * (d * k * hd + b * k * hd) + (h * hd * d + b * d)  # q, k+v, o
+    ups = 2 if m.activation == "swiglu" else 1  # SwiGLU's gate and up projections
+    mlp = ups * (d * f + b * f) + (f * d + b * d)
     return norms * norm + attention + mlp
 
 
 def param_count(model_cfg: ModelConfig) -> int:
-    """All parameters: untied embedding and LM head, `layers` blocks, final norm."""
+    """All parameters: embedding, LM head (unless tied), `layers` blocks, final norm."""
     m = model_cfg
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
-    return m.vocab * m.d_model + m.layers * layer_params(m) + final_norm + m.d_model * m.vocab
+    head = 0 if m.tied_embeddings else m.d_model * m.vocab
+    return m.vocab * m.d_model + m.layers * layer_params(m) + final_norm + head
 
 
 # ----------------------------------------------------------------------------- FLOPs
@@ -53,7 +56,8 @@ def forward_flops_per_token(model_cfg: ModelConfig) -> int:
     """Forward-pass FLOPs per token (see the module docstring for what is counted)."""
     m = model_cfg
     d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
-    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + 2 * d * f  # q, k+v, o, w1+w2
+    ups = 2 if m.activation == "swiglu" else 1  # SwiGLU's gate and up projections
+    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + (ups + 1) * d * f  # q, k+v, o, MLP
     ctx = m.seq_len if m.window is None else min(m.window, m.seq_len)
     layer_attention = 2 * 2 * h * hd * ctx  # q·kᵀ and p·v over ctx keys, no causal halving
     lm_head = 2 * d * m.vocab
@@ -119,7 +123,7 @@ def memory_estimate(cfg: Config) -> dict:
     output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
-    embed, head = m.vocab * m.d_model, m.d_model * m.vocab + final_norm
+    embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
     # The embedding and the LM head (with their gradients and moments) are replicated over pp:
     # every stage holds both, though only the first uses the embedding and the last the head (a
     # jax.Array spans its whole mesh; see parallel/pipeline.py), so they count on every stage.

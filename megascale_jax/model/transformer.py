@@ -3,8 +3,10 @@
     parallel block:  y = x + Attn(LN(x)) + MLP(LN(x))          (one shared norm)
     serial block:    h = x + Attn(LN1(x));  y = h + MLP(LN2(h)) (standard pre-LN)
 
-Rotary positions, grouped-query attention, a GeLU MLP, biases on every projection (GPT-3 style),
-untied embedding and LM head. The layers are stacked on a leading `layers` axis and run with
+Rotary positions (base and rotated share of each head configurable), grouped-query attention,
+a GeLU or SwiGLU MLP, biases on every projection or none, tied or untied embedding and LM head:
+the options that map the model exactly onto Hugging Face's Llama, Mistral, Starcoder2 and Phi
+(`megascale_jax.interop.hf_models`). The layers are stacked on a leading `layers` axis and run with
 `nn.scan`, so compile time does not grow with depth and the pipeline can later split that axis.
 
 Parameters are float32; compute runs in `model.dtype` (bf16 on GPU) with float32 softmax,
@@ -57,14 +59,18 @@ class Norm(nn.Module):
         return y.astype(self.cfg.dtype)
 
 
-def rotary(x, positions):
-    """Rotary position embedding on (batch, seq, heads, head_dim), rotating half-split pairs."""
-    half = x.shape[-1] // 2
-    freqs = 1.0 / (10000.0 ** (jnp.arange(half, dtype=jnp.float32) / half))
+def rotary(x, positions, base: float = 10000.0, dims: int | None = None):
+    """Rotary position embedding on (batch, seq, heads, head_dim): the first `dims` (default all)
+    of each head rotate in half-split pairs (i, i + dims/2), as GPT-NeoX and Llama do; the rest
+    pass through unchanged (partial rotary, as Phi)."""
+    dims = x.shape[-1] if dims is None else dims
+    half = dims // 2
+    freqs = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
     angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
     sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., :half], xf[..., half:dims], xf[..., dims:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
 
 
 class AttentionParams(nn.Module):
@@ -80,15 +86,18 @@ class AttentionParams(nn.Module):
         p = {}
         for name, n, axes in (("q", c.heads, "heads"), ("k", c.kv_heads, "kv_heads"), ("v", c.kv_heads, "kv_heads")):
             p["w" + name] = _param(self, "w" + name, normal, (d, n, hd), ("embed", axes, "head_dim"))
-            p["b" + name] = _param(self, "b" + name, zeros, (n, hd), (axes, "head_dim"))
+            if c.bias:
+                p["b" + name] = _param(self, "b" + name, zeros, (n, hd), (axes, "head_dim"))
         out_init = nn.initializers.normal(INIT_STD / (2 * c.layers) ** 0.5)
         p["wo"] = _param(self, "wo", out_init, (c.heads, hd, d), ("heads", "head_dim", "embed"))
-        p["bo"] = _param(self, "bo", zeros, (d,), ("embed",))
+        if c.bias:
+            p["bo"] = _param(self, "bo", zeros, (d,), ("embed",))
         return p
 
 
 class MlpParams(nn.Module):
-    """Up projection (column-parallel: mlp over tp) and down projection (row-parallel)."""
+    """Up projection w1 (column-parallel: mlp over tp), for SwiGLU also the gate wg, and the down
+    projection w2 (row-parallel)."""
 
     cfg: ModelConfig
 
@@ -96,12 +105,19 @@ class MlpParams(nn.Module):
     def __call__(self) -> dict:
         c = self.cfg
         d, f = c.d_model, c.mlp_dim
-        return {
-            "w1": _param(self, "w1", nn.initializers.normal(INIT_STD), (d, f), ("embed", "mlp")),
-            "b1": _param(self, "b1", nn.initializers.zeros, (f,), ("mlp",)),
-            "w2": _param(self, "w2", nn.initializers.normal(INIT_STD / (2 * c.layers) ** 0.5), (f, d), ("mlp", "embed")),
-            "b2": _param(self, "b2", nn.initializers.zeros, (d,), ("embed",)),
-        }
+        normal, zeros = nn.initializers.normal(INIT_STD), nn.initializers.zeros
+        p = {}
+        if c.activation == "swiglu":
+            p["wg"] = _param(self, "wg", normal, (d, f), ("embed", "mlp"))
+            if c.bias:
+                p["bg"] = _param(self, "bg", zeros, (f,), ("mlp",))
+        p["w1"] = _param(self, "w1", normal, (d, f), ("embed", "mlp"))
+        if c.bias:
+            p["b1"] = _param(self, "b1", zeros, (f,), ("mlp",))
+        p["w2"] = _param(self, "w2", nn.initializers.normal(INIT_STD / (2 * c.layers) ** 0.5), (f, d), ("mlp", "embed"))
+        if c.bias:
+            p["b2"] = _param(self, "b2", zeros, (d,), ("embed",))
+        return p
 
 
 def qkv_weights(a: dict) -> list:
@@ -111,24 +127,43 @@ def qkv_weights(a: dict) -> list:
 
 def self_attention(c: ModelConfig, q, k, v, a: dict):
     """Projected (b, s, n*hd) q/k/v -> attention output (b, s, heads*head_dim), heads over tp."""
-    def heads(y, bias, axes):
-        y = y.reshape(*y.shape[:2], *bias.shape) + bias.astype(c.dtype)
+    def heads(y, name, axes):
+        y = y.reshape(*y.shape[:2], *a["w" + name].shape[1:])
+        if c.bias:
+            y = y + a["b" + name].astype(c.dtype)
         return _constrain(y, ("batch", "seq", axes, "head_dim"))
 
-    q, k, v = heads(q, a["bq"], "heads"), heads(k, a["bk"], "kv_heads"), heads(v, a["bv"], "kv_heads")
+    q, k, v = heads(q, "q", "heads"), heads(k, "k", "kv_heads"), heads(v, "v", "kv_heads")
     positions = jnp.arange(q.shape[1])
-    o = attend(rotary(q, positions), rotary(k, positions), v, window=c.window, implementation=c.attention)
+    q, k = (rotary(y, positions, c.rope_base, c.rotary_dims) for y in (q, k))
+    o = attend(q, k, v, window=c.window, implementation=c.attention)
     o = _constrain(o, ("batch", "seq", "heads", "head_dim"))
     return o.reshape(*o.shape[:2], -1)
 
 
-def mlp_activation(c: ModelConfig, u, m: dict):
-    tanh = c.activation == "gelu_tanh"
-    if c.fused_mlp:
-        hidden = pallas_kernels.bias_gelu(u, m["b1"].astype(c.dtype), approximate=tanh)
+def mlp_up_weights(c: ModelConfig, m: dict) -> list:
+    """The MLP's column-parallel weights, in the order `mlp_activation` takes their outputs."""
+    return [m["wg"], m["w1"]] if c.activation == "swiglu" else [m["w1"]]
+
+
+def mlp_activation(c: ModelConfig, ups: list, m: dict):
+    """The MLP's hidden activation from the outputs of `mlp_up_weights` (biases not yet added)."""
+    def biased(u, name):
+        return u + m[name].astype(c.dtype) if c.bias else u
+
+    if c.activation == "swiglu":
+        gate, up = ups
+        hidden = jax.nn.silu(biased(gate, "bg")) * biased(up, "b1")
+    elif c.fused_mlp:
+        hidden = pallas_kernels.bias_gelu(ups[0], m["b1"].astype(c.dtype), approximate=c.activation == "gelu_tanh")
     else:
-        hidden = jax.nn.gelu(u + m["b1"].astype(c.dtype), approximate=tanh)
+        hidden = jax.nn.gelu(biased(ups[0], "b1"), approximate=c.activation == "gelu_tanh")
     return _constrain(hidden, ("batch", "seq", "mlp"))
+
+
+def output_bias(c: ModelConfig, *biases):
+    """The sum of the output projections' biases in the compute dtype (0 without biases)."""
+    return sum(biases).astype(c.dtype) if c.bias else 0
 
 
 class Block(nn.Module):
@@ -148,15 +183,15 @@ class Block(nn.Module):
         wo = a["wo"].reshape(-1, c.d_model)
         if c.block == "parallel":
             h = Norm(c, name="norm")(x)
-            q, k, v, u = column_matmul(h, [*qkv_weights(a), m["w1"]], par)
-            out = row_matmul([self_attention(c, q, k, v, a), mlp_activation(c, u, m)], [wo, m["w2"]], par)
-            y = x + out + (a["bo"] + m["b2"]).astype(c.dtype)
+            q, k, v, *ups = column_matmul(h, [*qkv_weights(a), *mlp_up_weights(c, m)], par)
+            out = row_matmul([self_attention(c, q, k, v, a), mlp_activation(c, ups, m)], [wo, m["w2"]], par)
+            y = x + out + output_bias(c, a.get("bo"), m.get("b2"))
         else:
             q, k, v = column_matmul(Norm(c, name="norm1")(x), qkv_weights(a), par)
-            x = x + row_matmul([self_attention(c, q, k, v, a)], [wo], par) + a["bo"].astype(c.dtype)
+            x = x + row_matmul([self_attention(c, q, k, v, a)], [wo], par) + output_bias(c, a.get("bo"))
             x = _constrain(x, ("batch", "act_seq", "embed"))
-            (u,) = column_matmul(Norm(c, name="norm2")(x), [m["w1"]], par)
-            y = x + row_matmul([mlp_activation(c, u, m)], [m["w2"]], par) + m["b2"].astype(c.dtype)
+            ups = column_matmul(Norm(c, name="norm2")(x), mlp_up_weights(c, m), par)
+            y = x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
         return _constrain(y, ("batch", "act_seq", "embed")), None
 
 
@@ -218,8 +253,15 @@ class Transformer(nn.Module):
         x = embed_tokens(c, embed, tokens)
         x, _ = scanned_blocks(c.layers, c.remat)(c, self.parallel, name="layers")(x, None)
         x = Norm(c, name="final_norm")(x)
+        if c.tied_embeddings:
+            return project_vocab(c, x, embed.T)
         head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
         return project_vocab(c, x, head)
+
+
+def lm_head(cfg: ModelConfig, params: dict):
+    """The LM head (d_model, vocab): its own matrix, or the embedding's transpose when tied."""
+    return params["embed"].T if cfg.tied_embeddings else params["head"]
 
 
 def loss_fn(model: Transformer, params, batch):

@@ -269,6 +269,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
     masked = explicit_tp(cfg, mesh)  # idle stages compute and mask instead of skipping (`when`)
     specs = grad_specs if grad_specs is not None else jax.tree.map(lambda _: P(), params)
+    if cfg.model.tied_embeddings:  # the last stage's head is the embedding's transpose; its gradient adds
+        params, specs = with_tied_head(params), with_tied_head(specs)
     is_spec = lambda x: isinstance(x, P)
     # Per gradient leaf, the dimension its dp reduction scatters along; -1: all-reduce.
     dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
@@ -390,7 +392,17 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
         out_specs=(P(), layer_out, out["embed"], out["final_norm"], out["head"]))
     loss, g_layers, g_embed, g_norm, g_head = run(params["layers"], params["embed"], params["final_norm"],
                                                   params["head"], batch)
+    if cfg.model.tied_embeddings:
+        return loss, {"embed": g_embed + g_head.T, "layers": g_layers, "final_norm": g_norm}
     return loss, {"embed": g_embed, "layers": g_layers, "final_norm": g_norm, "head": g_head}
+
+
+def with_tied_head(tree):
+    """A tree of parameters (or their PartitionSpecs) with `head` added as the embedding's transpose."""
+    embed = tree["embed"]
+    if isinstance(embed, P):
+        return {**tree, "head": P(*reversed(tuple(embed) + (None,) * (2 - len(embed))))}
+    return {**tree, "head": embed.T}
 
 
 # ------------------------------------------------------------------ evaluation
@@ -430,4 +442,5 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     run = jax.shard_map(
         body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
-    return run(params["layers"], params["embed"], params["final_norm"], params["head"], batch)
+    head = params["embed"].T if cfg.model.tied_embeddings else params["head"]
+    return run(params["layers"], params["embed"], params["final_norm"], head, batch)

@@ -232,6 +232,32 @@ class Checkpointer:
         self.manager.reload()
         return restored["state"], meta
 
+    def restore_params(self, step: int, abstract_state):
+        """Only the parameters of checkpoint `step` (the optimizer state is not read), placed per
+        `abstract_state.params`' shardings and verified against their checksums."""
+        _quiet_late_tensorstore_callbacks()
+        path = os.path.join(self.directory, str(step))
+        item = abstract_state.replace(step=ocp.PLACEHOLDER, opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER,
+                                                                                   abstract_state.opt_state))
+        restore_args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(sharding=a.sharding),
+                                    item)
+        sharding = jax.tree.leaves(abstract_state.params)[0].sharding
+        abstract_sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+                                     jax.eval_shape(checksums, abstract_state))
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=restore_args)).params
+            expected = self.manager.restore(step, args=ocp.args.Composite(
+                checksums=ocp.args.StandardRestore(abstract_sums)))["checksums"].params
+        except Exception as e:
+            raise CorruptCheckpoint(_describe_read_error(e, path)) from None
+        bad = [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(
+            jax.device_get(checksums(params))), jax.tree.leaves(jax.device_get(expected))) if a != b]
+        if bad:
+            raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        return params
+
     def _restore_single_replica(self, step: int, abstract_state):
         """Leaves replicated over dp: replica 0 reads, orbax broadcasts. Leaves sharded over dp:
         the ordinary read (each replica its own slice). Two passes, each skipping the other's

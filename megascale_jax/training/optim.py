@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from megascale_jax.config import OptimConfig
 
 # Leaf names of parameters that are matrices (weight decay applies to these).
-DECAYED = frozenset({"wq", "wk", "wv", "wo", "w1", "w2", "embed", "head"})
+DECAYED = frozenset({"wq", "wk", "wv", "wo", "wg", "w1", "w2", "embed", "head"})
 
 
 NO_LAYER_AXIS = -1

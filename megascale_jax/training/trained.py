@@ -1,0 +1,60 @@
+"""The parameters a run trained: its newest committed checkpoint (or step N), read onto one
+device in canonical layer order, whatever mesh and pipeline layout wrote it.
+
+This is how a run's model leaves the run: `python -m megascale_jax.export_hf` and `python -m
+megascale_jax.sample` start here. Only the parameters are read (not the optimizer's moments) and
+their checksums are verified; the run's `config.yaml` says what the model is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import Config, ConfigError, load_config
+from megascale_jax.training.checkpoint import Checkpointer, CorruptCheckpoint
+from megascale_jax.training.state import abstract_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Trained:
+    cfg: Config  # the run's config
+    params: Any  # float32 arrays on one device, layers in canonical (network) order
+    step: int  # the checkpoint's step: updates applied
+
+
+def run_config(run_dir: str) -> Config:
+    """The config a run was started with (its `config.yaml`), checked as far as sizing needs:
+    the data it read need not exist here."""
+    path = run_dirs.config_path(run_dir)
+    if not os.path.isdir(run_dir):
+        raise ConfigError(f"run directory {run_dir!r} does not exist; pass the --run-dir of a training run")
+    if not os.path.isfile(path):
+        raise ConfigError(f"{run_dir!r} has no config.yaml; pass the run directory of `python -m megascale_jax.train`")
+    return load_config(path, planning=True)
+
+
+def load(run_dir: str, step: int | None = None, warn=lambda line: None) -> Trained:
+    """The run's parameters at checkpoint `step` (default: the newest committed one)."""
+    cfg = run_config(run_dir)
+    directory = run_dirs.checkpoint_dir(cfg, run_dir)
+    steps = run_dirs.committed_steps(directory)
+    if not steps:
+        raise ConfigError(f"{run_dir!r} has no committed checkpoint in {directory}; train with checkpoint.every > 0")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"--step {step}: no committed checkpoint at that step in {directory} "
+                          f"(committed: {', '.join(map(str, steps))})")
+    device = jax.local_devices()[0]
+    single = jax.sharding.SingleDeviceSharding(device)
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single), abstract_state(cfg))
+    try:
+        params = Checkpointer(cfg, directory, warn).restore_params(step, abstract)
+    except CorruptCheckpoint as e:
+        raise ConfigError(f"checkpoint step {step} in {directory} is unreadable: {e}") from None
+    return Trained(cfg=cfg, params=params, step=step)
