@@ -53,7 +53,9 @@ class ModelConfig:
     layers: int = 4
     d_model: int = 128
     heads: int = 4
-    kv_heads: int = 4  # grouped-query attention when < heads
+    # Grouped-query attention when < heads. Split over mesh.tp when tp divides it; with fewer kv
+    # heads than tp ranks (tp a multiple of kv_heads, e.g. 8 at tp=16) each is replicated over tp/kv_heads.
+    kv_heads: int = 4
     mlp_ratio: float = 4.0
     vocab: int = 256
     seq_len: int = 128
@@ -61,6 +63,7 @@ class ModelConfig:
     window: Optional[int] = None  # sliding window: token sees itself + previous window-1; None = causal
     attention: Literal["xla", "cudnn", "pallas"] = "xla"
     norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    norm_eps: Optional[float] = None  # None: 1e-5 for LayerNorm, 1e-6 for RMSNorm (HF layer_norm_eps / rms_norm_eps)
     # gelu / gelu_tanh: act(x W1 + b1) W2. swiglu: (silu(x Wg + bg) * (x W1 + b1)) W2, Llama's gated MLP.
     activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu_tanh"
     # The MLP's hidden width. None: d_model * mlp_ratio, or for swiglu Llama's rule, 2/3 of that
@@ -71,6 +74,9 @@ class ModelConfig:
     tied_embeddings: bool = False  # the LM head is the embedding's transpose (one matrix, both gradients)
     rope_base: float = 10000.0  # rotary frequencies base^(-2i/rotated dims) (HF rope_theta)
     rope_fraction: float = 1.0  # share of each head's dims rotated, the first ones (HF partial_rotary_factor)
+    # A Hugging Face model directory (config.json + safetensors) whose weights a new run starts
+    # from, on any mesh (megascale_jax/interop). The model keys above must match its config.json.
+    init_from: Optional[str] = None
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; parameters stay float32
     fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
@@ -91,6 +97,11 @@ class ModelConfig:
         if self.activation == "swiglu":
             return -(-int(2 * width / 3) // 256) * 256
         return int(round(width))
+
+    @property
+    def epsilon(self) -> float:
+        """The norms' epsilon: `norm_eps`, else the default of the norm."""
+        return self.norm_eps if self.norm_eps is not None else (1e-5 if self.norm == "layernorm" else 1e-6)
 
     @property
     def rotary_dims(self) -> int:
@@ -348,6 +359,7 @@ def validate(cfg: Config, planning: bool = False) -> None:
         require(getattr(mo, key) > 0, f"model.{key}={getattr(mo, key)} must be > 0")
     require(mo.mlp_ratio > 0, f"model.mlp_ratio={mo.mlp_ratio} must be > 0")
     require(mo.mlp_hidden is None or mo.mlp_hidden > 0, f"model.mlp_hidden={mo.mlp_hidden} must be > 0 (or null)")
+    require(mo.norm_eps is None or mo.norm_eps > 0, f"model.norm_eps={mo.norm_eps} must be > 0 (or null)")
     require(mo.rope_base > 1, f"model.rope_base={mo.rope_base} must be > 1")
     require(0 < mo.rope_fraction <= 1 and mo.rotary_dims >= 2 and mo.rotary_dims % 2 == 0,
             f"model.rope_fraction={mo.rope_fraction} must rotate an even number >= 2 of the head's "
@@ -364,7 +376,12 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(mo.heads % mo.kv_heads == 0,
             f"model.heads={mo.heads} must be divisible by model.kv_heads={mo.kv_heads} (grouped-query attention)")
     require(mo.heads % m.tp == 0, f"model.heads={mo.heads} must be divisible by mesh.tp={m.tp}")
-    require(mo.kv_heads % m.tp == 0, f"model.kv_heads={mo.kv_heads} must be divisible by mesh.tp={m.tp}")
+    require(mo.kv_heads % m.tp == 0 or m.tp % mo.kv_heads == 0,
+            f"model.kv_heads={mo.kv_heads} and mesh.tp={m.tp} must divide one another (kv heads split over tp, "
+            "or each replicated over tp/kv_heads ranks); choose a mesh.tp that divides kv_heads or is a multiple of it")
+    require(mo.kv_heads % m.tp == 0 or mo.kv_heads * mo.head_dim % m.tp == 0,
+            f"model.kv_heads={mo.kv_heads} x head_dim={mo.head_dim} must be divisible by mesh.tp={m.tp} (the "
+            "column-parallel matmul splits the replicated k/v projections' columns over tp); use a smaller mesh.tp")
     require(mo.mlp_dim % m.tp == 0,
             f"MLP width (model.mlp_hidden, else from mlp_ratio)={mo.mlp_dim} must be divisible by mesh.tp={m.tp}")
     if p.sequence_parallel:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
+from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
 from megascale_jax.model.transformer import Transformer, loss_fn
 from megascale_jax.observe import device_profile, timings
@@ -56,6 +57,7 @@ class Trainer:
     abstract_params: Any  # ShapeDtypeStructs with shardings, for lowering without allocating
     batch_sharding: NamedSharding
     init: Callable[[], TrainState]
+    start_from: Callable[[Any], TrainState]  # given parameters (canonical order): step 0, fresh moments
     # The layers' stored order is the pipeline's (`parallel.layout`); checkpoints hold the canonical.
     to_canonical: Callable[[TrainState], TrainState]
     to_stored: Callable[[TrainState], TrainState]
@@ -72,7 +74,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     # Shapes and logical axes come from an abstract init; nothing is allocated here.
     boxed = jax.eval_shape(model.init, jax.random.key(0), dummy)["params"]
     optimizer = make_optimizer(cfg.optim, cfg.train.steps, layer_axes(boxed))
-    param_shardings = sharding.param_shardings(boxed, mesh)
+    param_shardings = sharding.param_shardings(boxed, mesh, cfg)
     abstract_params = nn.unbox(boxed)
     moment_shardings = param_shardings
     if cfg.parallel.zero1:
@@ -86,6 +88,10 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     def init() -> TrainState:
         # threefry is partitionable, so values depend on the seed only, never on the shardings.
         params = layout.to_stored(cfg, nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"])
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    def start_from(params) -> TrainState:
+        params = layout.to_stored(cfg, params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
 
     def loss_and_grads(params, batch):
@@ -140,6 +146,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         abstract_params=jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                      abstract_params, param_shardings),
         init=_with_rules(cfg, mesh, jax.jit(init, out_shardings=state_shardings, compiler_options=options)),
+        start_from=_with_rules(cfg, mesh, jax.jit(start_from, out_shardings=state_shardings, compiler_options=options)),
         to_canonical=reorder(layout.to_canonical), to_stored=reorder(layout.to_stored, donate_argnums=0),
         train_step=_with_rules(cfg, mesh, jax.jit(
             train_step, in_shardings=(state_shardings, batch_sharding),
@@ -167,7 +174,7 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
     """Trace and run `fn` with the mesh and the logical-axis rules in scope."""
 
     def in_scope(call, *args):
-        with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
+        with jax.set_mesh(mesh), sharding.axis_rules(cfg):
             return call(*args)
 
     wrapped = functools.partial(in_scope, fn)
@@ -230,7 +237,16 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             to_canonical = trainer.to_canonical.lower(abstract_state).compile()
     start = restored[1]["step"] if restored else 0  # steps done so far
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
-    state = trainer.to_stored(restored[0]) if restored else trainer.init()
+    if restored:
+        state = trainer.to_stored(restored[0])
+    elif cfg.model.init_from:  # a new run from a Hugging Face model's weights, placed on this mesh
+        weights = hf_import.load_params(cfg, trainer.abstract_params)
+        state = trainer.start_from(jax.tree.map(
+            lambda w, a: jax.make_array_from_callback(a.shape, a.sharding, lambda index: w[index]),
+            weights, trainer.abstract_params))
+        log(f"initialised from the Hugging Face model in {cfg.model.init_from}")
+    else:
+        state = trainer.init()
     batches = data.Prefetcher(train_batches, trainer.batch_sharding, data_position, cfg.data.prefetch)
     first = batches.get()
     watch.state("compiling", start)
@@ -475,6 +491,8 @@ def main(argv=None) -> int:
             jax.distributed.initialize(coordinator, args.num_processes, process_id)
         cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
+        if cfg.model.init_from:
+            hf_import.check(cfg)
         check_memory(cfg)
         tokens = data.load_tokens(cfg)
         # Built here so that too little data is a one-line error before anything compiles.

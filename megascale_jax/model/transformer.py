@@ -47,15 +47,15 @@ class Norm(nn.Module):
         xf = x.astype(jnp.float32)
         scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",))
         if self.cfg.norm == "rmsnorm":
-            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6) * scale
+            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.epsilon) * scale
         elif self.cfg.fused_norm:
             bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
-            return pallas_kernels.layer_norm(x, scale, bias, eps=1e-5, out_dtype=self.cfg.dtype)
+            return pallas_kernels.layer_norm(x, scale, bias, eps=self.cfg.epsilon, out_dtype=self.cfg.dtype)
         else:
             bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
             mean = jnp.mean(xf, axis=-1, keepdims=True)
             var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-            y = (xf - mean) * jax.lax.rsqrt(var + 1e-5) * scale + bias
+            y = (xf - mean) * jax.lax.rsqrt(var + self.cfg.epsilon) * scale + bias
         return y.astype(self.cfg.dtype)
 
 

@@ -307,8 +307,8 @@ class Checkpointer:
         for section, key in keys:
             if key not in saved.get(section, {}) or now[section][key] == saved[section][key]:
                 continue
-            if section == "model" and key in ("attention", "dtype", "window"):
-                continue  # computation choices: the parameters are the same
+            if section == "model" and key in ("attention", "dtype", "window", "init_from"):
+                continue  # computation choices, or where the weights first came from: the parameters are the same
             raise ConfigError(
                 f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
                 f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
