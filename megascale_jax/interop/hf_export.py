@@ -50,9 +50,12 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
     except hf_models.Unsupported as e:
         raise ExportError(str(e)) from None
     check_target(out_dir, overwrite)
+    try:
+        tokenizer = tokenizers_.run_tokenizer(run_dir, cfg)
+    except tokenizers_.TokenizerError as e:
+        raise ExportError(str(e)) from None
     run = trained.load(run_dir, step)
-    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizers_.run_tokenizer(run_dir, cfg),
-                                      max_shard_bytes)}
+    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes)}
 
 
 def write(model: ModelConfig, params, out_dir: str, tokenizer=None,
