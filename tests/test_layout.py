@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megascale_jax"
-ENTRY_POINTS = ("train", "launch", "report", "diagnose", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf")
+ENTRY_POINTS = ("train", "launch", "report", "diagnose", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf", "sample")
 # What the driver (launch and supervisor) runs in its own process, which must outlive workers
 # whose jax crashed: the straggler statistic and hang analysis read the run's files there too.
 DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.supervise.launch",

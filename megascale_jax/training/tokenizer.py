@@ -7,6 +7,11 @@ END_OF_TEXT, as GPT-2 does. Token ids are written as one flat uint16 file (uint3
 tokens) beside `tokenizer.json` and `tokens.json`, which records the dtype, the vocabulary and the
 tokenizer file's SHA-256; a run on the token file copies these into its run directory
 (`record_in_run_dir`). Nothing here touches the network.
+
+`run_tokenizer` says what any run's token ids mean: the BPE it recorded, or for byte-level data
+(`data.source=stdlib|files`, ids are raw UTF-8 bytes) `byte_tokenizer()`, a BPE with the 256
+byte tokens and no merges, so that its ids are the text's bytes and it saves as an ordinary
+tokenizer.json that transformers' `PreTrainedTokenizerFast` wraps.
 """
 
 from __future__ import annotations
@@ -89,6 +94,40 @@ def write(out_dir: str, tokenizer, tokens: np.ndarray, paths: list[str], overwri
 def sha256(path: str) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read()).hexdigest()
+
+
+def byte_tokenizer():
+    """Byte b is token b: `encode(text).ids == list(text.encode("utf-8"))`, and decode inverts it
+    (an incomplete UTF-8 sequence decodes to U+FFFD). No end-of-text token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {char: byte for byte, char in enumerate(_byte_chars())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def _byte_chars() -> list[str]:
+    """The printable character GPT-2's byte-level alphabet writes byte b as, for b in 0..255:
+    printable Latin-1 bytes stand for themselves, the others take code points from 256 up."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+
+
+def run_tokenizer(run_dir: str, cfg):
+    """The tokenizer whose ids a run's model reads and writes (`cfg` is the run's Config): its
+    recorded RUN_DIR/tokenizer/tokenizer.json for `data.source=tokens`, else the byte tokenizer."""
+    from tokenizers import Tokenizer
+
+    if cfg.data.source != "tokens":
+        return byte_tokenizer()
+    path = os.path.join(run_dir, "tokenizer", TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{path} does not exist: the run read data.path={cfg.data.path!r}, a token file with no "
+                             f"{TOKENIZER_FILE} beside it, so what its ids mean is unknown; put the tokenizer there")
+    return Tokenizer.from_file(path)
 
 
 def record_in_run_dir(token_file: str, run_dir: str) -> None:

@@ -88,3 +88,55 @@ def test_bad_input_is_one_line_and_exit_2_and_nothing_is_replaced(corpus):
         done = run("megascale_jax.tokenize", *args, cwd=work)
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], (args, done.stderr)
     assert (work / "tok" / "tokens.bin").read_bytes() == before and not (work / "x").exists()
+
+
+# ============================================================================ the tokenizer of any run
+
+
+def test_the_byte_tokenizer_ids_are_the_utf8_bytes_and_decode_round_trips():
+    from megascale_jax.training.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer()
+    rng = np.random.default_rng(3)
+    # Every ASCII character, then seeded random code points from 2-, 3- and 4-byte UTF-8 ranges.
+    texts = ["".join(map(chr, range(128))), " ".join(rng.choice(WORDS, size=200))]
+    for low, high in [(0x80, 0x800), (0x800, 0xD800), (0xE000, 0x10000), (0x10000, 0x110000)]:
+        texts.append("".join(map(chr, rng.integers(low, high, 300))))
+    covered = set()
+    for text in texts:
+        ids = tok.encode(text).ids
+        assert ids == list(text.encode("utf-8"))
+        assert tok.decode(ids) == text
+        covered |= set(ids)
+    assert len(covered) > 200  # nearly every byte value occurs (0xC0, 0xC1, 0xF5-0xFF never do in UTF-8)
+    assert tok.get_vocab_size() == 256 and tok.token_to_id("<|endoftext|>") is None
+    assert tok.decode(list("é".encode("utf-8"))[:1]) == "\ufffd"  # a cut-off character, not an exception
+
+
+def test_the_byte_tokenizer_saves_as_a_tokenizer_json_transformers_wraps(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from megascale_jax.training.tokenizer import byte_tokenizer
+
+    byte_tokenizer().save(str(tmp_path / "tokenizer.json"))
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    text = "def naïve(x):\n\treturn '日本語 🙂'"
+    assert fast(text)["input_ids"] == list(text.encode("utf-8"))
+    assert fast.decode(fast(text)["input_ids"]) == text
+
+
+def test_run_tokenizer_reads_the_recorded_tokenizer_or_falls_back_to_bytes(corpus, tmp_path):
+    from megascale_jax.config import load_config
+    from megascale_jax.training.tokenizer import TokenizerError, run_tokenizer
+
+    work, texts, _ = corpus
+    text = next(iter(texts.values()))
+    byte_level = load_config(None, ["data.source=files", "data.path=corpus/*.txt"], planning=True)
+    assert run_tokenizer(str(tmp_path), byte_level).encode(text).ids == list(text.encode("utf-8"))
+    on_tokens = load_config(None, ["data.source=tokens", "data.path=tok/tokens.bin", "model.vocab=400"],
+                            planning=True)
+    with pytest.raises(TokenizerError, match="tokenizer.json does not exist"):
+        run_tokenizer(str(tmp_path), on_tokens)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_bytes((work / "tok" / "tokenizer.json").read_bytes())
+    recorded = tokenizers.Tokenizer.from_file(str(work / "tok" / "tokenizer.json"))
+    assert run_tokenizer(str(tmp_path), on_tokens).encode(text).ids == recorded.encode(text).ids

@@ -1,0 +1,140 @@
+"""`python -m megascale_jax.sample` as a user runs it: a tiny run trained on 2 simulated devices in a
+scratch directory (relative paths), then continued on one device. The printed text is what
+`model.decode.generate` makes from the checkpoint's parameters; sampling is seeded; every mistake
+is one `error:` line with exit 2.
+
+The trained run is shared (module fixture, one xdist group); mistakes go through `sample.main` in
+this process, the first success and one mistake through the real command line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[interop]')")
+
+from megascale_jax import sample  # noqa: E402
+from megascale_jax.model import decode  # noqa: E402
+from megascale_jax.training import trained  # noqa: E402
+from megascale_jax.training.tokenizer import byte_tokenizer  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SEQ_LEN = 32
+TINY = ["train.steps=2", "checkpoint.every=2", "train.eval_every=0", "model.layers=2", "model.d_model=64",
+        f"model.seq_len={SEQ_LEN}", "model.window=8", "train.global_batch=4", "mesh.dp=2", "mesh.tp=1",
+        "observe.timings=false", "observe.tensorboard=false"]
+
+pytestmark = pytest.mark.xdist_group("sample-run")
+
+
+def command(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def run_main(argv, cwd: Path) -> tuple[int, str, str]:
+    """sample.main in this process (its JAX is already up), from `cwd`."""
+    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = sample.main(argv)
+    finally:
+        os.chdir(before)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    """A scratch directory holding `run`, trained for 2 steps with a checkpoint at step 2."""
+    cwd = tmp_path_factory.mktemp("sample")
+    done = command("megascale_jax.train", "--run-dir", "run", *TINY, cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return cwd
+
+
+def test_sample_prints_the_greedy_continuation_of_the_checkpoint(scratch):
+    done = command("megascale_jax.sample", "run", "--prompt", "def ", "--max-new-tokens", "8", cwd=scratch)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    run = trained.load(str(scratch / "run"))
+    assert run.step == 2
+    new = decode.generate(run.cfg.model, run.params, list(b"def "), 8)
+    assert len(new) == 8
+    assert done.stdout == byte_tokenizer().decode(new) + "\n"
+
+
+def test_sampling_is_seeded_and_runs_past_seq_len_with_a_window(scratch):
+    prompt = "import os\n" * 3  # 30 tokens; + 40 new > seq_len 32: the window of 8 slides on
+    args = ["run", "--prompt", prompt, "--max-new-tokens", "40", "--temperature", "1.0", "--top-p", "0.95"]
+    first = run_main([*args, "--seed", "1"], scratch)
+    assert first[0] == 0, first[2]
+    assert run_main([*args, "--seed", "1"], scratch) == first
+    assert run_main([*args, "--seed", "2"], scratch)[1] != first[1]
+    greedy = run_main(["run", "--prompt", prompt, "--max-new-tokens", "40", "--step", "2"], scratch)
+    assert greedy[0] == 0 and greedy[1] != first[1]
+
+
+def causal_run(scratch: Path) -> str:
+    """A copy of the run's config without a window (and no checkpoint): length checks come first."""
+    target = scratch / "causal"
+    if not target.exists():
+        target.mkdir()
+        cfg = yaml.safe_load((scratch / "run" / "config.yaml").read_text())
+        cfg["model"]["window"] = None
+        (target / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return "causal"
+
+
+def no_checkpoint_run(scratch: Path) -> str:
+    target = scratch / "untrained"
+    if not target.exists():
+        target.mkdir()
+        shutil.copyfile(scratch / "run" / "config.yaml", target / "config.yaml")
+    return "untrained"
+
+
+MISTAKES = [
+    (lambda s: ["nowhere", "--prompt", "x"], "run directory 'nowhere' does not exist"),
+    (lambda s: [no_checkpoint_run(s), "--prompt", "x"], "has no committed checkpoint"),
+    (lambda s: ["run", "--prompt", "x", "--step", "1"], "--step 1: no committed checkpoint at that step"),
+    (lambda s: ["run", "--prompt", "x" * (SEQ_LEN + 1)],
+     f"--prompt is {SEQ_LEN + 1} tokens, more than model.seq_len={SEQ_LEN}"),
+    (lambda s: ["run", "--prompt", ""], "--prompt is empty"),
+    (lambda s: ["run", "--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens 0: generate at least 1 token"),
+    (lambda s: ["run", "--prompt", "x", "--temperature", "-1"], "--temperature -1.0: must be >= 0"),
+    (lambda s: ["run", "--prompt", "x", "--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (lambda s: ["run", "--prompt", "x", "--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    (lambda s: [causal_run(s), "--prompt", "x" * 30, "--max-new-tokens", "3"],
+     f"the prompt's 30 tokens + 3 exceed model.seq_len={SEQ_LEN}, the longest text a model without a sliding "
+     "window can continue; pass --max-new-tokens 2 or less"),
+]
+
+
+@pytest.mark.parametrize("index", range(len(MISTAKES)))
+def test_mistakes_are_one_line_and_exit_2(scratch, index):
+    argv, message = MISTAKES[index]
+    code, out, err = run_main(argv(scratch), scratch)
+    assert code == 2 and out == "", (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
+
+
+def test_a_mistake_on_the_real_command_line(scratch):
+    done = command("megascale_jax.sample", "nowhere", "--prompt", "x", cwd=scratch)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: run directory 'nowhere' does not exist; pass the --run-dir of a training run"]
+    done = command("megascale_jax.sample", "run", cwd=scratch)  # --prompt missing: argparse's usage + one line
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("python -m megascale_jax.sample: error: ")
