@@ -16,11 +16,10 @@ min(T, slots) of them into their slots. A prompt longer than the window is there
 in one call, and positions never collide in a write. Prefill compiles once per prompt length,
 the one-token step once.
 
-The layer math is transformer.py's own pieces (`Norm`, `rotary`, `qkv_weights`,
-`mlp_up_weights`, `mlp_activation`, `output_bias`, `project_vocab`, `lm_head`) and the same
-column/row matmuls, which outside a mesh are plain local matmuls; the layers run under one
-`lax.scan` over the stacked axis. Only attention differs: the training forward's mask comes from
-sequence indices, here from the cache's positions. Fused kernels are not used (they compute the
+The layer is transformer.py's own `layer` (with its column/row matmuls, which outside a mesh are
+plain local matmuls) given a different attention: the same `attention_heads` (biases, rotary),
+then keys from the cache and the new tokens, masked by their absolute positions instead of
+sequence indices. The layers run under one `lax.scan` over the stacked axis. Fused kernels are not used (they compute the
 same functions as the jnp paths, and interpret mode on the CPU would only be slower).
 `tests/model/test_decode.py` checks every position's logits against the full forward.
 
@@ -44,9 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from megascale_jax.config import ModelConfig, ParallelConfig
-from megascale_jax.model.transformer import (Norm, embed_tokens, lm_head, mlp_activation, mlp_up_weights,
-                                             output_bias, project_vocab, qkv_weights, rotary)
-from megascale_jax.parallel.tensor_parallel import column_matmul, row_matmul
+from megascale_jax.model.transformer import attention_heads, embed_tokens, layer, lm_head, norm, project_vocab
 
 _LOCAL = ParallelConfig()  # one device: column/row matmuls are plain matmuls
 
@@ -93,38 +90,19 @@ def _attend_cached(c: ModelConfig, q, k, v, q_pos, k_pos):
     return out.reshape(b, t, heads * hd)
 
 
-def _layer(c: ModelConfig, positions, cache_positions, x, layer):
+def _layer(c: ModelConfig, positions, cache_positions, x, layer_params):
     """One block on T new tokens: (b, T, d) -> (b, T, d), plus this layer's new k and v."""
-    p, cache_k, cache_v = layer
-    a, m = p["attn"], p["mlp"]
-    wo = a["wo"].reshape(-1, c.d_model)
+    p, cache_k, cache_v = layer_params
+    new = []  # this layer's rotated k and v, for the cache
 
-    def attention(q, k, v):
-        def heads(y, name):
-            y = y.reshape(*y.shape[:2], *a["w" + name].shape[1:])
-            return y + a["b" + name].astype(c.dtype) if c.bias else y
+    def cached_attention(q, k, v):
+        q, k, v = attention_heads(c, q, k, v, p["attn"], positions)
+        new.append((k, v))
+        keys, values = jnp.concatenate([cache_k, k], axis=1), jnp.concatenate([cache_v, v], axis=1)
+        return _attend_cached(c, q, keys, values, positions, jnp.concatenate([cache_positions, positions]))
 
-        q, k, v = heads(q, "q"), heads(k, "k"), heads(v, "v")
-        q, k = (rotary(y, positions, c.rope_base, c.rotary_dims) for y in (q, k))
-        keys = jnp.concatenate([cache_k, k], axis=1)
-        values = jnp.concatenate([cache_v, v], axis=1)
-        key_positions = jnp.concatenate([cache_positions, positions])
-        return _attend_cached(c, q, keys, values, positions, key_positions), k, v
-
-    def norm(name, h):
-        return Norm(c).apply({"params": p[name]}, h)
-
-    if c.block == "parallel":
-        q, k, v, *ups = column_matmul(norm("norm", x), [*qkv_weights(a), *mlp_up_weights(c, m)], _LOCAL)
-        o, k, v = attention(q, k, v)
-        out = row_matmul([o, mlp_activation(c, ups, m)], [wo, m["w2"]], _LOCAL)
-        y = x + out + output_bias(c, a.get("bo"), m.get("b2"))
-    else:
-        o, k, v = attention(*column_matmul(norm("norm1", x), qkv_weights(a), _LOCAL))
-        x = x + row_matmul([o], [wo], _LOCAL) + output_bias(c, a.get("bo"))
-        ups = column_matmul(norm("norm2", x), mlp_up_weights(c, m), _LOCAL)
-        y = x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], _LOCAL) + output_bias(c, m.get("b2"))
-    return y, (k, v)
+    y = layer(c, _LOCAL, p, x, cached_attention)
+    return y, new[0]
 
 
 @functools.partial(jax.jit, static_argnames="cfg", donate_argnames="cache")
@@ -137,7 +115,7 @@ def forward(cfg: ModelConfig, params, cache: KVCache, tokens, start):
     x = embed_tokens(c, params["embed"], tokens)
     x, (k, v) = jax.lax.scan(functools.partial(_layer, c, positions, cache.positions), x,
                              (params["layers"], cache.k, cache.v))
-    logits = project_vocab(c, Norm(c).apply({"params": params["final_norm"]}, x), lm_head(c, params))
+    logits = project_vocab(c, norm(c, params["final_norm"], x), lm_head(c, params))
     keep = min(t, slots)  # older tokens of a long prefill fall outside every later window
     written = positions[t - keep:]
     slot = written % slots

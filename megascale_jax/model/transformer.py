@@ -36,27 +36,32 @@ def _constrain(x, axes):
     return nn.with_logical_constraint(x, axes)
 
 
-class Norm(nn.Module):
-    """LayerNorm (scale + bias) or RMSNorm (scale), computed in float32."""
+class NormParams(nn.Module):
+    """A norm's parameters: scale, and for LayerNorm a bias (`norm` applies them)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x):
-        d = x.shape[-1]
-        xf = x.astype(jnp.float32)
-        scale = _param(self, "scale", nn.initializers.ones, (d,), ("norm",))
-        if self.cfg.norm == "rmsnorm":
-            y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.cfg.epsilon) * scale
-        elif self.cfg.fused_norm:
-            bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
-            return pallas_kernels.layer_norm(x, scale, bias, eps=self.cfg.epsilon, out_dtype=self.cfg.dtype)
-        else:
-            bias = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
-            mean = jnp.mean(xf, axis=-1, keepdims=True)
-            var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-            y = (xf - mean) * jax.lax.rsqrt(var + self.cfg.epsilon) * scale + bias
-        return y.astype(self.cfg.dtype)
+    def __call__(self) -> dict:
+        d = self.cfg.d_model
+        p = {"scale": _param(self, "scale", nn.initializers.ones, (d,), ("norm",))}
+        if self.cfg.norm == "layernorm":
+            p["bias"] = _param(self, "bias", nn.initializers.zeros, (d,), ("norm",))
+        return p
+
+
+def norm(c: ModelConfig, p: dict, x):
+    """LayerNorm or RMSNorm of x with parameters `p`, computed in float32, returned in `c.dtype`."""
+    if c.norm == "layernorm" and c.fused_norm:
+        return pallas_kernels.layer_norm(x, p["scale"], p["bias"], eps=c.epsilon, out_dtype=c.dtype)
+    xf = x.astype(jnp.float32)
+    if c.norm == "rmsnorm":
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + c.epsilon) * p["scale"]
+    else:
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = (xf - mean) * jax.lax.rsqrt(var + c.epsilon) * p["scale"] + p["bias"]
+    return y.astype(c.dtype)
 
 
 def rotary(x, positions, base: float = 10000.0, dims: int | None = None):
@@ -125,8 +130,9 @@ def qkv_weights(a: dict) -> list:
     return [a[w].reshape(a[w].shape[0], -1) for w in ("wq", "wk", "wv")]
 
 
-def self_attention(c: ModelConfig, q, k, v, a: dict):
-    """Projected (b, s, n*hd) q/k/v -> attention output (b, s, heads*head_dim), heads over tp."""
+def attention_heads(c: ModelConfig, q, k, v, a: dict, positions):
+    """Projected (b, s, n*hd) q/k/v -> per head (b, s, n, hd), biased, q and k rotated for their
+    `positions` (s,)."""
     def heads(y, name, axes):
         y = y.reshape(*y.shape[:2], *a["w" + name].shape[1:])
         if c.bias:
@@ -134,8 +140,13 @@ def self_attention(c: ModelConfig, q, k, v, a: dict):
         return _constrain(y, ("batch", "seq", axes, "head_dim"))
 
     q, k, v = heads(q, "q", "heads"), heads(k, "k", "kv_heads"), heads(v, "v", "kv_heads")
-    positions = jnp.arange(q.shape[1])
     q, k = (rotary(y, positions, c.rope_base, c.rotary_dims) for y in (q, k))
+    return q, k, v
+
+
+def self_attention(c: ModelConfig, q, k, v, a: dict):
+    """Projected (b, s, n*hd) q/k/v -> attention over the sequence (b, s, heads*head_dim), heads over tp."""
+    q, k, v = attention_heads(c, q, k, v, a, jnp.arange(q.shape[1]))
     o = attend(q, k, v, window=c.window, implementation=c.attention)
     o = _constrain(o, ("batch", "seq", "heads", "head_dim"))
     return o.reshape(*o.shape[:2], -1)
@@ -166,32 +177,42 @@ def output_bias(c: ModelConfig, *biases):
     return sum(biases).astype(c.dtype) if c.bias else 0
 
 
-class Block(nn.Module):
-    """One transformer layer; `(x, _) -> (y, None)` so that `nn.scan` can stack it.
+def layer(c: ModelConfig, par: ParallelConfig, p: dict, x, attention):
+    """One transformer layer, (b, s, d) -> (b, s, d), given its parameters `p` (attn, mlp and
+    norm, or norm1 and norm2). `attention(q, k, v)` turns the projected q, k, v (b, s, n*hd) into
+    the attention output (b, s, heads*hd): over the sequence when training (`self_attention`),
+    over a KV cache when decoding (`decode`).
 
     The parallel block multiplies LN(x) by q, k, v and the MLP's first weight in one column-
     parallel matmul and leaves through one row-parallel matmul over [attention | MLP] — one TP
     collective each way instead of two (see `tensor_parallel`)."""
+    a, m = p["attn"], p["mlp"]
+    wo = a["wo"].reshape(-1, c.d_model)
+    if c.block == "parallel":
+        q, k, v, *ups = column_matmul(norm(c, p["norm"], x), [*qkv_weights(a), *mlp_up_weights(c, m)], par)
+        out = row_matmul([attention(q, k, v), mlp_activation(c, ups, m)], [wo, m["w2"]], par)
+        return x + out + output_bias(c, a.get("bo"), m.get("b2"))
+    q, k, v = column_matmul(norm(c, p["norm1"], x), qkv_weights(a), par)
+    x = x + row_matmul([attention(q, k, v)], [wo], par) + output_bias(c, a.get("bo"))
+    x = _constrain(x, ("batch", "act_seq", "embed"))
+    ups = column_matmul(norm(c, p["norm2"], x), mlp_up_weights(c, m), par)
+    return x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
+
+
+class Block(nn.Module):
+    """One transformer layer's parameters and `layer`; `(x, _) -> (y, None)` so that `nn.scan`
+    can stack it."""
 
     cfg: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
     def __call__(self, x, _):
-        c, par = self.cfg, self.parallel
-        a, m = AttentionParams(c, name="attn")(), MlpParams(c, name="mlp")()
-        wo = a["wo"].reshape(-1, c.d_model)
-        if c.block == "parallel":
-            h = Norm(c, name="norm")(x)
-            q, k, v, *ups = column_matmul(h, [*qkv_weights(a), *mlp_up_weights(c, m)], par)
-            out = row_matmul([self_attention(c, q, k, v, a), mlp_activation(c, ups, m)], [wo, m["w2"]], par)
-            y = x + out + output_bias(c, a.get("bo"), m.get("b2"))
-        else:
-            q, k, v = column_matmul(Norm(c, name="norm1")(x), qkv_weights(a), par)
-            x = x + row_matmul([self_attention(c, q, k, v, a)], [wo], par) + output_bias(c, a.get("bo"))
-            x = _constrain(x, ("batch", "act_seq", "embed"))
-            ups = column_matmul(Norm(c, name="norm2")(x), mlp_up_weights(c, m), par)
-            y = x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
+        c = self.cfg
+        p = {"attn": AttentionParams(c, name="attn")(), "mlp": MlpParams(c, name="mlp")()}
+        for name in ("norm",) if c.block == "parallel" else ("norm1", "norm2"):
+            p[name] = NormParams(c, name=name)()
+        y = layer(c, self.parallel, p, x, lambda q, k, v: self_attention(c, q, k, v, p["attn"]))
         return _constrain(y, ("batch", "act_seq", "embed")), None
 
 
@@ -230,7 +251,7 @@ def project_vocab(cfg: ModelConfig, x, head):
 
 def lm_logits(cfg: ModelConfig, final_norm_params, head, x):
     """Final norm + LM head given their parameters (the pipeline's last stage)."""
-    return project_vocab(cfg, Norm(cfg).apply({"params": final_norm_params}, x), head)
+    return project_vocab(cfg, norm(cfg, final_norm_params, x), head)
 
 
 def cross_entropy(logits, targets):
@@ -252,7 +273,7 @@ class Transformer(nn.Module):
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
         x = embed_tokens(c, embed, tokens)
         x, _ = scanned_blocks(c.layers, c.remat)(c, self.parallel, name="layers")(x, None)
-        x = Norm(c, name="final_norm")(x)
+        x = norm(c, NormParams(c, name="final_norm")(), x)
         if c.tied_embeddings:
             return project_vocab(c, x, embed.T)
         head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
