@@ -133,6 +133,38 @@ def test_init_from_on_another_mesh_then_export_is_bitwise(scratch):
         np.testing.assert_array_equal(again[name], source[name], err_msg=name)
 
 
+def test_export_of_a_bpe_run_carries_its_tokenizer(scratch):
+    """A run on `tokenize`'s token file exports that BPE, with <|endoftext|> as HF's eos token."""
+    from megascale_jax import tokenize
+
+    corpus = scratch / "corpus"
+    corpus.mkdir()
+    for source in sorted((REPO / "megascale_jax").glob("*.py")):
+        (corpus / source.name).write_text(source.read_text())
+    code, _, err = run_main(tokenize.main, ["--input", "corpus/*.py", "--vocab", "320", "--out", "tok"], scratch)
+    assert code == 0, err
+    r = train(scratch, "run_bpe", MODEL + SHORT + LAYOUTS["one"] + ["data.source=tokens", "data.path=tok/tokens.bin",
+                                                                     "model.vocab=320"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = run_main(export_hf.main, ["run_bpe", "hf_bpe"], scratch)
+    assert code == 0, err
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(scratch / "hf_bpe"))
+    config = json.loads((scratch / "hf_bpe/config.json").read_text())
+    assert tok.eos_token == "<|endoftext|>" and config["eos_token_id"] == tok.eos_token_id
+    from tokenizers import Tokenizer
+    text = (corpus / "sample.py").read_text()[:2000]
+    assert tok(text)["input_ids"] == Tokenizer.from_file(str(scratch / "tok/tokenizer.json")).encode(text).ids
+    assert tok.decode(tok(text)["input_ids"]) == text
+
+    ids = tok("def main(", return_tensors="pt")["input_ids"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(scratch / "hf_bpe"))
+    with torch.no_grad():
+        theirs = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+    run = trained.load(str(scratch / "run_bpe"))
+    assert decode.generate(run.cfg, run.params, ids[0].tolist(), 16, eos_id=tok.eos_token_id) == theirs
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
