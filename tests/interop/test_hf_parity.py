@@ -49,11 +49,17 @@ def model_cfg(case: str) -> ModelConfig:
     return dataclasses.replace(BASE, **CASES[case])
 
 
+def abstract_params(cfg: ModelConfig):
+    return nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), np.zeros((1, SEQ), np.int32))["params"])
+
+
 def random_params(cfg: ModelConfig, seed: int):
-    """The model's init, perturbed so that norms are not 1 and biases not 0."""
-    params = nn.unbox(Transformer(cfg).init(jax.random.key(seed), np.zeros((1, SEQ), np.int32))["params"])
+    """Seeded values in the model's parameter tree: norm scales 1 + N(0, 0.1²), all else N(0, 0.1²),
+    so that no norm is the identity and no bias zero (tracing the init, not running it: fast)."""
     rng = np.random.default_rng(seed)
-    return jax.tree.map(lambda x: (x + rng.normal(0, 0.1, x.shape)).astype(np.float32), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, a: ((1.0 if path[-1].key == "scale" else 0.0) + rng.normal(0, 0.1, a.shape)).astype(np.float32),
+        abstract_params(cfg))
 
 
 def ours(cfg: ModelConfig, params, tokens) -> np.ndarray:
@@ -116,8 +122,8 @@ def _random_hf_model(case: str, directory: str):
 @pytest.mark.parametrize("case", ["llama_bias_tied", "mistral", "starcoder2", "phi"])
 def test_import_matches_transformers(case, tmp_path):
     cfg = _random_hf_model(case, str(tmp_path))
-    abstract = nn.unbox(jax.eval_shape(Transformer(cfg).init, jax.random.key(0), np.zeros((1, SEQ), np.int32))["params"])
-    params = hf_import.load_params(Config(model=dataclasses.replace(cfg, init_from=str(tmp_path))), abstract)
+    params = hf_import.load_params(Config(model=dataclasses.replace(cfg, init_from=str(tmp_path))),
+                                   abstract_params(cfg))
     tokens = np.random.default_rng(2).integers(0, cfg.vocab, (2, SEQ))
     assert_same_logits(ours(cfg, params, tokens), theirs(str(tmp_path), tokens)[0])
 
@@ -154,8 +160,9 @@ def test_import_refuses_unsupported_and_broken_directories(tmp_path):
     cfg = model_cfg("phi")
     good = tmp_path / "good"
     hf_export.write(cfg, random_params(cfg, 0), str(good))
+    abstract = abstract_params(cfg)
     start = lambda d: hf_import.load_params(  # noqa: E731
-        Config(model=dataclasses.replace(cfg, init_from=str(d))), random_params(cfg, 0))
+        Config(model=dataclasses.replace(cfg, init_from=str(d))), abstract)
 
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()

@@ -117,12 +117,11 @@ def test_sharded_export_loads_and_imports(scratch):
 
 
 def test_init_from_on_another_mesh_then_export_is_bitwise(scratch):
-    """A new run from the export, on dp2 x tp2 x pp2 with 1F1B: its first update has lr 0 (warmup),
+    """A new run from the export, on dp4 x tp2 with ZeRO-1: its first update has lr 0 (warmup),
     so its checkpoint holds the imported weights, and exporting it gives the same bytes."""
     r = train(scratch, "run_imported", MODEL + ["train.steps=1", "train.global_batch=8", "train.eval_every=0",
-                                                  "checkpoint.every=1", "optim.warmup=5", "mesh.dp=2", "mesh.pp=2",
-                                                  "mesh.tp=2", "parallel.microbatches=2", "parallel.zero1=true",
-                                                  "model.init_from=hf_mesh"])
+                                                  "checkpoint.every=1", "optim.warmup=5", "mesh.dp=4", "mesh.pp=1",
+                                                  "mesh.tp=2", "parallel.zero1=true", "model.init_from=hf_mesh"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "initialised from the Hugging Face model in hf_mesh" in r.stdout + r.stderr
     code, _, err = run_main(export_hf.main, ["run_imported", "hf_again"], scratch)
@@ -144,7 +143,7 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(scratch):
     code, _, err = run_main(tokenize.main, ["--input", "corpus/*.py", "--vocab", "320", "--out", "tok"], scratch)
     assert code == 0, err
     r = train(scratch, "run_bpe", MODEL + SHORT + LAYOUTS["one"] + ["data.source=tokens", "data.path=tok/tokens.bin",
-                                                                     "model.vocab=320"])
+                                                                     "model.vocab=320", "model.layers=2"])
     assert r.returncode == 0, r.stderr[-3000:]
     code, _, err = run_main(export_hf.main, ["run_bpe", "hf_bpe"], scratch)
     assert code == 0, err
