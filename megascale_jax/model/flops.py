@@ -41,6 +41,14 @@ def layer_params(m: ModelConfig) -> int:
     return norms * norm + attention + mlp
 
 
+def layer_params_per_device(m: ModelConfig, tp: int) -> float:
+    """One layer's parameters on one tp rank: 1/tp of them, except that the k and v projections
+    are whole on every rank when tp does not divide `kv_heads` (each kv head replicated over
+    tp/kv_heads ranks; norms and output biases, replicated too, are too small to count)."""
+    kv = 0 if m.kv_heads % tp == 0 else 2 * (m.d_model + int(m.bias)) * m.kv_heads * m.head_dim
+    return (layer_params(m) - kv) / tp + kv
+
+
 def param_count(model_cfg: ModelConfig) -> int:
     """All parameters: embedding, LM head (unless tied), `layers` blocks, final norm."""
     m = model_cfg
@@ -114,13 +122,14 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
-    tp and pp), two fp32 optimizer moments (÷dp with zero1) and stored activations: Megatron's 17
-    values per token and layer, which this model's XLA program exceeds (on GPUs
-    `train.check_compiled_memory` checks the compiled step itself). `model.remat=full` keeps only
-    layer inputs (`_chunk_values`). With pp > 1 they follow the pipeline table: its stash slots per
-    stage (flat in m for 1F1B, m·v for gpipe) each hold one chunk's input (`pp_stash=inputs`, plus
-    one chunk's residuals live while its backward recomputes it) or one chunk's residuals and
-    output (`pp_stash=residuals`). The fp32 logits of one microbatch are added for the last stage."""
+    tp and pp; k/v whole on every tp rank with fewer kv heads than tp ranks), two fp32 optimizer
+    moments (÷dp with zero1) and stored activations: Megatron's 17 values per token and layer,
+    which this model's XLA program exceeds (on GPUs `train.check_compiled_memory` checks the
+    compiled step itself). `model.remat=full` keeps only layer inputs (`_chunk_values`). With
+    pp > 1 they follow the pipeline table: its stash slots per stage (flat in m for 1F1B, m·v for
+    gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
+    its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
+    fp32 logits of one microbatch are added for the last stage."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
@@ -128,7 +137,7 @@ def memory_estimate(cfg: Config) -> dict:
     # every stage holds both, though only the first uses the embedding and the last the head (a
     # jax.Array spans its whole mesh; see parallel/pipeline.py), so they count on every stage.
     edge = embed + head
-    params = (m.layers // mesh.pp * layer_params(m) + edge) / mesh.tp
+    params = m.layers // mesh.pp * layer_params_per_device(m, mesh.tp) + edge / mesh.tp
     optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
 
     tokens = cfg.train.global_batch // (mesh.dp * par.microbatches) * m.seq_len

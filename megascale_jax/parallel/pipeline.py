@@ -364,7 +364,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
 
         grad_tp_specs = (loop_layer_specs, tp_specs["embed"], (tp_specs["final_norm"], tp_specs["head"]))
         grads = keep_tp((zeros(chunks), zeros(embed), zeros((final_norm, head))), grad_tp_specs)
-        with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
+        with sharding.axis_rules(cfg, manual=("dp", "pp")):
             stash = STASHES[cfg.parallel.pp_stash](fn, chunk_params_of(chunks, 0), act)  # read by tick
             kept = stash.empty(slots, act)
             # Per chunk, the dp-reduced gradient: with ZeRO-1 1/dp of it along the split dimension.
@@ -435,7 +435,7 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
                 lambda y: jnp.zeros((), jnp.float32), y)
             return (send_forward(y, p), total), None
 
-        with sharding.axis_rules(manual=("dp", "pp"), sequence_parallel=cfg.parallel.sequence_parallel):
+        with sharding.axis_rules(cfg, manual=("dp", "pp")):
             (_, total), _ = jax.lax.scan(tick, (act, jnp.zeros((), jnp.float32)), table)
         return jax.lax.psum(total, ("dp", "pp"))
 

@@ -6,6 +6,16 @@ partitioning and never builds a `PartitionSpec`. This module maps those names to
 features over tp, the row-parallel output projections shard their input features over tp, the
 vocabulary is split over tp for the embedding and the LM head) and derives the shardings of
 parameters, optimizer state (ZeRO-1 adds dp) and batches.
+
+`LOGICAL_RULES` is the table; `rules_for(cfg)` is the table a run actually uses, with the two
+decisions that depend on its config: sequence parallelism puts the residual stream's sequence
+(`act_seq`) over tp, and grouped-query attention with fewer kv heads than tp ranks (Llama-70B:
+8 kv heads at tp=16) replicates `kv_heads` over tp — every rank holds the k/v projections whole
+(each kv head is used by tp/kv_heads ranks' query heads) and k and v enter attention whole on
+every rank. The column-parallel matmul still computes 1/tp of their columns per rank
+(`tensor_parallel.column_matmul`); GSPMD then all-gathers the projected k and v in every layer
+(and all-reduces their gradients): kv_heads·head_dim values per token each, little beside the
+residual stream's d_model.
 """
 
 from __future__ import annotations
@@ -14,6 +24,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from megascale_jax.config import Config
 
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "dp"),
@@ -30,26 +42,37 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 )
 
 
-def axis_rules(manual: tuple[str, ...] = (), sequence_parallel: bool = False):
-    """Context manager making `LOGICAL_RULES` active for `nn.with_logical_constraint`.
+def rules_for(cfg: Config | None = None) -> tuple[tuple[str, str | None], ...]:
+    """`LOGICAL_RULES` as a run of `cfg` applies them (None: the table as it stands).
 
-    With sequence parallelism the residual stream (`act_seq`) is split over tp between blocks.
+    With sequence parallelism the residual stream (`act_seq`) is split over tp between blocks;
+    when tp does not divide `model.kv_heads` (config validation then requires tp to be a multiple
+    of it) the kv heads are replicated over tp instead of split."""
+    rules = dict(LOGICAL_RULES)
+    if cfg is not None:
+        if cfg.parallel.sequence_parallel:
+            rules["act_seq"] = "tp"
+        if cfg.model.kv_heads % cfg.mesh.tp:
+            rules["kv_heads"] = None
+    return tuple(rules.items())
+
+
+def axis_rules(cfg: Config | None = None, manual: tuple[str, ...] = ()):
+    """Context manager making `rules_for(cfg)` active for `nn.with_logical_constraint`.
+
     Inside a `shard_map` that is manual over some mesh axes, constraints may only name the
     remaining (automatic) axes: the `manual` ones are dropped from the rules."""
-    rules = dict(LOGICAL_RULES)
-    if sequence_parallel:
-        rules["act_seq"] = "tp"
-    return nn.logical_axis_rules(tuple((name, None if axis in manual else axis) for name, axis in rules.items()))
+    return nn.logical_axis_rules(tuple((name, None if axis in manual else axis) for name, axis in rules_for(cfg)))
 
 
 def logical_to_spec(names) -> P:
     return nn.logical_to_mesh_axes(names, LOGICAL_RULES)
 
 
-def param_shardings(boxed_abstract_params, mesh: Mesh):
-    """NamedShardings for a tree of `nn.Partitioned` (boxed) abstract parameters."""
+def param_shardings(boxed_abstract_params, mesh: Mesh, cfg: Config | None = None):
+    """NamedShardings for a tree of `nn.Partitioned` (boxed) abstract parameters of a run of `cfg`."""
     specs = nn.get_partition_spec(boxed_abstract_params)
-    return nn.logical_to_mesh_sharding(specs, mesh, LOGICAL_RULES)
+    return nn.logical_to_mesh_sharding(specs, mesh, rules_for(cfg))
 
 
 def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...], mesh: Mesh) -> NamedSharding:

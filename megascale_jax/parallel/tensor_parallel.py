@@ -129,7 +129,9 @@ def _split(y, widths):
 def column_matmul(x, weights, parallel: ParallelConfig):
     """[x @ w for w in weights], x: (b, s, d), each w: (d, n_i) with n_i split over tp.
 
-    Returns (b, s, n_i) arrays, features split over tp; the sequence is whole."""
+    Returns (b, s, n_i) arrays, features split over tp; the sequence is whole. A weight replicated
+    over tp (k and v with fewer kv heads than tp ranks, see `sharding.rules_for`) enters sliced to
+    this device's columns, so every n_i divides by tp (config validation checks kv_heads·head_dim)."""
     tp = _tp_size()
     if tp == 1 or parallel.tp_overlap == "xla":  # local, or GSPMD's collectives for XLA to overlap
         return [x @ w.astype(x.dtype) for w in weights]

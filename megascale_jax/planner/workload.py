@@ -99,6 +99,7 @@ def model_config(w: Workload) -> ModelConfig:
 
 def stage_params(w: Workload, last: bool = True) -> float:
     """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
-    where they are replicated), the embedding and LM head, all split over tp."""
+    where they are replicated), the embedding and LM head, all split over tp (but k/v when tp does
+    not divide the kv heads: `flops.layer_params_per_device`)."""
     edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
-    return (w.layers // w.pp * flops.layer_params(model_config(w)) + edge) / w.tp
+    return w.layers // w.pp * flops.layer_params_per_device(model_config(w), w.tp) + edge / w.tp

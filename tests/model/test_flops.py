@@ -211,7 +211,9 @@ def test_param_count_equals_initialised_model(overrides):
 
 @pytest.mark.parametrize("layout", [["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2"],
                                     ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.microbatches=4"],
-                                    ["mesh.dp=4", "mesh.tp=2"]], ids=["dp2pp2tp2", "pp4tp2", "dp4tp2"])
+                                    ["mesh.dp=4", "mesh.tp=2"],
+                                    ["mesh.dp=2", "mesh.tp=4", "model.kv_heads=1"]],  # k/v whole on each tp rank
+                         ids=["dp2pp2tp2", "pp4tp2", "dp4tp2", "dp2tp4-kv1"])
 def test_parameter_estimate_matches_the_real_per_device_shards(layout):
     """The estimate's parameter bytes against the bytes of one device's shards of the trainer's
     actual sharded parameters (embedding and head are on every pp stage). Within 2%: the

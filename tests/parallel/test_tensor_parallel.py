@@ -31,7 +31,7 @@ def loss_and_grads(overrides, params=None, batch=None):
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     params = jax.device_put(params, trainer.state_shardings.params) if params is not None else trainer.init().params
-    with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
+    with jax.set_mesh(mesh), sharding.axis_rules(cfg):
         loss, grads = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(trainer.model, p, b)))(
             params, jax.device_put(batch, trainer.batch_sharding))
     return float(loss), jax.device_get(grads), jax.device_get(params)
@@ -97,7 +97,7 @@ def layer_collectives(overrides) -> dict[str, int]:
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     batch = jax.ShapeDtypeStruct((8, 33), np.int32, sharding=trainer.batch_sharding)
-    with jax.set_mesh(mesh), sharding.axis_rules(sequence_parallel=cfg.parallel.sequence_parallel):
+    with jax.set_mesh(mesh), sharding.axis_rules(cfg):
         step = jax.jit(jax.value_and_grad(lambda p, b: loss_fn(trainer.model, p, b)))
         text = step.lower(trainer.abstract_params, batch).compile().as_text()
     computations = {m.group(1): m.group(2) for m in
