@@ -52,8 +52,9 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     GEMM time collective matmul can hide tp transfers behind."""
     tokens = w.microbatch_seqs * w.seq_len
     d, h, k, hd, f, tp = w.d_model, w.heads, w.kv_heads, w.head_dim, w.mlp_dim, w.tp
+    up_matrices = 2 if w.gated_mlp else 1  # SwiGLU's gate and up projections
     gemms = [2 * tokens * d * (h + 2 * k) * hd / tp, 2 * tokens * h * hd * d / tp,
-             2 * tokens * d * f / tp, 2 * tokens * f * d / tp]
+             *[2 * tokens * d * f / tp] * up_matrices, 2 * tokens * f * d / tp]
     gemm = sum(costs.matmul_s(g, gpu) for g in gemms)
     ctx = context(w)
     heads_here = h / tp

@@ -51,6 +51,7 @@ class Workload:
     activation_bytes: int = 2  # bf16/fp16 activations
     grad_bytes: int = 4  # gradients reduced in fp32
     param_bytes: int = 4  # fp32 parameters (all-gathered in full after a ZeRO-1 update)
+    gated_mlp: bool = False  # SwiGLU: three MLP matrices (gate, up, down) instead of two
 
     @property
     def dp(self) -> int:
@@ -87,14 +88,14 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         dp_overlap="backward" if mesh.pp > 1 else "none",
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla", gspmd_edges=True,
         dp_reduce_per_microbatch=mesh.pp == 1,
-        activation_bytes=2 if m.dtype == "bfloat16" else 4)
+        activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
 
 
 def model_config(w: Workload) -> ModelConfig:
     """The model of `w` as this project's config describes one (for its FLOP count)."""
     return ModelConfig(layers=w.layers, d_model=w.d_model, heads=w.heads, kv_heads=w.kv_heads,
-                       mlp_ratio=w.mlp_dim / w.d_model, vocab=w.vocab, seq_len=w.seq_len, window=w.window,
-                       block=w.block)
+                       mlp_hidden=w.mlp_dim, vocab=w.vocab, seq_len=w.seq_len, window=w.window,
+                       block=w.block, activation="swiglu" if w.gated_mlp else "gelu_tanh")
 
 
 def stage_params(w: Workload, last: bool = True) -> float:

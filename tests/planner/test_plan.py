@@ -252,3 +252,21 @@ def test_model_remat_is_priced_as_recomputation(capsys):
         assert code == 0, err
         times[remat] = json.loads(out)["iteration_s"]
     assert times["none"] < times["dots"] < times["full"], times
+
+
+def test_a_swiglu_model_keeps_its_flops_in_the_planner():
+    """The planner's workload carries the gated MLP: the same FLOPs per token as the model, and the
+    gate's matmul priced in each layer's forward."""
+    from megascale_jax.planner import predict
+    from megascale_jax.planner.workload import model_config
+
+    gpu = calibration.gpu("h200")
+    times = {}
+    for activation in ("gelu_tanh", "swiglu"):
+        cfg = load_config(str(REPO / "configs" / "gpt_1b.yaml"),
+                          [f"model.activation={activation}", "model.mlp_hidden=8192"], planning=True)
+        w = from_config(cfg, gpus=1)
+        assert flops.model_flops_per_token(model_config(w)) == flops.model_flops_per_token(cfg.model)
+        times[activation] = predict.layer_times(w, gpu)["forward"]
+    gate = costs.matmul_s(2 * w.microbatch_seqs * w.seq_len * w.d_model * 8192, gpu)  # one (d x f) GEMM more
+    assert times["swiglu"] - times["gelu_tanh"] == pytest.approx(gate, rel=1e-9), times
