@@ -153,6 +153,9 @@ def main(argv=None) -> int:
         print(f"error: --batch must be at least 1, got {args.batch}", file=sys.stderr)
         return 2
     scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections
+    # torch (the PyTorch peer) keeps its compile cache in $TMPDIR/torchinductor_<user> unless told
+    # otherwise; the sections inherit this, so the campaign leaves nothing behind.
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch, "torchinductor"))
     try:
         return campaign(args, only, fail, scratch)
     finally:

@@ -9,8 +9,6 @@ this process, the first success and one mistake through the real command line.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import shutil
 import subprocess
@@ -43,16 +41,10 @@ def command(module: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def run_main(argv, cwd: Path) -> tuple[int, str, str]:
-    """sample.main in this process (its JAX is already up), from `cwd`."""
-    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = sample.main(argv)
-    finally:
-        os.chdir(before)
-    return code, out.getvalue(), err.getvalue()
+@pytest.fixture
+def run_sample(run_main):
+    """`run_sample(argv, cwd)`: sample.main in this process, from `cwd`."""
+    return lambda argv, cwd: run_main(sample.main, argv, cwd)
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +66,14 @@ def test_sample_prints_the_greedy_continuation_of_the_checkpoint(scratch):
     assert done.stdout == byte_tokenizer().decode(new) + "\n"
 
 
-def test_sampling_is_seeded_and_runs_past_seq_len_with_a_window(scratch):
+def test_sampling_is_seeded_and_runs_past_seq_len_with_a_window(scratch, run_sample):
     prompt = "import os\n" * 3  # 30 tokens; + 40 new > seq_len 32: the window of 8 slides on
     args = ["run", "--prompt", prompt, "--max-new-tokens", "40", "--temperature", "1.0", "--top-p", "0.95"]
-    first = run_main([*args, "--seed", "1"], scratch)
+    first = run_sample([*args, "--seed", "1"], scratch)
     assert first[0] == 0, first[2]
-    assert run_main([*args, "--seed", "1"], scratch) == first
-    assert run_main([*args, "--seed", "2"], scratch)[1] != first[1]
-    greedy = run_main(["run", "--prompt", prompt, "--max-new-tokens", "40", "--step", "2"], scratch)
+    assert run_sample([*args, "--seed", "1"], scratch) == first
+    assert run_sample([*args, "--seed", "2"], scratch)[1] != first[1]
+    greedy = run_sample(["run", "--prompt", prompt, "--max-new-tokens", "40", "--step", "2"], scratch)
     assert greedy[0] == 0 and greedy[1] != first[1]
 
 
@@ -122,9 +114,9 @@ MISTAKES = [
 
 
 @pytest.mark.parametrize("index", range(len(MISTAKES)))
-def test_mistakes_are_one_line_and_exit_2(scratch, index):
+def test_mistakes_are_one_line_and_exit_2(scratch, index, run_sample):
     argv, message = MISTAKES[index]
-    code, out, err = run_main(argv(scratch), scratch)
+    code, out, err = run_sample(argv(scratch), scratch)
     assert code == 2 and out == "", (out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err

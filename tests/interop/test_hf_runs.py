@@ -7,8 +7,6 @@ The trained model is Mistral-shaped (serial, RMSNorm, SwiGLU, no biases, GQA, sl
 pipeline stores its layers out of network order) and, as the reference, on one device.
 """
 
-import contextlib
-import io
 import json
 import os
 import subprocess
@@ -43,20 +41,8 @@ def train(cwd: Path, run_dir: str, overrides: list[str]) -> subprocess.Completed
                           timeout=600)
 
 
-def run_main(main, argv, cwd: Path) -> tuple[int, str, str]:
-    """An entry point's main() in this process (its JAX is already up), from `cwd`."""
-    out, err, before = io.StringIO(), io.StringIO(), os.getcwd()
-    os.chdir(cwd)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(argv)
-    finally:
-        os.chdir(before)
-    return code, out.getvalue(), err.getvalue()
-
-
 @pytest.fixture(scope="module")
-def scratch(tmp_path_factory):
+def scratch(tmp_path_factory, run_main):
     """Two trained runs (dp2 x pp2 x tp2 interleaved, and one device) in a scratch directory."""
     cwd = tmp_path_factory.mktemp("hf")
     for name, layout in LAYOUTS.items():
@@ -79,7 +65,7 @@ def test_export_from_a_3d_mesh_equals_export_from_one_device(scratch):
         np.testing.assert_allclose(mesh[name], one[name], rtol=1e-4, atol=2e-6, err_msg=name)
 
 
-def test_transformers_loads_the_export_and_generates_what_sample_prints(scratch):
+def test_transformers_loads_the_export_and_generates_what_sample_prints(scratch, run_main):
     directory = str(scratch / "hf_mesh")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
     tok = transformers.AutoTokenizer.from_pretrained(directory)
@@ -100,7 +86,7 @@ def test_transformers_loads_the_export_and_generates_what_sample_prints(scratch)
     assert tok.decode(theirs) in out
 
 
-def test_sharded_export_loads_and_imports(scratch):
+def test_sharded_export_loads_and_imports(scratch, run_main):
     code, out, err = run_main(export_hf.main, ["run_one", "hf_sharded", "--max-shard-gb", "0.0001"], scratch)
     assert code == 0, err
     files = sorted(os.listdir(scratch / "hf_sharded"))
@@ -116,7 +102,7 @@ def test_sharded_export_loads_and_imports(scratch):
     assert torch.equal(a, b)
 
 
-def test_init_from_on_another_mesh_then_export_is_bitwise(scratch):
+def test_init_from_on_another_mesh_then_export_is_bitwise(scratch, run_main):
     """A new run from the export, on dp4 x tp2 with ZeRO-1: its first update has lr 0 (warmup),
     so its checkpoint holds the imported weights, and exporting it gives the same bytes."""
     r = train(scratch, "run_imported", MODEL + ["train.steps=1", "train.global_batch=8", "train.eval_every=0",
@@ -132,7 +118,7 @@ def test_init_from_on_another_mesh_then_export_is_bitwise(scratch):
         np.testing.assert_array_equal(again[name], source[name], err_msg=name)
 
 
-def test_export_of_a_bpe_run_carries_its_tokenizer(scratch):
+def test_export_of_a_bpe_run_carries_its_tokenizer(scratch, run_main):
     """A run on `tokenize`'s token file exports that BPE, with <|endoftext|> as HF's eos token."""
     from megascale_jax import tokenize
 
@@ -174,7 +160,7 @@ def one_line_error(code: int, err: str, *needles: str):
         assert needle in lines[0], (needle, lines[0])
 
 
-def test_export_refuses_an_occupied_target_unless_overwrite(scratch):
+def test_export_refuses_an_occupied_target_unless_overwrite(scratch, run_main):
     target = scratch / "hf_occupied"
     code, _, err = run_main(export_hf.main, ["run_one", "hf_occupied"], scratch)
     assert code == 0, err
@@ -186,7 +172,7 @@ def test_export_refuses_an_occupied_target_unless_overwrite(scratch):
     assert code == 0, err
 
 
-def test_export_bad_input_is_one_line(scratch):
+def test_export_bad_input_is_one_line(scratch, run_main):
     one_line_error(*run_main(export_hf.main, ["run_one", "x", "--step", "2"], scratch)[::2],
                    "--step 2", "committed: 3")
     one_line_error(*run_main(export_hf.main, ["no_such_run", "x"], scratch)[::2], "does not exist")

@@ -490,7 +490,8 @@ HOLD_DRIVER = textwrap.dedent("""
     def held_save(self, step, state, data_state):
         if os.environ.get("HOLD_SAVE") and step == HOLD_STEP:
             open(os.path.join(FLAGS, "SAVING"), "w").close()
-            time.sleep(600)
+            for _ in range(6000):  # short sleeps: the signal handler runs between them, wherever
+                time.sleep(0.1)    # the kernel delivered the signal (main thread or another)
         return save(self, step, state, data_state)
     data.Prefetcher.get, checkpoint.Checkpointer.save = held_get, held_save
     sys.exit(train.main(sys.argv[1:]))
