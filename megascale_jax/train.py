@@ -491,7 +491,8 @@ def main(argv=None) -> int:
             jax.distributed.initialize(coordinator, args.num_processes, process_id)
         cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
-        if cfg.model.init_from:
+        resuming = args.run_dir and run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, args.run_dir))
+        if cfg.model.init_from and not resuming:  # a resumed run's weights are in its checkpoint
             hf_import.check(cfg)
         check_memory(cfg)
         tokens = data.load_tokens(cfg)

@@ -150,6 +150,21 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(scratch, run_main):
     assert decode.generate(run.cfg, run.params, ids[0].tolist(), 16, eos_id=tok.eos_token_id) == theirs
 
 
+def test_a_run_started_from_hf_resumes_without_the_hf_directory(scratch):
+    """init_from is read once, at step 0: the resumed run's weights are in its checkpoint."""
+    import shutil
+
+    shutil.copytree(scratch / "hf_one", scratch / "hf_moved")
+    start = MODEL + LAYOUTS["one"] + ["train.global_batch=8", "train.eval_every=0", "checkpoint.every=1",
+                                      "model.layers=4", "model.init_from=hf_moved"]
+    r = train(scratch, "run_resumed", start + ["train.steps=1"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    shutil.rmtree(scratch / "hf_moved")
+    r = train(scratch, "run_resumed", start + ["train.steps=2"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "resumed from checkpoint step 1" in r.stdout + r.stderr
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
