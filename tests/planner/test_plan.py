@@ -2,6 +2,7 @@
 to, and its agreement with this project's own schedule tables and sharded arrays."""
 
 import json
+import sys
 from pathlib import Path
 
 import jax
@@ -20,6 +21,8 @@ from megascale_jax.planner.workload import from_config
 from megascale_jax.train import build_trainer
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))  # the layouts of the planned-bytes check live with their bench
+import collective_bytes  # noqa: E402
 GPT_175B = ["--config", str(REPO / "configs" / "gpt_175b.yaml"), "train.global_batch=1536"]
 
 
@@ -90,8 +93,7 @@ def test_matmul_efficiency_rises_with_size_to_the_calibrated_asymptote():
 def test_parameter_and_optimizer_memory_equal_the_sharded_arrays(layout):
     """The planner's per-device parameter and optimizer bytes are the largest per-device shard
     sums of the trainer's real state on 8 simulated devices (within 2%: norms and biases)."""
-    cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=4",
-                             "train.global_batch=8", "mesh.cpu_devices=8", *layout])
+    cfg = load_config(None, [*collective_bytes.SHAPE, *layout])
     gpus = cfg.mesh.dp * cfg.mesh.pp * cfg.mesh.tp
     planned = plan_layout(cfg, gpus, calibration.gpu("h100-sxm")).memory
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
@@ -112,27 +114,13 @@ def test_parameter_and_optimizer_memory_equal_the_sharded_arrays(layout):
     assert planned["optimizer"] == pytest.approx(moments, rel=0.02)
 
 
-TRAFFIC_LAYOUTS = {
-    "dp4 tp2, 2 accumulation steps": ["mesh.dp=4", "mesh.tp=2", "parallel.microbatches=2", "parallel.zero1=false"],
-    "dp2 pp2 tp2, 1F1B, ZeRO-1": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
-                                  "parallel.zero1=true"],
-    "dp2 pp2 tp2, interleaved, serial": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
-                                         "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
-                                         "model.block=serial", "parallel.zero1=false"],
-    "dp2 pp2 tp2, SP + collective matmul": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
-                                            "parallel.sequence_parallel=true",
-                                            "parallel.tp_overlap=collective_matmul"],
-}
-
-
-@pytest.mark.parametrize("layout", TRAFFIC_LAYOUTS.values(), ids=TRAFFIC_LAYOUTS.keys())
+@pytest.mark.parametrize("layout", collective_bytes.CHECKED.values(), ids=collective_bytes.CHECKED.keys())
 def test_planned_bytes_per_mesh_axis_equal_the_compiled_steps_collectives(layout):
     """Per mesh axis, the bytes the planner has a last-stage GPU send per step (`traffic`) are
     those of every collective in the compiled train step's HLO on 8 simulated devices, within
     5%. This caught the pipeline's ZeRO-1 reduction gathering the tp shards first (2× the dp
     bytes, plus tp all-gathers)."""
-    cfg = load_config(None, ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=4",
-                             "train.global_batch=8", "mesh.cpu_devices=8", *layout])
+    cfg = load_config(None, [*collective_bytes.SHAPE, *layout])
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     state = trainer.init.lower().out_info
