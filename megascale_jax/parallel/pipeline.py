@@ -57,7 +57,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megascale_jax.config import Config
-from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_logits, run_layers
+from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_head, lm_logits, run_layers
 from megascale_jax.parallel import sharding
 from megascale_jax.parallel.pipeline_schedule import Schedule, build, forward_only
 from megascale_jax.parallel.residuals import activation_dependent_residuals
@@ -442,5 +442,4 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     run = jax.shard_map(
         body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
-    head = params["embed"].T if cfg.model.tied_embeddings else params["head"]
-    return run(params["layers"], params["embed"], params["final_norm"], head, batch)
+    return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch)

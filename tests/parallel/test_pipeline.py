@@ -29,8 +29,12 @@ def one_device(*overrides):
 
 @pytest.fixture(scope="module")
 def reference():
+    return reference_for()
+
+
+def reference_for(*overrides):
     """Random (non-initial) parameters, a real batch, and plain autodiff on one device."""
-    cfg = one_device()
+    cfg = one_device(*overrides)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     params = jax.device_get(trainer.init().params)
     leaves, treedef = jax.tree.flatten(params)
@@ -77,15 +81,38 @@ def grid_id(dp, pp, tp, schedule, v, m, extra):
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", GRID, ids=[grid_id(*g) for g in GRID])
 def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
-    params, batch, ref_loss, ref_grads = reference
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
                  f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
+    assert_pipeline_equals_one_device(cfg, reference)
+
+
+# A Llama-shaped model with the options Hugging Face mappings need; the tied head is the
+# embedding's transpose on the last stage, its gradient added to the first stage's.
+HF_OPTIONS = ("model.block=serial", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
+              "model.tied_embeddings=true", "model.rope_fraction=0.5", "model.rope_base=500000")
+
+
+@pytest.mark.slow
+def test_hf_model_options_with_tied_embeddings_equal_one_device():
+    reference = reference_for(*HF_OPTIONS)
+    cfg = config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b",
+                 "parallel.pp_virtual=2", "parallel.microbatches=2", *HF_OPTIONS)
+    trainer, params, batch = assert_pipeline_equals_one_device(cfg, reference)
+    np.testing.assert_allclose(float(trainer.eval_loss(params, batch)), reference[2], rtol=1e-5)
+
+
+def assert_pipeline_equals_one_device(cfg, reference):
+    """The pipelined loss and gradients of `cfg` equal one device's (`reference`); returns the
+    trainer and its placed parameters and batch."""
+    params, batch, ref_loss, ref_grads = reference
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     params = jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params)
-    loss, grads = trainer.loss_and_grads(params, jax.device_put(batch, trainer.batch_sharding))
+    batch = jax.device_put(batch, trainer.batch_sharding)
+    loss, grads = trainer.loss_and_grads(params, batch)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
-    if cfg.parallel.zero1 and dp > 1:  # reduce-scattered to the moments' dp split
+    assert set(grads) == set(ref_grads)  # a tied model has no head, and no head gradient
+    if cfg.parallel.zero1 and cfg.mesh.dp > 1:  # reduce-scattered to the moments' dp split
         assert "dp" in str(grads["layers"]["mlp"]["w1"].sharding.spec), grads["layers"]["mlp"]["w1"].sharding
     for path, g in jax.tree_util.tree_flatten_with_path(jax.device_get(layout.to_canonical(cfg, grads)))[0]:
         ref = ref_grads
@@ -94,6 +121,7 @@ def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v,
         scale = np.abs(ref).max()
         assert scale > 0, path
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
+    return trainer, params, batch
 
 
 def compile_step(schedule: str, v: int, m: int, stash: str = "inputs"):
