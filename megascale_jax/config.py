@@ -99,6 +99,11 @@ class ModelConfig:
         return int(round(width))
 
     @property
+    def mlp_up_matrices(self) -> int:
+        """Matrices from d_model into the MLP's width: the up projection, and SwiGLU's gate."""
+        return 2 if self.activation == "swiglu" else 1
+
+    @property
     def epsilon(self) -> float:
         """The norms' epsilon: `norm_eps`, else the default of the norm."""
         return self.norm_eps if self.norm_eps is not None else (1e-5 if self.norm == "layernorm" else 1e-6)

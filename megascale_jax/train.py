@@ -85,14 +85,13 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         transform_non_params=lambda _: replicated)
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
-    def init() -> TrainState:
-        # threefry is partitionable, so values depend on the seed only, never on the shardings.
-        params = layout.to_stored(cfg, nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"])
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
-
     def start_from(params) -> TrainState:
         params = layout.to_stored(cfg, params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params))
+
+    def init() -> TrainState:
+        # threefry is partitionable, so values depend on the seed only, never on the shardings.
+        return start_from(nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"])
 
     def loss_and_grads(params, batch):
         m = cfg.parallel.microbatches

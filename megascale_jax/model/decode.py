@@ -150,12 +150,11 @@ def _next(cfg: ModelConfig, params, cache: KVCache, tokens, start, key, temperat
     return select_token(logits[:, -1], key, 0 if greedy else temperature, top_p), cache
 
 
-def generate(cfg, params, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+def generate(cfg: ModelConfig, params, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, seed: int = 0, eos_id: int | None = None) -> list[int]:
     """The ids of up to `max_new_tokens` tokens continuing `prompt_ids`; stops after `eos_id`
-    (included, as transformers' `generate` does). `cfg` is a ModelConfig (a run's Config is
-    taken for its `.model`); `params` the tree `Transformer(cfg).init` makes, unboxed."""
-    cfg = getattr(cfg, "model", cfg)
+    (included, as transformers' `generate` does). `params`: the tree `Transformer(cfg).init`
+    makes, unboxed."""
     if not prompt_ids or max_new_tokens < 1:
         raise ValueError("generate needs a non-empty prompt and max_new_tokens >= 1")
     total = len(prompt_ids) + max_new_tokens - 1  # the last token is never fed back

@@ -36,8 +36,7 @@ def layer_params(m: ModelConfig) -> int:
     norms = 1 if m.block == "parallel" else 2  # the parallel block shares one norm
     b = int(m.bias)
     attention = (d * h * hd + b * h * hd) + 2 * (d * k * hd + b * k * hd) + (h * hd * d + b * d)  # q, k+v, o
-    ups = 2 if m.activation == "swiglu" else 1  # SwiGLU's gate and up projections
-    mlp = ups * (d * f + b * f) + (f * d + b * d)
+    mlp = m.mlp_up_matrices * (d * f + b * f) + (f * d + b * d)
     return norms * norm + attention + mlp
 
 
@@ -64,8 +63,7 @@ def forward_flops_per_token(model_cfg: ModelConfig) -> int:
     """Forward-pass FLOPs per token (see the module docstring for what is counted)."""
     m = model_cfg
     d, h, k, hd, f = m.d_model, m.heads, m.kv_heads, m.head_dim, m.mlp_dim
-    ups = 2 if m.activation == "swiglu" else 1  # SwiGLU's gate and up projections
-    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + (ups + 1) * d * f  # q, k+v, o, MLP
+    layer_matmul_weights = d * h * hd + 2 * d * k * hd + h * hd * d + (m.mlp_up_matrices + 1) * d * f  # q, k+v, o, MLP
     ctx = m.seq_len if m.window is None else min(m.window, m.seq_len)
     layer_attention = 2 * 2 * h * hd * ctx  # q·kᵀ and p·v over ctx keys, no causal halving
     lm_head = 2 * d * m.vocab

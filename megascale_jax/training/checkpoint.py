@@ -224,11 +224,7 @@ class Checkpointer:
             print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
                   f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
                   file=sys.stderr, flush=True)
-        expected, actual = jax.device_get((restored["checksums"], checksums(restored["state"])))
-        bad = [jax.tree_util.keystr(path) for (path, a), b in
-               zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)) if a != b]
-        if bad:
-            raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        _verify(restored["state"], restored["checksums"])
         self.manager.reload()
         return restored["state"], meta
 
@@ -252,10 +248,7 @@ class Checkpointer:
                 checksums=ocp.args.StandardRestore(abstract_sums)))["checksums"].params
         except Exception as e:
             raise CorruptCheckpoint(_describe_read_error(e, path)) from None
-        bad = [jax.tree_util.keystr(p) for (p, a), b in zip(jax.tree_util.tree_leaves_with_path(
-            jax.device_get(checksums(params))), jax.tree.leaves(jax.device_get(expected))) if a != b]
-        if bad:
-            raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        _verify(params, expected)
         return params
 
     def _restore_single_replica(self, step: int, abstract_state):
@@ -312,6 +305,15 @@ class Checkpointer:
             raise ConfigError(
                 f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
                 f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+
+
+def _verify(tree, expected_sums) -> None:
+    """Raise CorruptCheckpoint unless every array of `tree` has its saved checksum."""
+    actual, expected = jax.device_get((checksums(tree), expected_sums))
+    bad = [jax.tree_util.keystr(path) for (path, a), b in
+           zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)) if a != b]
+    if bad:
+        raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
 
 
 class _IteratorState:

@@ -147,7 +147,7 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(scratch, run_main):
     with torch.no_grad():
         theirs = model.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
     run = trained.load(str(scratch / "run_bpe"))
-    assert decode.generate(run.cfg, run.params, ids[0].tolist(), 16, eos_id=tok.eos_token_id) == theirs
+    assert decode.generate(run.cfg.model, run.params, ids[0].tolist(), 16, eos_id=tok.eos_token_id) == theirs
 
 
 def test_a_run_started_from_hf_resumes_without_the_hf_directory(scratch):
