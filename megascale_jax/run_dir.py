@@ -82,6 +82,11 @@ def redis_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "redis")
 
 
+def tokenizer_dir(run_dir: str) -> str:
+    """The tokenizer a run on a token file read (its tokenizer.json and tokens.json)."""
+    return os.path.join(run_dir, "tokenizer")
+
+
 def report_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "report")
 

@@ -24,6 +24,8 @@ import shutil
 
 import numpy as np
 
+from megascale_jax import run_dir as run_dirs
+
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_FILE, TOKENS_FILE, META_FILE = "tokenizer.json", "tokens.bin", "tokens.json"
 MIN_VOCAB = 256 + 1  # every byte, and END_OF_TEXT
@@ -123,7 +125,7 @@ def run_tokenizer(run_dir: str, cfg):
 
     if cfg.data.source != "tokens":
         return byte_tokenizer()
-    path = os.path.join(run_dir, "tokenizer", TOKENIZER_FILE)
+    path = os.path.join(run_dirs.tokenizer_dir(run_dir), TOKENIZER_FILE)
     if not os.path.isfile(path):
         raise TokenizerError(f"{path} does not exist: the run read data.path={cfg.data.path!r}, a token file with no "
                              f"{TOKENIZER_FILE} beside it, so what its ids mean is unknown; put the tokenizer there")
@@ -138,7 +140,7 @@ def record_in_run_dir(token_file: str, run_dir: str) -> None:
     files = [os.path.join(source, name) for name in (TOKENIZER_FILE, META_FILE)]
     if not all(os.path.isfile(f) for f in files):
         return
-    target = os.path.join(run_dir, "tokenizer")
+    target = run_dirs.tokenizer_dir(run_dir)
     os.makedirs(target, exist_ok=True)
     for f in files:
         shutil.copyfile(f, os.path.join(target, os.path.basename(f)))
