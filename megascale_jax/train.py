@@ -32,12 +32,14 @@ from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
+from megascale_jax.supervise.diagnose import device_self_test
 from megascale_jax.training import checkpoint, data, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
-from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
+from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.state import TrainState
+from megascale_jax.training.triage import NonFiniteTriage, release
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
 
 logger = cli.get_logger("train")
@@ -128,7 +130,14 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": current_learning_rate(opt_state)}
-        return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+        updated = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        # A non-finite step keeps the state it was given, so the host can replay it (training.triage).
+        # The host sees a step's metrics one step late, after the next step was dispatched: that
+        # step must keep it too. So a non-finite step marks the state held (step -1 - updates
+        # done), and a held state passes through every step unchanged until the host releases it.
+        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & (state.step >= 0)
+        held = state.replace(step=jnp.where(state.step >= 0, -1 - state.step, state.step))
+        return jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, held), metrics
 
     def reorder(convert, **jit_options):
         """A whole-state layer-order conversion: compiled, or the identity where the orders agree."""
@@ -321,7 +330,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         recorder.flush()  # a checkpoint is never newer than the metrics on disk
         watch.state("checkpointing", step)
         t_save = time.time()
-        log_saves(ckpt.save(step, to_canonical(state), batches.get_state()))
+        # The data position from the step, not the prefetcher's: a replay fetched ahead.
+        log_saves(ckpt.save(step, to_canonical(state), {"next_index": data_position + step - start}))
         watch.phase(step, "checkpoint", t_save, time.time() - t_save)
         watch.state("training", step)
         saved_step = step
@@ -332,37 +342,50 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     stop = StopRequest(mesh)  # SIGINT/SIGTERM: finish the step in flight, checkpoint it, exit
     watch.state("training", start)
     recorder.restart_clock()
+    triage = NonFiniteTriage(watch, device_self_test, logger.warning)
+    hooks.add_record("nan triage", 1, triage.on_record)
+    inject = faults.batch_fault_from_env(cfg.model.vocab)  # drills only: a one-off non-finite value on one process
+    kept = {start + 1: first}  # batches of the steps not recorded yet: a replay runs them again
+    step = start
     try:
-        for step in range(start + 1, last + 1):
-            # ---- data
-            t_data, wall_data = time.perf_counter(), time.time()
-            batch = first if step == start + 1 else batches.get()
-            data_wait = time.perf_counter() - t_data
-            watch.phase(step, "data_wait", wall_data, data_wait)
-            watch.before_step(step)
-            hooks.before_step(step)
-            # ---- step (arrival is marked before the call: a dispatch can block, and one stuck
-            # behind a hung peer must still count as arrived)
-            wall_dispatch, t_dispatch = time.time(), time.perf_counter()
-            watch.phase(step, "dispatch", wall_dispatch, 0.0)
-            state, metrics = train_step(state, batch)
-            watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
-            stop_signal = stop.after_dispatch() if step < last else 0
-            recorder.push(step, metrics, data_wait)  # records the step before this one
-            # ---- evaluation, profile, checkpoint: on their cadence
-            hooks.after_step(step, state)
-            # ---- interrupted: checkpoint this step (if its hook did not), wait for the commit, stop
-            if stop_signal:
-                recorder.flush()
-                saved = False
+        while step < last:
+            step += 1
+            try:
+                # ---- data
+                t_data, wall_data = time.perf_counter(), time.time()
+                batch = kept[step] if step in kept else batches.get()
+                kept[step] = batch
+                data_wait = time.perf_counter() - t_data
+                watch.phase(step, "data_wait", wall_data, data_wait)
+                watch.before_step(step)
+                hooks.before_step(step)
+                # ---- step (arrival is marked before the call: a dispatch can block, and one stuck
+                # behind a hung peer must still count as arrived)
+                wall_dispatch, t_dispatch = time.time(), time.perf_counter()
+                watch.phase(step, "dispatch", wall_dispatch, 0.0)
+                state, metrics = train_step(state, inject(step, batch))
+                watch.phase(step, "dispatch", wall_dispatch, time.perf_counter() - t_dispatch)
+                stop_signal = stop.after_dispatch() if step < last else 0
+                recorder.push(step, metrics, data_wait)  # records the step before this one
+                kept = {s: b for s, b in kept.items() if s >= step}
+                # ---- evaluation, profile, checkpoint: on their cadence
+                hooks.after_step(step, state)
+                # ---- interrupted: checkpoint this step (if its hook did not), wait for the commit, stop
+                if stop_signal:
+                    recorder.flush()
+                    saved = False
+                    if ckpt:
+                        if saved_step != step:
+                            save(step, state)
+                        log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
+                        saved = step in run_dirs.committed_steps(ckpt.directory)
+                    raise Interrupted(step, stop_signal, saved)
                 if ckpt:
-                    if saved_step != step:
-                        save(step, state)
-                    log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
-                    saved = step in run_dirs.committed_steps(ckpt.directory)
-                raise Interrupted(step, stop_signal, saved)
-            if ckpt:
-                log_saves(ckpt.poll())
+                    log_saves(ckpt.poll())
+            except NonFiniteStep as e:
+                # ---- a non-finite step: the state is still the one before it; run it again, once
+                step = triage.replay_from(e)
+                state = release(state, step, trainer.state_shardings.step)
     finally:
         stop.close()
         bar.close()

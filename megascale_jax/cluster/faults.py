@@ -9,6 +9,11 @@
   aborts (SIGABRT) right before dispatching `step`, every time it gets there: a native crash
   that repeats deterministically, like an XLA check failure.
 
+* ``MEGASCALE_FAULT_NAN="<process>:<step>"`` — that process corrupts one token of its share of
+  `step`'s batch, the first time the step runs: an id past the vocabulary, whose embedding
+  lookup is NaN (`jnp.take` fills out-of-range rows with NaN), like a flipped bit in one device's
+  activations. The replay of the step (training/triage.py) runs on the clean batch.
+
 Nothing here runs unless the variables are set; never set them in production.
 """
 
@@ -67,6 +72,24 @@ class AbortProcess(LoopObserver):
             os.abort()
 
 
+class NanBatch:
+    def __init__(self, step: int, vocab: int):
+        self.step, self.vocab, self.fired = step, vocab, False
+
+    def __call__(self, step: int, batch):
+        if step != self.step or self.fired:
+            return batch
+        import jax
+        import numpy as np
+
+        self.fired = True
+        shards = [s.data for s in batch.addressable_shards]
+        bad = np.array(shards[0])
+        bad.flat[0] = self.vocab
+        shards[0] = jax.device_put(bad, shards[0].devices().pop())  # one device only: a local fault
+        return jax.make_array_from_single_device_arrays(batch.shape, batch.sharding, shards)
+
+
 def _target(variable: str, process: int) -> str | None:
     """The value after "<process>:" in `variable` when it names this process."""
     spec = os.environ.get(variable)
@@ -89,3 +112,12 @@ def from_env() -> list[LoopObserver]:
     if (step := _target("MEGASCALE_FAULT_ABORT", process)) is not None:
         found.append(AbortProcess(int(step)))
     return found
+
+
+def batch_fault_from_env(vocab: int):
+    """(step, batch) -> the batch to dispatch: `MEGASCALE_FAULT_NAN`'s corruption, else the batch."""
+    import jax
+
+    if (step := _target("MEGASCALE_FAULT_NAN", jax.process_index())) is not None:
+        return NanBatch(int(step), vocab)
+    return lambda step, batch: batch

@@ -61,6 +61,13 @@ class Heartbeat(LoopObserver):
         # The driver prints rank 0's progress on its console (launch): loss and throughput.
         self.loop.update(loss=record["loss"], tokens_per_s=record["tokens_per_s"])
 
+    def event(self, kind, **fields):
+        # Every event of this process so far, numbered: the driver logs those it has not seen
+        # (a beat can be missed, a list cannot). A run has a handful, never a stream.
+        events = self.loop.get("events", [])
+        self.loop["events"] = [*events, {"id": len(events), "kind": kind, **fields}]
+        self.wake.set()
+
     def close(self):
         self.stopping.set()
         self.wake.set()

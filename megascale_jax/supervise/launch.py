@@ -42,7 +42,8 @@ def parse_args(argv):
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds a worker may take to its first heartbeat and first step")
     parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
-                        help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
+                        help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP "
+                             "(a one-off non-finite value) or redis@STEP")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
     return cli.parse(parser, argv)
 

@@ -7,8 +7,11 @@ else the last sign of health):
   JAX peer abort with SIGABRT later; the first non-aborted exit is blamed.
 * hang — a worker's heartbeat stops changing for `supervisor.hang_timeout_s` (e.g. SIGSTOP).
 * stall — heartbeats go on but the step does not advance in state `training` (a stuck collective).
-* diverged — exit code 3 (non-finite loss). Restarting replays the same data bitwise, so it only
-  helps when diagnostics blame a device; otherwise the driver gives up at once.
+* nan_triage — the workers replay a non-finite step once themselves (training/triage.py) and
+  report it in their heartbeats: finite → `transient` (logged; training goes on; a device whose
+  self-test failed is a `device` fault), non-finite again → `diverged`, below.
+* diverged — exit code 3 (non-finite loss, again when replayed). Restarting replays the same
+  data bitwise, so it only helps when diagnostics blame a device; otherwise the driver gives up.
 * config_error — exit code 2: a user mistake, reported and never retried.
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
   the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
@@ -50,7 +53,7 @@ EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
 @dataclasses.dataclass
 class Fault:
-    cause: str  # crash | aborted | hang | stall | diverged | config_error | straggler
+    cause: str  # crash | aborted | hang | stall | diverged | config_error | straggler | device
     rank: int | None
     detail: str
     at: float  # wall time of the fault
@@ -68,8 +71,9 @@ class Fault:
 @dataclasses.dataclass(frozen=True)
 class Drill:
     """A fault the driver injects on purpose (tests, bench): `kill:RANK@STEP` (SIGKILL),
-    `stop:RANK@STEP` (SIGSTOP), `redis@STEP` (kill the embedded Redis server); it fires once,
-    when a heartbeat first reports STEP, drills in the order given."""
+    `stop:RANK@STEP` (SIGSTOP), `redis@STEP` (kill the embedded Redis server) fire once, when a
+    heartbeat first reports STEP, drills in the order given. `nan:RANK@STEP` is armed in the
+    workers' environment (`MEGASCALE_FAULT_NAN`): that rank corrupts STEP's batch once."""
 
     kind: str
     rank: int | None
@@ -79,8 +83,8 @@ class Drill:
     def parse(cls, spec: str) -> "Drill":
         target, _, step = spec.partition("@")
         kind, _, rank = target.partition(":")
-        if kind not in ("kill", "stop", "redis") or not step.isdigit() or (kind != "redis") != rank.isdigit():
-            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP or redis@STEP")
+        if kind not in ("kill", "stop", "nan", "redis") or not step.isdigit() or (kind != "redis") != rank.isdigit():
+            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP or redis@STEP")
         return cls(kind, int(rank) if rank else None, int(step))
 
 
@@ -130,6 +134,8 @@ class HeartbeatMonitor:
         self.arrived: dict[int, float] = {}  # rank -> when its record last changed
         self.step_since: dict[int, tuple[int, float, bool]] = {}  # rank -> (step, since, advanced before)
         self.bad: dict[int, bytes] = {}  # last malformed value warned about, per rank
+        self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
+        self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
         self.reachable = True
 
     @property
@@ -299,8 +305,9 @@ class Supervisor:
                                      "it is deterministic, a restart would repeat it", restarts)
             faulty = self._diagnose(restarts)
             if fault.cause == "diverged" and not faulty:
-                return self._give_up("non-finite loss with healthy devices: a restart would replay it; "
-                                     "lower optim.lr or tighten optim.clip", restarts)
+                return self._give_up("non-finite loss, again when the worker replayed the step, with healthy "
+                                     "devices: a restart would replay it; lower optim.lr or tighten optim.clip",
+                                     restarts)
             if restarts >= sv.max_restarts:
                 return self._give_up(f"supervisor.max_restarts={sv.max_restarts} exhausted", restarts)
             restarts += 1
@@ -320,9 +327,13 @@ class Supervisor:
         """Run the workers until they finish or a fault is detected; returns (fault, last step seen)."""
         job, sv = self.job, self.job.cfg.supervisor
         job_id = f"{job.job_id}-{attempt}"
+        env = dict(job.env)
+        nan = next((d for d in self.drills if d.kind == "nan"), None)
+        if nan:  # armed until its step ran: an attempt that dies before it passes it on to the next
+            env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}"
         group = WorkerGroup("megascale_jax.train", [*job.worker_args, "--redis", self.redis_url, "--job", job_id,
                                                     "--num-processes", str(job.nprocs)],
-                            job.nprocs, job.env, run_dirs.logs_dir(job.run_dir), "worker",
+                            job.nprocs, env, run_dirs.logs_dir(job.run_dir), "worker",
                             header=f"attempt {attempt}, job {job_id}")
         monitor = HeartbeatMonitor(self.client, job_id, job.nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
@@ -344,6 +355,8 @@ class Supervisor:
                     continue
                 failed = {rank: code for rank, code in codes.items() if code != 0}
                 if failed:
+                    if monitor.poll(now):  # what they said before exiting (e.g. nan_triage: diverged)
+                        self._log_worker_events(monitor)
                     fault = self._exit_fault(failed, alive_at, now)
                     return fault, monitor.max_step
                 if len(codes) == job.nprocs:
@@ -360,7 +373,8 @@ class Supervisor:
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._print_progress(monitor)
                 self._fire_drill(group, monitor.max_step, now)
-                fault = monitor.check(now, finished=set(codes)) or self._check_stragglers(now)
+                fault = (self._log_worker_events(monitor) or monitor.check(now, finished=set(codes))
+                         or self._check_stragglers(now))
                 if fault:
                     if self.drill_at:
                         fault.at = self.drill_at
@@ -370,6 +384,28 @@ class Supervisor:
             if fault is not None and fault.rank is not None:
                 fault.log_tail = group.log_tail(fault.rank)
                 fault.error = group.last_error(fault.rank)
+
+    def _log_worker_events(self, monitor: HeartbeatMonitor) -> Fault | None:
+        """The workers' own events (heartbeat `events`), each logged once: every process reports
+        the same NaN triage (the loss is all-reduced), with its own device self-test. A failed
+        self-test is a fault of that rank."""
+        fault = None
+        for rank, record in sorted(monitor.records.items()):
+            for event in record.get("events", []):
+                if (rank, event["id"]) in monitor.events_seen:
+                    continue
+                monitor.events_seen.add((rank, event["id"]))
+                fields = {k: v for k, v in event.items() if k not in ("id", "kind")}
+                test = fields.get("self_test", {})
+                if event["kind"] == "nan_triage" and (fields["step"], fields["outcome"]) not in monitor.triaged:
+                    monitor.triaged.add((fields["step"], fields["outcome"]))
+                    what = ("finite when replayed: a transient fault, training goes on" if fields["outcome"] == "transient"
+                            else "non-finite again when replayed: diverged")
+                    self.events.log("nan_triage", f"step {fields['step']} {what}", rank=rank, **fields)
+                if test and not test.get("ok") and fault is None:
+                    fault = Fault("device", rank, f"device self-test failed after a transient NaN at step "
+                                  f"{fields['step']}: {test}", time.time(), time.time())
+        return fault
 
     def _print_progress(self, monitor: HeartbeatMonitor) -> None:
         """Rank 0's progress on the console: where an attempt starts (the checkpoint it resumed
@@ -423,11 +459,13 @@ class Supervisor:
         drill = self.drills.pop(0)
         if drill.kind == "redis":
             self.server.process.kill()
+            what = "killed the Redis server"
+        elif drill.kind == "nan":  # the worker corrupted the batch itself (armed at the attempt's start)
+            what = f"rank {drill.rank} corrupted its share of step {drill.step}'s batch (MEGASCALE_FAULT_NAN)"
         else:
             group.signal(drill.rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
+            what = f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
         self.drill_at = now
-        what = "killed the Redis server" if drill.rank is None else \
-            f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
         self.events.log("drill", f"{what} at step {step}", drill=drill.kind,
                         rank=drill.rank, step=step)
 

@@ -10,7 +10,7 @@ call `flush`, which records the held step at once.
 A record is `{step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, data_wait_s}` plus
 `val_loss` when the step was evaluated. Step time is finish-to-finish, so it covers the whole
 step however the host and devices overlapped. A non-finite loss or gradient norm raises
-`TrainingDiverged` naming the step.
+`NonFiniteStep` (a `TrainingDiverged`) naming the step; the loop replays it once (triage.py).
 """
 
 from __future__ import annotations
@@ -24,6 +24,14 @@ import jax
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf."""
+
+
+class NonFiniteStep(TrainingDiverged):
+    """Step `step`'s loss or gradient norm is NaN/inf (the loop may replay it: training.triage)."""
+
+    def __init__(self, message: str, step: int, values: dict):
+        super().__init__(message)
+        self.step, self.values = step, values
 
 
 def itstime(step: int, every: int, last: int) -> bool:
@@ -60,8 +68,9 @@ class MetricsRecorder:
         step_time = now - self.last_finish
         self.watch.phase(step, "step", time.time() - step_time, step_time)
         if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
-            raise TrainingDiverged(f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: "
-                                   f"training diverged; {self.lr_hint}")
+            raise NonFiniteStep(f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: "
+                                f"training diverged; {self.lr_hint}", step,
+                                {"loss": values["loss"], "grad_norm": values["grad_norm"]})
         record = {"step": step, **values, "step_time_s": step_time,
                   "tokens_per_s": self.tokens_per_step / step_time,
                   "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * self.tokens_per_step / step_time,

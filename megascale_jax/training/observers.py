@@ -33,6 +33,9 @@ class LoopObserver:
     def record(self, record: dict[str, Any]) -> None:
         """The metrics record of a finished step (the line written to metrics.jsonl)."""
 
+    def event(self, kind: str, **fields) -> None:
+        """Something the supervisor should log in events.jsonl (e.g. `nan_triage`)."""
+
     def close(self) -> None:
         """The loop ended (normally or not); flush and release."""
 
@@ -62,6 +65,10 @@ class Observers(LoopObserver):
     def record(self, record):
         for o in self.observers:
             o.record(record)
+
+    def event(self, kind, **fields):
+        for o in self.observers:
+            o.event(kind, **fields)
 
     def close(self):
         for o in self.observers:

@@ -153,6 +153,7 @@ def test_barrier_times_out_with_the_count(server):
 def test_drill_specs():
     assert Drill.parse("kill:1@6") == Drill("kill", 1, 6)
     assert Drill.parse("redis@3") == Drill("redis", None, 3)
+    assert Drill.parse("nan:1@4") == Drill("nan", 1, 4)
     for bad in ("kill@6", "redis:1@3", "explode:0@1", "stop:0"):
         with pytest.raises(ValueError, match="must be"):
             Drill.parse(bad)
@@ -252,6 +253,24 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
 
 @pytest.mark.slow
 @DRILL_GROUP
+def test_a_transient_nan_is_replayed_and_training_goes_on_to_the_same_loss(tmp_path, reference):
+    """`--drill nan:1@5`: rank 1 corrupts its share of step 5's batch once (a NaN in one device's
+    activations). The workers replay the step from the state before it: finite, so `transient`,
+    no restart, and every step's loss equals the fault-free run's bitwise."""
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), "--drill", "nan:1@5", *JOB])
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = events(tmp_path)
+    triage, _ = after(log, "nan_triage", outcome="transient")
+    assert triage["step"] == 5 and triage["self_test"]["ok"]
+    assert not any(e["kind"] in ("fault", "restart") for e in log), log
+    with open(os.path.join(tmp_path, "logs", "worker1.log")) as f:
+        assert "non-finite loss or gradient at step 5" in f.read()  # it did see the NaN
+    recovered = final_record(tmp_path)
+    assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
+
+
+@pytest.mark.slow
+@DRILL_GROUP
 def test_recovered_run_ends_at_the_uninterrupted_loss(drilled, reference):
     run_dir, log, _ = drilled
     assert sum(e["kind"] == "restart" for e in log) == 2
@@ -318,7 +337,8 @@ def test_a_diverged_run_is_not_restarted_when_the_devices_are_healthy(tmp_path):
                                                "optim.lr=1e6", "optim.clip=null"])
     assert done.returncode == 1, done.stdout + done.stderr
     log = events(tmp_path)
-    fault, rest = after(log, "fault", cause="diverged")
+    triage, rest = after(log, "nan_triage", outcome="diverged")  # the worker replayed the step once first
+    fault, rest = after(rest, "fault", cause="diverged")
     diagnosis, rest = after(rest, "diagnosis")
     assert diagnosis["faulty"] == {}
     assert rest[-1]["kind"] == "give_up" and "optim.lr" in rest[-1]["summary"]
