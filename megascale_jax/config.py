@@ -191,7 +191,10 @@ class SupervisorConfig:
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
     max_restarts: int = 3  # recoveries before the driver gives up with a report
     straggler_check_s: float = 10.0  # the driver runs the straggler statistic on the timings this often (0 = never)
-    evict_stragglers: bool = False  # a flagged straggler is a fault (all ranks restart; node replacement not yet)
+    evict_stragglers: bool = False  # a flagged straggler is a fault: its slot is excluded, a spare takes over
+    # A faulty rank excluded with no spare left (launch --spares): resume on fewer data-parallel
+    # replicas with more microbatches (same global batch), or give up with the report.
+    on_no_spare: Literal["shrink", "stop"] = "shrink"
 
 
 @dataclass(frozen=True)

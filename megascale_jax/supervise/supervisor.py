@@ -37,13 +37,14 @@ import time
 
 import redis
 
-from megascale_jax.config import Config
+from megascale_jax.config import Config, ConfigError
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.observe.timings import read_timings
 from megascale_jax.observe.hangs import describe_exit
-from megascale_jax.supervise.workers import WorkerGroup, error_key
+from megascale_jax.supervise.placement import Placement, Shape, shrunk
+from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
 
 log = get_logger("supervise", tag="[supervisor] ")
 rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
@@ -72,8 +73,10 @@ class Fault:
 class Drill:
     """A fault the driver injects on purpose (tests, bench): `kill:RANK@STEP` (SIGKILL),
     `stop:RANK@STEP` (SIGSTOP), `redis@STEP` (kill the embedded Redis server) fire once, when a
-    heartbeat first reports STEP, drills in the order given. `nan:RANK@STEP` is armed in the
-    workers' environment (`MEGASCALE_FAULT_NAN`): that rank corrupts STEP's batch once."""
+    heartbeat first reports STEP, drills in the order given. `faulty:RANK@STEP` breaks the rank's
+    slot like a broken GPU: SIGKILL now, and diagnostics name it every time they run there.
+    `nan:RANK@STEP` is armed in the workers' environment (`MEGASCALE_FAULT_NAN`): that rank
+    corrupts STEP's batch once."""
 
     kind: str
     rank: int | None
@@ -83,8 +86,10 @@ class Drill:
     def parse(cls, spec: str) -> "Drill":
         target, _, step = spec.partition("@")
         kind, _, rank = target.partition(":")
-        if kind not in ("kill", "stop", "nan", "redis") or not step.isdigit() or (kind != "redis") != rank.isdigit():
-            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP or redis@STEP")
+        if kind not in ("kill", "stop", "nan", "faulty", "redis") or not step.isdigit() or \
+                (kind != "redis") != rank.isdigit():
+            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP, "
+                             "faulty:RANK@STEP or redis@STEP")
         return cls(kind, int(rank) if rank else None, int(step))
 
 
@@ -249,6 +254,7 @@ class Job:
     diagnose_args: list[str] | None  # diagnostics workers' --config and overrides; None: no diagnosis
     startup_timeout_s: float = 300.0
     poll_s: float = 0.1
+    spares: int = 0  # standby workers beyond nprocs (launch --spares)
 
 
 class Supervisor:
@@ -266,6 +272,12 @@ class Supervisor:
         self.stop_signal = 0  # the signal of a stop request, 0 while none
         self.progress_printed: int | None = None  # rank 0's last step on the console (None: not started)
         self.stop_codes: dict[int, int] = {}  # the workers' exit codes after a stop request
+        cfg = job.cfg
+        self.placement = Placement(job.nprocs, job.spares)
+        self.shape = Shape(job.nprocs, cfg.mesh.dp, cfg.parallel.microbatches)  # smaller after a shrink
+        self.devices_per_process = cfg.mesh.size // job.nprocs
+        self.broken_slots: set[int] = set()  # slots a `faulty` drill broke: they fail diagnostics
+        self.pool: StandbyPool | None = None  # warm worker processes, one per slot, while running
 
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
@@ -281,6 +293,13 @@ class Supervisor:
     def run(self) -> int:
         """0 when training finished, 1 when the driver gave up (report printed), 128 + signal when
         stopped by a signal."""
+        self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs + self.job.spares)
+        try:
+            return self._run()
+        finally:
+            self.pool.close()
+
+    def _run(self) -> int:
         sv = self.job.cfg.supervisor
         restarts, resume_step = 0, None
         while True:
@@ -304,12 +323,16 @@ class Supervisor:
                 return self._give_up(f"the same {fault.cause} twice at step {last_step} ({fault.error}); "
                                      "it is deterministic, a restart would repeat it", restarts)
             faulty = self._diagnose(restarts)
+            if fault.cause == "device" or (fault.cause == "straggler" and sv.evict_stragglers):
+                faulty.setdefault(fault.rank, fault.detail)  # its own evidence, whatever diagnostics say
             if fault.cause == "diverged" and not faulty:
                 return self._give_up("non-finite loss, again when the worker replayed the step, with healthy "
                                      "devices: a restart would replay it; lower optim.lr or tighten optim.clip",
                                      restarts)
             if restarts >= sv.max_restarts:
                 return self._give_up(f"supervisor.max_restarts={sv.max_restarts} exhausted", restarts)
+            if faulty and (why_not := self._evict(faulty)):
+                return self._give_up(why_not, restarts)
             restarts += 1
             resume_step = self._prepare_restart(restarts)
             if resume_step >= self.job.cfg.train.steps:
@@ -331,11 +354,13 @@ class Supervisor:
         nan = next((d for d in self.drills if d.kind == "nan"), None)
         if nan:  # armed until its step ran: an attempt that dies before it passes it on to the next
             env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}"
-        group = WorkerGroup("megascale_jax.train", [*job.worker_args, "--redis", self.redis_url, "--job", job_id,
-                                                    "--num-processes", str(job.nprocs)],
-                            job.nprocs, env, run_dirs.logs_dir(job.run_dir), "worker",
-                            header=f"attempt {attempt}, job {job_id}")
-        monitor = HeartbeatMonitor(self.client, job_id, job.nprocs, sv.hang_timeout_s, job.startup_timeout_s,
+        nprocs = self.shape.nprocs
+        group = WorkerGroup("megascale_jax.train", [*job.worker_args, *self._shape_overrides(), "--redis",
+                                                    self.redis_url, "--job", job_id, "--num-processes", str(nprocs)],
+                            nprocs, env, run_dirs.logs_dir(job.run_dir), "worker",
+                            header=f"attempt {attempt}, job {job_id}, slots {self.placement.active}",
+                            pool=self.pool, slots=self.placement.active)
+        monitor = HeartbeatMonitor(self.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
         self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
         self.progress_printed = None
@@ -346,10 +371,10 @@ class Supervisor:
                 codes = group.exit_codes()
                 if self.stop_signal:  # they checkpoint and exit 128 + signal: no fault is judged
                     if not forwarded:
-                        for rank in range(job.nprocs):
+                        for rank in range(nprocs):
                             group.signal(rank, self.stop_signal)
                         forwarded = True
-                    if len(codes) == job.nprocs:
+                    if len(codes) == nprocs:
                         self.stop_codes = codes
                         return None, monitor.max_step
                     continue
@@ -359,7 +384,7 @@ class Supervisor:
                         self._log_worker_events(monitor)
                     fault = self._exit_fault(failed, alive_at, now)
                     return fault, monitor.max_step
-                if len(codes) == job.nprocs:
+                if len(codes) == nprocs:
                     return None, monitor.max_step
                 alive_at = now
                 self._keep_redis_alive(monitor, now)
@@ -460,6 +485,11 @@ class Supervisor:
         if drill.kind == "redis":
             self.server.process.kill()
             what = "killed the Redis server"
+        elif drill.kind == "faulty":  # a broken machine: it crashes now and fails every diagnosis
+            self.broken_slots.add(self.placement.active[drill.rank])
+            group.signal(drill.rank, signal.SIGKILL)
+            what = f"broke the slot of rank {drill.rank} ({self.placement.hosts[self.placement.active[drill.rank]]}): " \
+                   "killed, and it fails diagnostics from now on"
         elif drill.kind == "nan":  # the worker corrupted the batch itself (armed at the attempt's start)
             what = f"rank {drill.rank} corrupted its share of step {drill.step}'s batch (MEGASCALE_FAULT_NAN)"
         else:
@@ -515,7 +545,7 @@ class Supervisor:
 
     def _note_heartbeats_back(self, monitor: HeartbeatMonitor, finished: set[int], now: float) -> None:
         """After a Redis restart: one event once every running rank's heartbeat reached the new server."""
-        running = set(range(self.job.nprocs)) - finished
+        running = set(range(self.shape.nprocs)) - finished
         if self.redis_restarted_at and all(monitor.arrived.get(r, 0) > self.redis_restarted_at for r in running):
             self.events.log("heartbeats_resumed", f"all heartbeats back {now - self.redis_restarted_at:.2f}s "
                             "after the Redis restart", since_restart_s=now - self.redis_restarted_at)
@@ -528,17 +558,56 @@ class Supervisor:
             return {}
         from megascale_jax.supervise import diagnose
 
-        report = diagnose.run(self.job.diagnose_args, self.job.nprocs, self.redis_url,
-                              f"{self.job.job_id}-diag{restarts}", self.job.env,
+        env = dict(self.job.env)
+        broken = [rank for rank, slot in enumerate(self.placement.active) if slot in self.broken_slots]
+        if broken:  # a `faulty` drill: that rank's collectives come out wrong (diagnose.FAULT_ENV)
+            env[diagnose.FAULT_ENV] = str(broken[0])
+        report = diagnose.run([*self.job.diagnose_args, *self._shape_overrides()], self.shape.nprocs,
+                              self.redis_url, f"{self.job.job_id}-diag{restarts}", env,
                               run_dirs.logs_dir(self.job.run_dir))
         log.info("diagnostics:\n" + report.table())
         faulty = report.faulty()
         verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
-        # On a cluster the faulty ranks' nodes would be excluded and replaced here; locally every
-        # rank restarts on this machine.
         self.events.log("diagnosis", verdict, faulty={str(r): why for r, why in faulty.items()},
                         duration_s=report.duration_s, restarts=restarts)
         return faulty
+
+    def _shape_overrides(self) -> list[str]:
+        """The overrides of a shrunk mesh (none before a shrink)."""
+        cfg = self.job.cfg
+        return [] if self.shape == Shape(self.job.nprocs, cfg.mesh.dp, cfg.parallel.microbatches) \
+            else self.shape.overrides()
+
+    def _evict(self, faulty: dict[int, str]) -> str:
+        """Exclude the faulty ranks' slots for the rest of the job, then give their ranks spares,
+        or shrink (placement.py); '' when the next attempt can run, else why not."""
+        sv = self.job.cfg.supervisor
+        for rank, why in sorted(faulty.items()):
+            slot = self.placement.evict(rank, why)
+            host = self.placement.hosts[slot]
+            run_dirs.append_lines(run_dirs.excluded_hosts_path(self.job.run_dir), [host])
+            self.events.log("evict", f"rank {rank} on {host} excluded for the rest of the job: {why}",
+                            rank=rank, slot=slot, host=host, reason=why)
+        for rank, slot in self.placement.replace():
+            self.events.log("spare_promoted", f"spare {self.placement.hosts[slot]} takes rank {rank}",
+                            rank=rank, slot=slot, host=self.placement.hosts[slot],
+                            spares_left=len(self.placement.spares))
+        if self.placement.complete:
+            return ""
+        if sv.on_no_spare == "stop":
+            return "a faulty rank was excluded and no spare is left (supervisor.on_no_spare=stop)"
+        try:
+            shape = shrunk(self.job.cfg, self.shape, self.placement.healthy(), self.devices_per_process)
+        except ConfigError as e:
+            return str(e)
+        self.events.log("shrink", f"no spare left: resuming on dp={shape.dp} x {shape.microbatches} microbatches "
+                        f"({shape.nprocs} processes) instead of dp={self.shape.dp} x {self.shape.microbatches}; "
+                        "same global batch", dp=shape.dp, microbatches=shape.microbatches, nprocs=shape.nprocs,
+                        was={"dp": self.shape.dp, "microbatches": self.shape.microbatches,
+                             "nprocs": self.shape.nprocs})
+        self.placement.shrink(shape.nprocs)
+        self.shape = shape
+        return ""
 
     def _prepare_restart(self, restarts: int) -> int:
         """The step the next attempt resumes from (newest committed checkpoint, else 0)."""

@@ -7,6 +7,7 @@ is lost by that: checkpoints commit by an atomic rename and metrics.jsonl is tri
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -32,11 +33,49 @@ def worker_env() -> dict:
     return env
 
 
+class StandbyPool:
+    """One warm process per slot (`python -m megascale_jax.cluster.standby MODULE`: imports done,
+    waiting for its command line), so that starting a worker there costs no Python imports. A
+    slot's process is replaced as soon as it is taken: the next attempt, or a spare's
+    promotion, finds one ready."""
+
+    def __init__(self, module: str, env: dict, slots: int):
+        self.module, self.env = module, env
+        self.warm: dict[int, subprocess.Popen] = {}
+        for slot in range(slots):
+            self._spawn(slot)
+
+    def _spawn(self, slot: int) -> None:
+        self.warm[slot] = subprocess.Popen(
+            [sys.executable, "-m", "megascale_jax.cluster.standby", self.module], env=self.env,
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def start(self, slot: int, args: list[str], log_path: str, env: dict) -> subprocess.Popen:
+        """`MODULE.main(args)` in `slot`'s warm process (a fresh one if it died), logging to `log_path`."""
+        process = self.warm.pop(slot)
+        if process.poll() is not None:
+            self._spawn(slot)
+            process = self.warm.pop(slot)
+        process.stdin.write(json.dumps({"argv": args, "log": os.path.abspath(log_path), "env": env}).encode() + b"\n")
+        process.stdin.close()
+        self._spawn(slot)
+        return process
+
+    def close(self, slots: list[int] | None = None) -> None:
+        """Release the warm processes of `slots` (default all): end of input ends them."""
+        for slot in list(self.warm) if slots is None else slots:
+            process = self.warm.pop(slot, None)
+            if process is not None:
+                process.stdin.close()
+                process.wait()
+
+
 class WorkerGroup:
-    """`python -m <module> <args> --process-id i` for i in 0..n-1, logging to `<log_dir>/<name><i>.log`."""
+    """`python -m <module> <args> --process-id i` for i in 0..n-1, logging to `<log_dir>/<name><i>.log`;
+    with a `pool`, rank i runs in the warm process of slot `slots[i]`."""
 
     def __init__(self, module: str, args: list[str], nprocs: int, env: dict, log_dir: str, name: str,
-                 header: str = ""):
+                 header: str = "", pool: StandbyPool | None = None, slots: list[int] | None = None):
         os.makedirs(log_dir, exist_ok=True)
         self.log_paths = [os.path.join(log_dir, f"{name}{i}.log") for i in range(nprocs)]
         self.processes = []
@@ -45,9 +84,13 @@ class WorkerGroup:
                 if header:
                     log.write(f"===== {header} =====\n")
                     log.flush()
-                self.processes.append(subprocess.Popen(
-                    [sys.executable, "-m", module, *args, "--process-id", str(i)], env=env,
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+                argv = [*args, "--process-id", str(i)]
+                if pool is not None:
+                    self.processes.append(pool.start(slots[i], argv, path, env))
+                else:
+                    self.processes.append(subprocess.Popen(
+                        [sys.executable, "-m", module, *argv], env=env,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def exit_codes(self) -> dict[int, int]:
         """Exit codes of the workers that ended so far, by rank."""

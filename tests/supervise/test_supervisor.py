@@ -8,6 +8,7 @@ fault, so three faults cost one job start), then give-up and diagnostics.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,22 +252,77 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
     assert kinds == ["heartbeats_resumed", "done"], rest
 
 
+@pytest.fixture(scope="module")
+def spared(tmp_path_factory):
+    """One spare; rank 1 corrupts step 3's batch once, then rank 1's slot breaks at step 9."""
+    run_dir = tmp_path_factory.mktemp("spared")
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
+                                               "--drill", "nan:1@3", "--drill", "faulty:1@9", *JOB])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return run_dir, events(run_dir)
+
+
 @pytest.mark.slow
 @DRILL_GROUP
-def test_a_transient_nan_is_replayed_and_training_goes_on_to_the_same_loss(tmp_path, reference):
-    """`--drill nan:1@5`: rank 1 corrupts its share of step 5's batch once (a NaN in one device's
+def test_a_transient_nan_is_replayed_and_training_goes_on(spared):
+    """`--drill nan:1@3`: rank 1 corrupts its share of step 3's batch once (a NaN in one device's
     activations). The workers replay the step from the state before it: finite, so `transient`,
-    no restart, and every step's loss equals the fault-free run's bitwise."""
-    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), "--drill", "nan:1@5", *JOB])
-    assert done.returncode == 0, done.stdout + done.stderr
-    log = events(tmp_path)
-    triage, _ = after(log, "nan_triage", outcome="transient")
-    assert triage["step"] == 5 and triage["self_test"]["ok"]
-    assert not any(e["kind"] in ("fault", "restart") for e in log), log
-    with open(os.path.join(tmp_path, "logs", "worker1.log")) as f:
-        assert "non-finite loss or gradient at step 5" in f.read()  # it did see the NaN
-    recovered = final_record(tmp_path)
+    and no restart for it (the final loss, below, equals the fault-free run's)."""
+    run_dir, log = spared
+    triage, rest = after(log, "nan_triage", outcome="transient")
+    assert triage["step"] == 3 and triage["self_test"]["ok"]
+    assert after(log, "fault")[0]["step"] >= 9  # the first fault is the broken slot's, not the NaN
+    with open(os.path.join(run_dir, "logs", "worker1.log")) as f:
+        assert "non-finite loss or gradient at step 3" in f.read()  # it did see the NaN
+
+
+@pytest.mark.slow
+@DRILL_GROUP
+def test_a_faulty_rank_is_excluded_and_a_spare_takes_its_place(spared, reference):
+    run_dir, log = spared
+    fault, rest = after(log, "fault", cause="crash")
+    assert fault["rank"] == 1
+    diagnosis, rest = after(rest, "diagnosis")
+    assert list(diagnosis["faulty"]) == ["1"]  # the broken slot fails its diagnostics
+    evict, rest = after(rest, "evict")
+    promoted, rest = after(rest, "spare_promoted")
+    assert (evict["rank"], evict["slot"], promoted["rank"], promoted["slot"]) == (1, 1, 1, 2)
+    assert promoted["spares_left"] == 0
+    after(rest, "resumed")
+    with open(os.path.join(run_dir, "excluded_hosts.txt")) as f:
+        assert f.read().splitlines() == [evict["host"]]
+    recovered = final_record(run_dir)
     assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
+
+
+@pytest.mark.slow
+def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_same_checkpoint(tmp_path):
+    """dp=2 on 2 processes, rank 1's slot breaks: dp=1 with 2 microbatches on 1 process (the same
+    global batch). Every step after the resume equals a fault-free dp=1 run started from the
+    same checkpoint, bitwise."""
+    shrunk_dir, reference_dir = tmp_path / "shrunk", tmp_path / "reference"
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(shrunk_dir), "--drill", "faulty:1@6",
+                                               *JOB, "checkpoint.keep=10"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = events(shrunk_dir)
+    shrink, rest = after(log, "shrink")
+    assert (shrink["dp"], shrink["microbatches"], shrink["nprocs"]) == (1, 2, 1)
+    restart, _ = after(rest, "restart")
+    resume = restart["resume_step"]
+    shutil.copytree(shrunk_dir / "checkpoints" / str(resume), reference_dir / "checkpoints" / str(resume))
+    done = run_module("megascale_jax.launch", ["--nprocs", "1", "--run-dir", str(reference_dir), *JOB,
+                                               "checkpoint.keep=10", "mesh.dp=1", "parallel.microbatches=2",
+                                               "mesh.cpu_devices=1"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    shrunk = [r for r in run_dir_metrics(shrunk_dir) if r["step"] > resume]
+    expected = run_dir_metrics(reference_dir)
+    assert [r["step"] for r in shrunk] == [r["step"] for r in expected] == list(range(resume + 1, 21))
+    assert [(r["loss"], r["grad_norm"]) for r in shrunk] == [(r["loss"], r["grad_norm"]) for r in expected]
+
+
+def run_dir_metrics(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
 
 
 @pytest.mark.slow

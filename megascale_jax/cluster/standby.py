@@ -1,0 +1,41 @@
+"""`python -m megascale_jax.cluster.standby MODULE`: a warm worker that waits for its command line.
+
+A restart or a spare's promotion should not pay for Python importing jax, flax, optax and orbax
+again (seconds of CPU per process). So the launcher keeps processes that have already imported
+`MODULE` (megascale_jax.train) — JAX's backend not yet started, so the device count is still
+free — each waiting on its stdin for one JSON line:
+
+    {"argv": [...], "log": "RUN_DIR/logs/worker3.log", "env": {...}}
+
+It then appends its output to `log`, takes `env` and runs `MODULE.main(argv)`. End of input (the
+launcher released it, or died) ends it quietly. A pipe rather than Redis on purpose: a spare must
+outlive a killed Redis server, and the launcher that spawned it is the only one to command it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+
+
+def main() -> int:
+    module = importlib.import_module(sys.argv[1])  # the expensive part, done while standing by
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    job = json.loads(line)
+    log = os.open(job["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    os.environ.update(job["env"])
+    sys.argv = [module.__file__, *job["argv"]]
+    return module.main(job["argv"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Spares, eviction and shrinking, as tables (placement.py); the bad inputs `launch` refuses."""
+
+import pytest
+
+from megascale_jax.config import ConfigError, load_config
+from megascale_jax.supervise import launch
+from megascale_jax.supervise.placement import Placement, Shape, check_spares, shrunk
+
+
+def config(*overrides):
+    return load_config(None, ["model.layers=2", *overrides])
+
+
+def test_a_faulty_rank_gets_a_spare_until_none_is_left():
+    p = Placement(nprocs=3, spares=1, host="h")
+    assert p.hosts == ["h/slot0", "h/slot1", "h/slot2", "h/slot3"] and p.spares == [3]
+    assert p.evict(1, "bad") == 1 and not p.complete
+    assert p.replace() == [(1, 3)] and p.active == [0, 3, 2] and p.complete and p.spares == []
+    p.evict(0, "bad again")
+    assert p.replace() == [] and not p.complete and p.healthy() == 2
+    p.shrink(2)
+    assert p.active == [2, 3] and p.complete and p.excluded == {1: "bad", 0: "bad again"}
+
+
+def test_leftover_healthy_processes_stand_by_after_a_shrink():
+    p = Placement(nprocs=4, spares=0, host="h")
+    p.evict(2, "bad")
+    p.shrink(2)  # dp 4 -> 2 needs 2 processes of the 3 healthy ones
+    assert p.active == [0, 1] and p.spares == [3]
+
+
+@pytest.mark.parametrize("mesh, batch, nprocs, healthy, expected", [
+    # 1 device per process, rows 2: dp 3 would need 8 % 6 == 0; dp 2 with 2 microbatches
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 8, 4, 3, Shape(2, 2, 2)),
+    # rows 3: dp 3 would need 12 % 9 == 0; dp 2 with 2 microbatches
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 12, 4, 3, Shape(2, 2, 2)),
+    # tp=2, one replica per process, rows 2: dp 3 would need 8 % 6 == 0
+    (["mesh.dp=4", "mesh.tp=2", "mesh.pp=1"], 8, 4, 3, Shape(2, 2, 2)),
+    # rows 4: dp 2 would need 12 % 8 == 0; dp 1 with 3 microbatches on 1 process
+    (["mesh.dp=3", "mesh.tp=2", "mesh.pp=1"], 12, 3, 2, Shape(1, 1, 3)),
+    # 2 devices per process: dp 3 is no whole number of processes; dp 2 on 1 process
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 16, 2, 1, Shape(1, 2, 2)),
+])
+def test_the_shrunk_shape_keeps_the_global_batch_and_the_rows_per_microbatch(mesh, batch, nprocs, healthy, expected):
+    cfg = config(*mesh, f"train.global_batch={batch}")
+    shape = Shape(nprocs, cfg.mesh.dp, 1)
+    got = shrunk(cfg, shape, healthy, cfg.mesh.size // nprocs)
+    rows = batch // cfg.mesh.dp  # per microbatch per replica, before
+    assert got == expected
+    assert got.dp * got.microbatches * rows == batch
+    assert got.dp * cfg.mesh.pp * cfg.mesh.tp == got.nprocs * (cfg.mesh.size // nprocs)
+
+
+def test_a_mesh_that_cannot_shrink_is_refused():
+    with pytest.raises(ConfigError, match="mesh.dp=1 cannot shrink"):
+        shrunk(config("mesh.dp=1", "mesh.tp=2"), Shape(2, 1, 1), 1, 1)
+    # pp=3 with 2 devices per process: one replica is 1.5 processes, so dp=1 is no whole number of them
+    cfg = config("mesh.dp=2", "mesh.pp=3", "mesh.tp=1", "model.layers=6", "train.global_batch=8",
+                 "parallel.microbatches=4")
+    with pytest.raises(ConfigError, match="cannot shrink mesh.dp=2 onto 2 healthy process.*global_batch=8"):
+        shrunk(cfg, Shape(3, 2, 4), 2, 2)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mesh.dp=1", "mesh.tp=2"], "error: mesh.dp=1 cannot shrink: there is no data-parallel replica to drop; set "
+                                 "supervisor.on_no_spare=stop"),
+    (["mesh.dp=2", "mesh.pp=3", "mesh.tp=1", "model.layers=6", "train.global_batch=8", "mesh.cpu_devices=6",
+      "parallel.microbatches=4"],
+     "error: cannot shrink mesh.dp=2 onto 2 healthy process(es)"),
+])
+def test_launch_refuses_spares_it_could_not_use_in_one_line(overrides, message, tmp_path, run_main):
+    nprocs = "3" if "mesh.pp=3" in overrides else "2"
+    code, out, err = run_main(launch.main, ["--nprocs", nprocs, "--spares", "1", "--run-dir", "run", *overrides],
+                              tmp_path)
+    assert code == 2 and err.startswith(message) and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()  # refused before anything was started or written
+
+
+def test_spares_need_a_shrinkable_mesh_only_when_they_may_shrink():
+    cfg = config("mesh.dp=1", "mesh.tp=2")
+    check_spares(cfg, 2, 0)  # no spares asked for: a fault with no spare gives up then, if it must
+    with pytest.raises(ConfigError, match="mesh.dp=1 cannot shrink"):
+        check_spares(cfg, 2, 1)
+    check_spares(config("mesh.dp=1", "mesh.tp=2", "supervisor.on_no_spare=stop"), 2, 1)
+    with pytest.raises(ConfigError, match="--spares=-1 must be >= 0"):
+        check_spares(cfg, 2, -1)
