@@ -3,6 +3,7 @@
 * ``MEGASCALE_FAULT_SLOW="<process>:<fraction>"`` — that process sleeps, right before it
   dispatches each step, `fraction` times its recent step time: it arrives late at every step,
   like a host with a slow CPU or data loader.
+  ``MEGASCALE_FAULT_SLOW="usr2:<fraction>"``: every process, once it receives SIGUSR2.
 * ``MEGASCALE_FAULT_STOP="<process>:<step>"`` — that process sends itself SIGSTOP right before
   dispatching `step`: a host that hung; its peers block in the step's collectives.
 * ``MEGASCALE_FAULT_ABORT="<process>:<step>"`` — that process prints a glog-style fatal line and
@@ -13,6 +14,7 @@
   `step`'s batch, the first time the step runs: an id past the vocabulary, whose embedding
   lookup is NaN (`jnp.take` fills out-of-range rows with NaN), like a flipped bit in one device's
   activations. The replay of the step (training/triage.py) runs on the clean batch.
+  ``MEGASCALE_FAULT_NAN="usr1"``: every process corrupts its next batch after each SIGUSR1.
 
 Nothing here runs unless the variables are set; never set them in production.
 """
@@ -27,18 +29,24 @@ from megascale_jax.training.observers import LoopObserver
 
 
 class SlowProcess(LoopObserver):
-    """Sleeps `fraction` × the median of the last few step times before each dispatch."""
+    """Sleeps `fraction` × the median of the last few step times before each dispatch (when
+    `on_signal`, only after a SIGUSR2)."""
 
-    def __init__(self, fraction: float):
-        self.fraction = fraction
+    def __init__(self, fraction: float, on_signal: bool = False):
+        self.fraction, self.active = fraction, not on_signal
         self.recent: list[float] = []
+        if on_signal:
+            signal.signal(signal.SIGUSR2, self.activate)
+
+    def activate(self, *_):
+        self.active = True
 
     def phase(self, step, name, start, duration):
         if name == "step":
             self.recent = (self.recent + [duration])[-5:]
 
     def before_step(self, step):
-        if self.recent:
+        if self.recent and self.active:
             time.sleep(self.fraction * sorted(self.recent)[len(self.recent) // 2])
 
 
@@ -73,16 +81,23 @@ class AbortProcess(LoopObserver):
 
 
 class NanBatch:
-    def __init__(self, step: int, vocab: int):
-        self.step, self.vocab, self.fired = step, vocab, False
+    """At `step` once, or (step None) at the next step after each SIGUSR1."""
+
+    def __init__(self, step: int | None, vocab: int):
+        self.step, self.vocab, self.fired, self.armed = step, vocab, False, False
+        if step is None:
+            signal.signal(signal.SIGUSR1, self.arm)
+
+    def arm(self, *_):
+        self.armed = True
 
     def __call__(self, step: int, batch):
-        if step != self.step or self.fired:
+        if not (self.armed if self.step is None else step == self.step and not self.fired):
             return batch
         import jax
         import numpy as np
 
-        self.fired = True
+        self.fired, self.armed = True, False
         shards = [s.data for s in batch.addressable_shards]
         bad = np.array(shards[0])
         bad.flat[0] = self.vocab
@@ -105,7 +120,9 @@ def from_env() -> list[LoopObserver]:
 
     process = jax.process_index()
     found: list[LoopObserver] = []
-    if (fraction := _target("MEGASCALE_FAULT_SLOW", process)) is not None:
+    if (spec := os.environ.get("MEGASCALE_FAULT_SLOW", "")).startswith("usr2:"):
+        found.append(SlowProcess(float(spec[5:]), on_signal=True))
+    elif (fraction := _target("MEGASCALE_FAULT_SLOW", process)) is not None:
         found.append(SlowProcess(float(fraction)))
     if (step := _target("MEGASCALE_FAULT_STOP", process)) is not None:
         found.append(StopProcess(int(step)))
@@ -118,6 +135,8 @@ def batch_fault_from_env(vocab: int):
     """(step, batch) -> the batch to dispatch: `MEGASCALE_FAULT_NAN`'s corruption, else the batch."""
     import jax
 
+    if os.environ.get("MEGASCALE_FAULT_NAN") == "usr1":
+        return NanBatch(None, vocab)
     if (step := _target("MEGASCALE_FAULT_NAN", jax.process_index())) is not None:
         return NanBatch(int(step), vocab)
     return lambda step, batch: batch

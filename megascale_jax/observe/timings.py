@@ -165,21 +165,25 @@ class Timings:
         return {int(d["process"]): d["host"] for d in self.devices}
 
 
-def read_timings(run_dir: str) -> Timings:
-    """Read every process's CSV; a torn last line (killed mid-write) is skipped."""
+def read_timings(run_dir: str, since: float = 0.0) -> Timings:
+    """Read every process's CSV; a torn last line (killed mid-write) is skipped. With `since`,
+    only rows that started at or after that wall time (the supervisor: this attempt's own rows;
+    after a restart, process numbers and replayed steps would mix attempts)."""
     latest: dict[tuple, tuple] = {}
     for path in sorted(glob.glob(os.path.join(timings_dir(run_dir), "process-*.csv"))):
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 try:
                     key = (int(row["step"]), int(row["process"]), int(row["device"]), row["phase"])
-                    latest[key] = (float(row["start"]), float(row["duration"]))
+                    value = (float(row["start"]), float(row["duration"]))
                 except (TypeError, ValueError):
                     continue
+                if value[0] >= since:
+                    latest[key] = value
     devices = []
     for path in sorted(glob.glob(os.path.join(timings_dir(run_dir), "devices-*.csv"))):
         with open(path, newline="") as f:
-            devices += list(csv.DictReader(f))
+            devices += list(csv.DictReader(f))  # rewritten by every attempt: this attempt's
     keys = list(latest)
     values = np.array(list(latest.values()), dtype=float).reshape(-1, 2)
     process = np.array([k[1] for k in keys], dtype=int)

@@ -71,26 +71,61 @@ class Fault:
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
-    """A fault the driver injects on purpose (tests, bench): `kill:RANK@STEP` (SIGKILL),
-    `stop:RANK@STEP` (SIGSTOP), `redis@STEP` (kill the embedded Redis server) fire once, when a
-    heartbeat first reports STEP, drills in the order given. `faulty:RANK@STEP` breaks the rank's
-    slot like a broken GPU: SIGKILL now, and diagnostics name it every time they run there.
-    `nan:RANK@STEP` is armed in the workers' environment (`MEGASCALE_FAULT_NAN`): that rank
-    corrupts STEP's batch once."""
+    """A fault the driver injects on purpose (tests, bench/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
+    step (fires when a heartbeat first reports it) or `t` + seconds since the launch; drills fire
+    once, in the order given.
+    * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
+    * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
+      every time they run there;
+    * `slow:RANK` makes the rank's slot a straggler: from now on whichever worker runs there
+      arrives late at every step (it sleeps half a step before each, `MEGASCALE_FAULT_SLOW`);
+    * `corrupt` damages the newest committed checkpoint, then SIGKILLs rank 0: the restart must
+      find the damage and fall back to the previous checkpoint;
+    * `nan:RANK` makes the rank corrupt one batch (a one-off NaN, `MEGASCALE_FAULT_NAN`): at a step,
+      that step's batch (armed in the workers' environment); at a time, the next batch (SIGUSR1)."""
 
     kind: str
     rank: int | None
-    step: int
+    step: int | None = None
+    at_s: float | None = None
+
+    KINDS = ("kill", "stop", "faulty", "slow", "nan", "redis", "corrupt")
+    RANKLESS = ("redis", "corrupt")
 
     @classmethod
     def parse(cls, spec: str) -> "Drill":
-        target, _, step = spec.partition("@")
+        target, _, when = spec.partition("@")
         kind, _, rank = target.partition(":")
-        if kind not in ("kill", "stop", "nan", "faulty", "redis") or not step.isdigit() or \
-                (kind != "redis") != rank.isdigit():
-            raise ValueError(f"--drill {spec!r} must be kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP, "
-                             "faulty:RANK@STEP or redis@STEP")
-        return cls(kind, int(rank) if rank else None, int(step))
+        timed = when.startswith("t")
+        try:
+            at = float(when[1:]) if timed else int(when)
+        except ValueError:
+            at = None
+        if kind not in cls.KINDS or at is None or at < 0 or (kind not in cls.RANKLESS) != rank.isdigit():
+            raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
+                             "kill, stop, faulty, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
+        return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        return step >= self.step if self.step is not None else elapsed_s >= self.at_s
+
+
+SLOW_FRACTION = 0.5  # the `slow` drill: of a step, slept before each dispatch
+
+
+def damage_newest_checkpoint(cfg: Config, run_dir: str) -> str:
+    """The `corrupt` drill: overwrite 4 KiB in the middle of the largest file of the newest
+    committed checkpoint's state with random bytes (a torn write, a bad disk); returns what."""
+    steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
+    if not steps:
+        return "no checkpoint (none committed yet)"
+    state = os.path.join(run_dirs.checkpoint_dir(cfg, run_dir), str(steps[-1]), "state")
+    files = [os.path.join(d, f) for d, _, names in os.walk(state) for f in names]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        f.write(os.urandom(4096))
+    return f"checkpoint step {steps[-1]} ({os.path.relpath(target, run_dir)})"
 
 
 class EventLog:
@@ -139,6 +174,7 @@ class HeartbeatMonitor:
         self.arrived: dict[int, float] = {}  # rank -> when its record last changed
         self.step_since: dict[int, tuple[int, float, bool]] = {}  # rank -> (step, since, advanced before)
         self.bad: dict[int, bytes] = {}  # last malformed value warned about, per rank
+        self.started_at: dict[int, int] = {}  # rank -> the step its first compiling/training beat said
         self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
         self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
         self.reachable = True
@@ -174,10 +210,17 @@ class HeartbeatMonitor:
             self.records[rank] = record
         return True
 
+    def resumed_from(self) -> int | None:
+        """The step training (re)started from, once some rank finished a step past it."""
+        advanced = [self.started_at[r] for r, (_, _, a) in self.step_since.items() if a and r in self.started_at]
+        return min(advanced) if advanced else None
+
     def _track_progress(self, rank: int, record: dict, now: float) -> None:
         """Progress counts in state `training` only: the jump to the resume step while
         restoring is no step, and compiling or checkpointing restarts the clock."""
         step, _, advanced = self.step_since.get(rank, (None, now, False))
+        if record["state"] in ("compiling", "training"):
+            self.started_at.setdefault(rank, record["step"])  # restored (or 0) before the first step
         if record["state"] != "training" or step is None:
             self.step_since[rank] = (record["step"], now, advanced)
         elif record["step"] != step:
@@ -277,6 +320,10 @@ class Supervisor:
         self.shape = Shape(job.nprocs, cfg.mesh.dp, cfg.parallel.microbatches)  # smaller after a shrink
         self.devices_per_process = cfg.mesh.size // job.nprocs
         self.broken_slots: set[int] = set()  # slots a `faulty` drill broke: they fail diagnostics
+        self.slow_slots: set[int] = set()  # slots a `slow` drill made stragglers
+        self.slowed: set[int] = set()  # ranks on slow slots signalled in this attempt
+        self.attempt_started = 0.0  # wall time the current attempt started
+        self.started = time.time()  # for drills at a time
         self.pool: StandbyPool | None = None  # warm worker processes, one per slot, while running
 
     def request_stop(self, signum: int) -> None:
@@ -352,8 +399,10 @@ class Supervisor:
         job_id = f"{job.job_id}-{attempt}"
         env = dict(job.env)
         nan = next((d for d in self.drills if d.kind == "nan"), None)
-        if nan:  # armed until its step ran: an attempt that dies before it passes it on to the next
-            env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}"
+        if nan:  # armed until it fired: an attempt that dies before passes it on to the next
+            env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}" if nan.step is not None else "usr1"
+        if self.slow_slots or any(d.kind == "slow" for d in self.drills):
+            env["MEGASCALE_FAULT_SLOW"] = f"usr2:{SLOW_FRACTION}"
         nprocs = self.shape.nprocs
         group = WorkerGroup("megascale_jax.train", [*job.worker_args, *self._shape_overrides(), "--redis",
                                                     self.redis_url, "--job", job_id, "--num-processes", str(nprocs)],
@@ -363,6 +412,7 @@ class Supervisor:
         monitor = HeartbeatMonitor(self.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
         self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
+        self.slowed, self.attempt_started = set(), time.time()
         self.progress_printed = None
         try:
             while True:
@@ -390,14 +440,17 @@ class Supervisor:
                 self._keep_redis_alive(monitor, now)
                 if not monitor.poll(now):
                     continue
-                if resume_step is not None and monitor.max_step > resume_step:
+                if resume_step is not None and (start := monitor.resumed_from()) is not None:
                     since = now - self.faults[-1].at
-                    self.events.log("resumed", f"training resumed past step {resume_step}, {since:.1f}s after "
-                                    "the fault", step=monitor.max_step, since_fault_s=since, restarts=attempt)
+                    fallback = f" (checkpoint {resume_step} was unreadable)" if start < resume_step else ""
+                    self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
+                                    "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
+                                    restarts=attempt)
                     resume_step = None
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._print_progress(monitor)
-                self._fire_drill(group, monitor.max_step, now)
+                self._fire_drill(group, monitor, now)
+                self._slow_down(group, monitor)
                 fault = (self._log_worker_events(monitor) or monitor.check(now, finished=set(codes))
                          or self._check_stragglers(now))
                 if fault:
@@ -478,26 +531,48 @@ class Supervisor:
         return (a.exit_code is not None and b.exit_code is not None and bool(b.error) and a.cause == b.cause
                 and a.step == b.step and error_key(a.error) == error_key(b.error))
 
-    def _fire_drill(self, group: WorkerGroup, step: int, now: float) -> None:
-        if not self.drills or step < self.drills[0].step:
+    def _fire_drill(self, group: WorkerGroup, monitor: HeartbeatMonitor, now: float) -> None:
+        step = monitor.max_step
+        if not self.drills or not self.drills[0].due(step, now - self.started):
             return
-        drill = self.drills.pop(0)
+        drill = self.drills[0]
+        rank = drill.rank if drill.rank is None or drill.rank < self.shape.nprocs else 0  # after a shrink
+        if drill.kind == "nan" and drill.step is None and monitor.records.get(rank, {}).get("state") != "training":
+            return  # its SIGUSR1 handler is installed once it trains; before, the signal would end it
+        self.drills.pop(0)
+        host = self.placement.hosts[self.placement.active[rank if rank is not None else 0]]
         if drill.kind == "redis":
             self.server.process.kill()
             what = "killed the Redis server"
         elif drill.kind == "faulty":  # a broken machine: it crashes now and fails every diagnosis
-            self.broken_slots.add(self.placement.active[drill.rank])
-            group.signal(drill.rank, signal.SIGKILL)
-            what = f"broke the slot of rank {drill.rank} ({self.placement.hosts[self.placement.active[drill.rank]]}): " \
-                   "killed, and it fails diagnostics from now on"
-        elif drill.kind == "nan":  # the worker corrupted the batch itself (armed at the attempt's start)
-            what = f"rank {drill.rank} corrupted its share of step {drill.step}'s batch (MEGASCALE_FAULT_NAN)"
+            self.broken_slots.add(self.placement.active[rank])
+            group.signal(rank, signal.SIGKILL)
+            what = f"broke the slot of rank {rank} ({host}): killed, and it fails diagnostics from now on"
+        elif drill.kind == "slow":  # signalled by _slow_down; armed in every attempt's environment
+            self.slow_slots.add(self.placement.active[rank])
+            what = f"made the slot of rank {rank} ({host}) a straggler: {SLOW_FRACTION:.0%} of a step late"
+        elif drill.kind == "corrupt":
+            what = f"damaged {damage_newest_checkpoint(self.job.cfg, self.job.run_dir)} and killed rank 0"
+            group.signal(0, signal.SIGKILL)
+        elif drill.kind == "nan":  # armed in the worker's environment at the attempt's start
+            if drill.step is None:
+                group.signal(rank, signal.SIGUSR1)
+            what = f"rank {rank} corrupts its share of " + \
+                (f"step {drill.step}'s batch" if drill.step is not None else "its next batch")
         else:
-            group.signal(drill.rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
-            what = f"sent SIG{drill.kind.upper()} to rank {drill.rank}"
+            group.signal(rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
+            what = f"sent SIG{drill.kind.upper()} to rank {rank}"
         self.drill_at = now
-        self.events.log("drill", f"{what} at step {step}", drill=drill.kind,
-                        rank=drill.rank, step=step)
+        self.events.log("drill", f"{what} at step {step}", drill=drill.kind, rank=rank, step=step, host=host)
+
+    def _slow_down(self, group: WorkerGroup, monitor: HeartbeatMonitor) -> None:
+        """The `slow` drill: SIGUSR2 to each rank on a slow slot, once per attempt, once it
+        trains (its handler is installed by then; before, the signal would end it)."""
+        for rank, slot in enumerate(self.placement.active):
+            if (slot in self.slow_slots and rank not in self.slowed
+                    and monitor.records.get(rank, {}).get("state") == "training"):
+                group.signal(rank, signal.SIGUSR2)
+                self.slowed.add(rank)
 
     def _check_stragglers(self, now: float) -> Fault | None:
         """Log newly flagged stragglers; the first one is a fault if they are to be evicted."""
@@ -508,7 +583,7 @@ class Supervisor:
         from megascale_jax.observe import stragglers
 
         try:
-            t = read_timings(self.job.run_dir)
+            t = read_timings(self.job.run_dir, since=self.attempt_started)
             flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window)
             slow = stragglers.flag_slow_devices(t, observe.straggler_threshold)
         except (OSError, ValueError) as e:  # timings not written yet, or a torn row

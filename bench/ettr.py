@@ -1,0 +1,195 @@
+"""Effective training time ratio (ETTR) of a supervised job under a stream of faults, on this machine.
+
+    python bench/ettr.py [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
+
+1. Calibrate: a short fault-free launch measures the step time, which sets `train.steps` so the
+   drilled run lasts about `--minutes`, and `checkpoint.every` so a checkpoint comes every
+   <= `--checkpoint-s` seconds of training.
+2. Reference: the same job without faults (skip with `--no-reference`): its ETTR is what start-up,
+   compilation and checkpoints cost alone, and its final loss is the one to reproduce.
+3. Drilled: `python -m megascale_jax.launch --nprocs N --spares K` with a fault every U(a, b)
+   seconds, the kinds in a seeded shuffled cycle: kill -9, SIGSTOP (a hang), a slow rank (a
+   straggler, evicted), a faulty rank (fails diagnostics, evicted), a killed Redis, a corrupted
+   newest checkpoint (plus a kill, so the restart must fall back), a transient NaN. The faults
+   are the launcher's own `--drill KIND:RANK@tSECONDS`.
+
+ETTR = productive step time / wall time: the step times of the steps in the final metrics.jsonl
+(each step once: work redone after a restart is not productive; start-up, compilation,
+checkpoint blocking and evaluation are not steps) over the launcher's wall time. Per fault kind:
+detection latency, fault to training resumed, steps lost. The final loss is compared with the
+reference: equal bitwise when the job kept its data-parallel size; after a shrink (fewer
+replicas, more microbatches) the reduction order changes, so the relative difference is reported.
+Writes bench/results/ettr_cpu.json.
+"""
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from provenance import add_output_flags, result_path, write_result  # noqa: E402
+
+KINDS = ("kill", "stop", "slow", "faulty", "redis", "corrupt", "nan")
+RANKLESS = ("redis", "corrupt")
+# A model whose step takes ~1 s on 4 CPU processes of this 2-core machine; stragglers are judged
+# over 10-step windows every 5 s, and a straggler is evicted (its slot excluded, a spare promoted).
+MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq_len=128", "train.global_batch=16",
+         "mesh.tp=1", "mesh.pp=1", "supervisor.max_restarts=100", "supervisor.evict_stragglers=true",
+         "supervisor.straggler_check_s=5", "observe.straggler_window=10", "supervisor.hang_timeout_s=10"]
+
+
+def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> float:
+    """Run a supervised job to its end; its wall time in seconds."""
+    command = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", str(nprocs), "--spares", str(spares),
+               "--run-dir", run_dir, *[f"--drill={d}" for d in drills], *MODEL, f"mesh.dp={nprocs}",
+               f"mesh.cpu_devices={nprocs}", *args]
+    print("$", " ".join(command[1:]), flush=True)
+    start = time.time()
+    done = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    wall = time.time() - start
+    with open(os.path.join(run_dir, "launcher.log"), "w") as f:
+        f.write(done.stdout)
+    if done.returncode != 0:
+        raise SystemExit(f"launch failed ({done.returncode}); see {run_dir}/launcher.log:\n{done.stdout[-3000:]}")
+    return wall
+
+
+def read_jsonl(path: str) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def productive(run_dir: str) -> tuple[float, list[dict]]:
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(1, len(records) + 1)), "a step missing or twice"
+    return sum(r["step_time_s"] for r in records), records
+
+
+def consequences(events: list[dict]) -> list[dict]:
+    """Per drill: what it cost, from the events up to the next drill."""
+    out = []
+    drills = [i for i, e in enumerate(events) if e["kind"] == "drill"]
+    for n, i in enumerate(drills):
+        drill, after = events[i], events[i + 1:drills[n + 1] if n + 1 < len(drills) else len(events)]
+
+        def first(kind, **fields):
+            return next((e for e in after if e["kind"] == kind and all(e.get(k) == v for k, v in fields.items())), None)
+
+        row = {"kind": drill["drill"], "rank": drill.get("rank"), "at_step": drill["step"], "time": drill["time"]}
+        fault, resumed, restart = first("fault"), first("resumed"), first("restart")
+        if drill["drill"] == "nan":
+            triage = first("nan_triage")
+            row.update(detected_s=triage and triage["time"] - drill["time"], outcome=triage and triage["outcome"],
+                       resumed_s=None, steps_lost=0)
+        elif drill["drill"] == "redis":
+            back = first("redis_restart")
+            row.update(detected_s=back and back["latency_s"], resumed_s=back and back["restart_s"], steps_lost=0)
+        else:
+            flagged = first("straggler") if drill["drill"] == "slow" else fault
+            row.update(detected_s=flagged and (flagged["time"] - drill["time"] if drill["drill"] == "slow"
+                                               else flagged["latency_s"]),
+                       resumed_s=resumed and resumed["since_fault_s"], steps_lost=restart and restart["steps_lost"],
+                       cause=fault and fault["cause"])
+        row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
+        out.append(row)
+    return out
+
+
+def per_kind(rows: list[dict]) -> dict:
+    table = {}
+    for kind in KINDS:
+        mine = [r for r in rows if r["kind"] == kind]
+        if not mine:
+            continue
+
+        def median(key):
+            values = [r[key] for r in mine if r.get(key) is not None]
+            return statistics.median(values) if values else None
+
+        table[kind] = {"n": len(mine), "detected_s": median("detected_s"), "resumed_s": median("resumed_s"),
+                       "steps_lost": median("steps_lost")}
+    return table
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0, help="length of the drilled run (about)")
+    parser.add_argument("--nprocs", type=int, default=4)
+    parser.add_argument("--spares", type=int, default=2)
+    parser.add_argument("--fault-every", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN_S", "MAX_S"))
+    parser.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
+    add_output_flags(parser, "ettr_cpu")
+    args = parser.parse_args()
+    result_path("ettr_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+    work = tempfile.mkdtemp(prefix="bench-ettr-")
+    print(f"work directory: {work}", flush=True)
+
+    # 1. calibrate
+    launch(os.path.join(work, "calibrate"), args.nprocs, ["train.steps=30", "checkpoint.every=0"])
+    step_s = statistics.median(r["step_time_s"] for r in productive(os.path.join(work, "calibrate"))[1][5:])
+    steps = max(20, int(args.minutes * 60 * 0.85 / step_s))  # ~15% of the wall goes to faults and start-up
+    every = max(1, int(args.checkpoint_s / step_s))
+    job = [f"train.steps={steps}", f"checkpoint.every={every}", "checkpoint.keep=3"]
+    print(f"step {step_s:.3f}s -> {steps} steps, a checkpoint every {every} steps ({every * step_s:.0f}s)", flush=True)
+
+    # 2. fault-free reference
+    reference = None
+    if not args.no_reference:
+        run_dir = os.path.join(work, "reference")
+        wall = launch(run_dir, args.nprocs, job)
+        busy, records = productive(run_dir)
+        reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"]}
+        print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s)", flush=True)
+
+    # 3. drilled
+    rng = random.Random(args.seed)
+    drills, t, kinds = [], 0.0, []
+    while True:
+        t += rng.uniform(*args.fault_every)
+        if t > args.minutes * 60:
+            break
+        if not kinds:
+            kinds = list(KINDS)
+            rng.shuffle(kinds)
+        kind = kinds.pop()
+        drills.append(f"{kind}@t{t:.0f}" if kind in RANKLESS else f"{kind}:{rng.randrange(args.nprocs)}@t{t:.0f}")
+    run_dir = os.path.join(work, "drilled")
+    wall = launch(run_dir, args.nprocs, job, drills, args.spares)
+    busy, records = productive(run_dir)
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    rows = consequences(events)
+    shrunk = any(e["kind"] == "shrink" for e in events)
+    final = records[-1]["loss"]
+    result = {
+        "minutes": args.minutes, "nprocs": args.nprocs, "spares": args.spares, "fault_every_s": list(args.fault_every),
+        "seed": args.seed, "steps": steps, "step_s_calibrated": step_s, "checkpoint_every_steps": every,
+        "config": MODEL + job, "drills": drills,
+        "wall_s": wall, "productive_s": busy, "ettr": busy / wall, "faults_fired": len(rows),
+        "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
+        "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
+        "final_loss": final, "reference": reference,
+        "final_loss_equal": None if reference is None else final == reference["final_loss"],
+        "final_loss_rel_diff": None if reference is None else abs(final - reference["final_loss"]) / abs(final),
+        "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,
+    }
+    print(f"drilled: ETTR {result['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(rows)} faults, "
+          f"{result['restarts']} restarts, {result['steps_lost']} steps lost; final loss {final:.6f}"
+          + ("" if reference is None else f" vs {reference['final_loss']:.6f} fault-free"), flush=True)
+    for kind, row in result["per_kind"].items():
+        print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, resumed {row['resumed_s']} s, "
+              f"lost {row['steps_lost']} steps")
+    print(f"wrote {write_result('ettr_cpu', result, args.out, args.overwrite)}")
+
+
+if __name__ == "__main__":
+    main()
