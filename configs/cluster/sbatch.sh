@@ -8,9 +8,11 @@
 # Redis, learns rank 0's coordinator address there and starts jax.distributed with it. (Without
 # --redis, `jax.distributed.initialize()` with no arguments auto-detects SLURM itself — cluster
 # auto-detection also covers Kubernetes/GKE and Open MPI — but then there are no heartbeats.)
-# Recovery on a cluster is the scheduler's: `--requeue` restarts the job, which resumes from the
-# newest checkpoint in the shared --run-dir; the supervisor's watch loop runs where Redis is
-# reachable (`python -m megascale_jax.diagnose --redis $REDIS_URL ...` checks nodes on demand).
+# Recovery on a cluster is the scheduler's: when the job step fails, this script requeues the
+# job, which resumes from the newest checkpoint in the shared --run-dir. Nodes listed in
+# $RUN_DIR/excluded_hosts.txt (one per line: hosts the supervisor found faulty) are excluded from
+# the requeued job's allocation first (`scontrol update ExcNodeList`), so it never lands on them
+# again. (`python -m megascale_jax.diagnose --redis $REDIS_URL ...` checks nodes on demand.)
 #SBATCH --job-name=megascale-jax
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -25,8 +27,18 @@ CONFIG=${1:?usage: sbatch sbatch.sh CONFIG [overrides...]}
 shift
 RUN_DIR=${RUN_DIR:-/shared/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
 
+EXCLUDED="$RUN_DIR/excluded_hosts.txt"
+
+status=0
 srun --kill-on-bad-exit=1 bash -c '
   exec python -m megascale_jax.train --config "$0" --run-dir "$1" \
     --redis "$2" --job "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT" \
     --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
-' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$@"
+' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$@" || status=$?
+if [ "$status" -ne 0 ]; then
+  if [ -s "$EXCLUDED" ]; then
+    scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(sort -u "$EXCLUDED" | paste -sd, -)"
+  fi
+  scontrol requeue "$SLURM_JOB_ID"
+fi
+exit "$status"
