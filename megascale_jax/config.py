@@ -157,6 +157,9 @@ class TrainConfig:
     # Before compiling, compare flops.memory_estimate with the device's memory (GPU: its bytes
     # limit; CPU: the RAM available to the simulated devices) and refuse a config that cannot fit.
     memory_check: bool = True
+    # Keep compiled executables in RUN_DIR/compile_cache, so a restart loads them instead of
+    # compiling (training/compile_cache.py; not used by a CPU job of several processes).
+    compile_cache: bool = True
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,9 @@
 What a run directory holds (every module asks here, none joins its own paths): `config.yaml`,
 `metrics.jsonl` (one record per step), `checkpoints/` (or `checkpoint.dir`), `checkpoints.jsonl`
 (one record per save), `events.jsonl` (the supervisor's and the straggler check's events),
-`timings/`, `tensorboard/`, `profiles/`, `logs/`, `redis/`, `report/`, `.lock`. JSON-lines files
-are appended whole lines at a time and read tolerantly: a last line cut by a kill is skipped.
+`timings/`, `tensorboard/`, `profiles/`, `logs/`, `redis/`, `report/`, `compile_cache/`,
+`.lock`. JSON-lines files are appended whole lines at a time and read tolerantly: a last line cut
+by a kill is skipped.
 
 Two runs on one directory would interleave their metrics, timings, checkpoints.jsonl and
 TensorBoard files and trim each other's records on resume, so the second is refused before it
@@ -85,6 +86,11 @@ def excluded_hosts_path(run_dir: str) -> str:
 
 def redis_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "redis")
+
+
+def compile_cache_dir(run_dir: str) -> str:
+    """JAX's persistent compilation cache of this run (training/compile_cache.py)."""
+    return os.path.join(run_dir, "compile_cache")
 
 
 def tokenizer_dir(run_dir: str) -> str:

@@ -33,7 +33,7 @@ from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.supervise.diagnose import device_self_test
-from megascale_jax.training import checkpoint, data, tokenizer
+from megascale_jax.training import checkpoint, compile_cache, data, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged, itstime
@@ -259,10 +259,10 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     first = batches.get()
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
-    train_step = trainer.train_step.lower(state, first).compile()
+    train_step = compile_cache.compile(trainer.train_step.lower(state, first), "train_step")
     check_compiled_memory(cfg, train_step)
     profiler = device_profile.StepProfiler(train_step, run_dirs.profiles_dir(run_dir, jax.process_index()))
-    eval_loss = trainer.eval_loss.lower(state.params, first).compile()
+    eval_loss = compile_cache.compile(trainer.eval_loss.lower(state.params, first), "eval_loss")
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
         f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
@@ -527,7 +527,10 @@ def main(argv=None) -> int:
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         return cli.user_error(e)
     try:
-        train(cfg, run_dir, train_batches, val_batches, args.redis, job)
+        with compile_cache.use(run_dir, cfg.train.compile_cache) as cache:  # before anything compiles
+            train(cfg, run_dir, train_batches, val_batches, args.redis, job)
+        if cache:  # every process's own count, in its own log (ranks > 0 log warnings only)
+            logger.info(cache.summary()) if jax.process_index() == 0 else print(cache.summary(), flush=True)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
         return cli.user_error(e)
     except TrainingDiverged as e:

@@ -114,7 +114,8 @@ def test_no_private_jax_imports():
 
 
 RUN_DIR_ENTRIES = {"config.yaml", "metrics.jsonl", "checkpoints.jsonl", "events.jsonl", "timings", "tensorboard",
-                   "profiles", "logs", "redis", "report", "checkpoints", "tokenizer", "excluded_hosts.txt", ".lock"}
+                   "profiles", "logs", "redis", "report", "checkpoints", "tokenizer", "excluded_hosts.txt",
+                   "compile_cache", ".lock"}
 
 
 def test_run_directory_paths_are_joined_in_run_dir_only():

@@ -76,8 +76,10 @@ def main(argv=None) -> int:
     except (run_dirs.RunDirInUse, OSError) as e:
         return cli.user_error(e)
     config_args = [] if args.config is None else ["--config", args.config]
-    # No persistent compilation cache: with gloo, executables loaded from it stall the first
-    # step ~30 s (often past gloo's 30 s timeout) on jax 0.10.2; restarts compile afresh.
+    # The workers set up JAX's persistent compilation cache themselves (RUN_DIR/compile_cache,
+    # training/compile_cache.py). With --nprocs > 1 on the CPU they leave it off: JAX keys CPU
+    # entries by process and only process 0 writes, so process 0 alone would load its executables
+    # and wait in the first step for the others' compilation (the stall once seen with gloo).
     env = {**worker_env(), run_dirs.HOLDER_ENV: str(os.getpid())}
     job = Job(cfg=cfg, run_dir=run_dir, nprocs=args.nprocs, worker_args=[*config_args, "--run-dir", run_dir, *overrides],
               job_id=args.job or f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:6]}", env=env,

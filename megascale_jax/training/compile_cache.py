@@ -1,0 +1,184 @@
+"""JAX's persistent compilation cache for a run: a restart loads the executables its earlier
+attempts compiled instead of compiling them again.
+
+What is cached where. `RUN_DIR/compile_cache/` (`run_dir.compile_cache_dir`) holds one file per
+executable JAX compiled for this run — the train step, evaluation, the checkpoints' checksums and
+the small ops around them — named by JAX's key: the program, its compile options, its devices, the
+jax/XLA versions and flags. One cache per run directory: its entries are that run's, a restart
+finds all of them, and nothing grows outside the run.
+
+Why these settings. `jax_persistent_cache_min_compile_time_secs=0` and
+`jax_persistent_cache_min_entry_size_bytes=-1` keep every executable. JAX's default keeps only
+compilations over 1 s, and a restart would still compile the ~20 small ones (the learning-rate
+schedule's ops, the initialisation's helpers): ~1 s of a tiny_cpu restart, for ~0.1 MB of cache.
+`jax_persistent_cache_enable_xla_caches=""`: JAX's default also puts XLA's GPU autotuning cache
+in the directory, and that directory's path into every key, so a run directory that is moved or
+copied (or mounted elsewhere) would never hit; autotuning results are not worth that.
+
+Who can read it — the first-step stall with gloo (jax 0.10.2). JAX writes entries from process 0
+only; every process looks up its own key. On GPUs JAX strips the device assignment from the key so
+that all processes share process 0's entries (not tried here: no machine with several GPUs). On
+the CPU the key includes the CPU client's topology, which describes the asking process's own
+devices (ids 0-3 in process 0, 2048-2051 in process 1), so in a CPU job of several processes no
+process but 0 ever hits. On a restart process 0 loaded everything in under a second, then waited
+in the first step's collectives while the others compiled afresh: 8-14 s for tiny_cpu on this
+2-core machine, idle to loaded; ~30 s in the earlier attempt, past gloo's 30 s timeout, which
+aborts the job. The loaded executables are not at fault: process 1, given copies of process 0's
+entries under its own keys, loads them and both train; and `jax_share_binary_between_hosts` fails
+the same way (process 1 waits for its own key, which process 0 never publishes). So the cache is
+used where every process can read process 0's entries — a job of one process, or accelerators.
+In a CPU job of several processes the other processes keep their own copies of what train.py
+compiles up front (the train step and evaluation: ~7 s of an idle machine's 13 s tiny_cpu
+restart) in `RUN_DIR/compile_cache/process-<i>/`, through `jax.experimental.serialize_executable`
+(`compile`); what they compile implicitly (the restore's checksums, initialisation helpers: ~1 s)
+they still compile, and process 0 waits that long.
+
+Corrupt entries (a kill during JAX's in-place write, a full disk): JAX warns and compiles, but it
+never replaces an existing entry, so the same entry would be unreadable on every restart. Here the
+first unreadable entry discards the whole cache with one warning line, and the compilations that
+follow write it anew. A cache directory that is not a readable, writable directory is one warning
+line and a run without the cache.
+
+Counts: JAX's monitoring events count the compilations that consulted the cache
+(`/jax/compilation_cache/compile_requests_use_cache`) and the hits among them
+(`/jax/compilation_cache/cache_hits`; its `cache_misses` event counts process 0's writes, not
+misses). `CacheCounts.summary()` is the line a run ends with: `compilation cache: H hits, M misses`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import hashlib
+import os
+import warnings
+from collections.abc import Iterator
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
+
+from megascale_jax import cli, run_dir as run_dirs
+
+logger = cli.get_logger("compile_cache")
+
+REQUESTS, HITS = "/jax/compilation_cache/compile_requests_use_cache", "/jax/compilation_cache/cache_hits"
+SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_cache_min_entry_size_bytes": -1,
+            "jax_persistent_cache_enable_xla_caches": ""}
+ENTRIES = "*-cache"  # JAX's file name of an entry: <module>-<key>-cache
+
+
+@dataclasses.dataclass
+class CacheCounts:
+    """This process's compilations that consulted the cache, and the hits among them."""
+
+    requests: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.requests - self.hits
+
+    def summary(self) -> str:
+        return f"compilation cache: {self.hits} hits, {self.misses} misses"
+
+
+_own_copies: dict = {}  # directory, counts: while `use` serves a process JAX's cache cannot serve
+
+
+def readable_by_every_process(platform: str, processes: int) -> bool:
+    """Whether every process of the job can load the entries process 0 writes (see above)."""
+    return processes == 1 or platform != "cpu"
+
+
+@contextlib.contextmanager
+def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
+    """Compile through `RUN_DIR/compile_cache` inside this block (call it before anything is
+    compiled); yields the counts, or None when the cache is off."""
+    if not enabled:
+        yield None
+        return
+    directory = run_dirs.compile_cache_dir(run_dir)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        usable = os.access(directory, os.R_OK | os.W_OK | os.X_OK)
+    except OSError:
+        usable = False
+    if not usable:
+        logger.warning(f"warning: compilation cache {directory} is not a readable, writable directory; "
+                       "compiling without it")
+        yield None
+        return
+
+    counts, warned = CacheCounts(), False
+
+    def count(event: str, **_) -> None:
+        if event == REQUESTS:
+            counts.requests += 1
+        elif event == HITS:
+            counts.hits += 1
+
+    show_warning = warnings.showwarning
+
+    def on_warning(message, category, filename, lineno, file=None, line=None):
+        """JAX's warning about an entry it could not read (or write): one line of ours instead."""
+        nonlocal warned
+        text = str(message)
+        if "persistent compilation cache" not in text:
+            return show_warning(message, category, filename, lineno, file, line)
+        if text.startswith("Error reading"):  # JAX compiles now; its write must not find the bad entry
+            for entry in glob.glob(os.path.join(directory, ENTRIES)):
+                with contextlib.suppress(OSError):
+                    os.remove(entry)
+            text = f"discarded, compiling afresh: {text}"
+        if not warned:
+            logger.warning(f"warning: compilation cache {directory} {text}")
+            warned = True
+
+    previous = {name: getattr(jax.config, name) for name in ("jax_compilation_cache_dir", *SETTINGS)}
+    for name, value in {"jax_compilation_cache_dir": directory, **SETTINGS}.items():
+        jax.config.update(name, value)
+    jax_compilation_cache.reset_cache()  # JAX opens its cache once per process: here, now
+    jax.monitoring.register_event_listener(count)
+    warnings.showwarning = on_warning
+    if not readable_by_every_process(jax.default_backend(), jax.process_count()) and jax.process_index():
+        _own_copies.update(directory=os.path.join(directory, f"process-{jax.process_index()}"), counts=counts)
+        os.makedirs(_own_copies["directory"], exist_ok=True)
+    try:
+        yield counts
+    finally:
+        _own_copies.clear()
+        warnings.showwarning = show_warning
+        jax.monitoring.unregister_event_listener(count)
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        jax_compilation_cache.reset_cache()
+
+
+def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
+    """`lowered.compile()`; in a process JAX's cache cannot serve (a CPU job's processes other
+    than 0), through this process's own copy of the executable, written after compiling."""
+    if not _own_copies:
+        return lowered.compile()
+    counts = _own_copies["counts"]
+    # What JAX's key covers that the program text does not: versions, flags, which devices ask.
+    key = hashlib.sha256("\n".join([
+        lowered.as_text(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
+        str(jax.process_index()), str([d.id for d in jax.devices()])]).encode()).hexdigest()
+    path = os.path.join(_own_copies["directory"], f"{name}-{key}")
+    counts.requests += 1
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                compiled = serialize_executable.deserialize_and_load(f.read(), lowered.in_tree, lowered.out_tree)
+            counts.hits += 1
+            return compiled
+        except Exception as e:  # noqa: BLE001 — an unreadable copy is compiled afresh, never fatal
+            logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {e}")
+    compiled = lowered.compile()
+    with open(path + ".tmp", "wb") as f:  # renamed when whole: a kill never leaves half a copy
+        f.write(serialize_executable.serialize(compiled)[0])
+    os.replace(path + ".tmp", path)
+    return compiled
