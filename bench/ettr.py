@@ -1,6 +1,7 @@
 """Effective training time ratio (ETTR) of a supervised job under a stream of faults, on this machine.
 
     python bench/ettr.py [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
+    python bench/ettr.py --reference-for bench/results/ettr_cpu.json   # step 2 later, for a --no-reference run
 
 1. Calibrate: a short fault-free launch measures the step time, which sets `train.steps` so the
    drilled run lasts about `--minutes`, and `checkpoint.every` so a checkpoint comes every
@@ -119,6 +120,34 @@ def per_kind(rows: list[dict]) -> dict:
     return table
 
 
+def run_reference(nprocs: int, job: list[str], work: str) -> dict:
+    run_dir = os.path.join(work, "reference")
+    wall = launch(run_dir, nprocs, job)
+    busy, records = productive(run_dir)
+    reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"]}
+    print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s)", flush=True)
+    return reference
+
+
+def compare(result: dict, reference: dict) -> dict:
+    final = result["final_loss"]
+    return {"reference": reference, "final_loss_equal": final == reference["final_loss"],
+            "final_loss_rel_diff": abs(final - reference["final_loss"]) / abs(final)}
+
+
+def reference_for(path: str) -> None:
+    """The fault-free run of a result written with --no-reference, added to that result."""
+    with open(path) as f:
+        result = json.load(f)
+    job = [f"train.steps={result['steps']}", f"checkpoint.every={result['checkpoint_every_steps']}", "checkpoint.keep=3"]
+    result.update(compare(result, run_reference(result["nprocs"], job, tempfile.mkdtemp(prefix="bench-ettr-ref-"))))
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"final loss {result['final_loss']:.6f} vs {result['reference']['final_loss']:.6f} fault-free "
+          f"(equal: {result['final_loss_equal']}, relative difference {result['final_loss_rel_diff']:.2e}); "
+          f"updated {path}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0, help="length of the drilled run (about)")
@@ -128,8 +157,12 @@ def main():
     parser.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
+    parser.add_argument("--reference-for", metavar="RESULT_JSON",
+                        help="only run the fault-free run of a --no-reference result and add it there")
     add_output_flags(parser, "ettr_cpu")
     args = parser.parse_args()
+    if args.reference_for:
+        return reference_for(args.reference_for)
     result_path("ettr_cpu", args.out, args.overwrite)  # refuse before the run, not after it
     work = tempfile.mkdtemp(prefix="bench-ettr-")
     print(f"work directory: {work}", flush=True)
@@ -143,13 +176,7 @@ def main():
     print(f"step {step_s:.3f}s -> {steps} steps, a checkpoint every {every} steps ({every * step_s:.0f}s)", flush=True)
 
     # 2. fault-free reference
-    reference = None
-    if not args.no_reference:
-        run_dir = os.path.join(work, "reference")
-        wall = launch(run_dir, args.nprocs, job)
-        busy, records = productive(run_dir)
-        reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"]}
-        print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s)", flush=True)
+    reference = None if args.no_reference else run_reference(args.nprocs, job, work)
 
     # 3. drilled
     rng = random.Random(args.seed)
@@ -177,11 +204,11 @@ def main():
         "wall_s": wall, "productive_s": busy, "ettr": busy / wall, "faults_fired": len(rows),
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
-        "final_loss": final, "reference": reference,
-        "final_loss_equal": None if reference is None else final == reference["final_loss"],
-        "final_loss_rel_diff": None if reference is None else abs(final - reference["final_loss"]) / abs(final),
+        "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,
     }
+    if reference is not None:
+        result.update(compare(result, reference))
     print(f"drilled: ETTR {result['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(rows)} faults, "
           f"{result['restarts']} restarts, {result['steps_lost']} steps lost; final loss {final:.6f}"
           + ("" if reference is None else f" vs {reference['final_loss']:.6f} fault-free"), flush=True)

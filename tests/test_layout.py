@@ -21,6 +21,7 @@ ENTRY_POINTS = ("train", "launch", "report", "diagnose", "flops", "pipeline_sche
 DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.supervise.launch",
           "megascale_jax.supervise.supervisor", "megascale_jax.supervise.workers",
           "megascale_jax.supervise.redis_server", "megascale_jax.supervise.diagnose",
+          "megascale_jax.supervise.drills", "megascale_jax.supervise.placement",
           "megascale_jax.observe.stragglers", "megascale_jax.observe.hangs", "megascale_jax.observe.timings",
           "megascale_jax.run_dir")
 

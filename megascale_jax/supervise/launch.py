@@ -30,7 +30,8 @@ from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise.placement import check_spares
 from megascale_jax.supervise.redis_server import EmbeddedRedis
-from megascale_jax.supervise.supervisor import Drill, Job, Supervisor
+from megascale_jax.supervise.drills import Drill
+from megascale_jax.supervise.supervisor import Job, Supervisor
 from megascale_jax.supervise.workers import per_process_overrides, worker_env
 
 

@@ -43,6 +43,7 @@ from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.observe.timings import read_timings
 from megascale_jax.observe.hangs import describe_exit
+from megascale_jax.supervise.drills import Drill, Drills
 from megascale_jax.supervise.placement import Placement, Shape, shrunk
 from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
 
@@ -67,65 +68,6 @@ class Fault:
     @property
     def latency_s(self) -> float:
         return self.detected - self.at
-
-
-@dataclasses.dataclass(frozen=True)
-class Drill:
-    """A fault the driver injects on purpose (tests, bench/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
-    step (fires when a heartbeat first reports it) or `t` + seconds since the launch; drills fire
-    once, in the order given.
-    * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
-    * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
-      every time they run there;
-    * `slow:RANK` makes the rank's slot a straggler: from now on whichever worker runs there
-      arrives late at every step (it sleeps half a step before each, `MEGASCALE_FAULT_SLOW`);
-    * `corrupt` damages the newest committed checkpoint, then SIGKILLs rank 0: the restart must
-      find the damage and fall back to the previous checkpoint;
-    * `nan:RANK` makes the rank corrupt one batch (a one-off NaN, `MEGASCALE_FAULT_NAN`): at a step,
-      that step's batch (armed in the workers' environment); at a time, the next batch (SIGUSR1)."""
-
-    kind: str
-    rank: int | None
-    step: int | None = None
-    at_s: float | None = None
-
-    KINDS = ("kill", "stop", "faulty", "slow", "nan", "redis", "corrupt")
-    RANKLESS = ("redis", "corrupt")
-
-    @classmethod
-    def parse(cls, spec: str) -> "Drill":
-        target, _, when = spec.partition("@")
-        kind, _, rank = target.partition(":")
-        timed = when.startswith("t")
-        try:
-            at = float(when[1:]) if timed else int(when)
-        except ValueError:
-            at = None
-        if kind not in cls.KINDS or at is None or at < 0 or (kind not in cls.RANKLESS) != rank.isdigit():
-            raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
-                             "kill, stop, faulty, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
-        return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
-
-    def due(self, step: int, elapsed_s: float) -> bool:
-        return step >= self.step if self.step is not None else elapsed_s >= self.at_s
-
-
-SLOW_FRACTION = 0.5  # the `slow` drill: of a step, slept before each dispatch
-
-
-def damage_newest_checkpoint(cfg: Config, run_dir: str) -> str:
-    """The `corrupt` drill: overwrite 4 KiB in the middle of the largest file of the newest
-    committed checkpoint's state with random bytes (a torn write, a bad disk); returns what."""
-    steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
-    if not steps:
-        return "no checkpoint (none committed yet)"
-    state = os.path.join(run_dirs.checkpoint_dir(cfg, run_dir), str(steps[-1]), "state")
-    files = [os.path.join(d, f) for d, _, names in os.walk(state) for f in names]
-    target = max(files, key=os.path.getsize)
-    with open(target, "r+b") as f:
-        f.seek(os.path.getsize(target) // 2)
-        f.write(os.urandom(4096))
-    return f"checkpoint step {steps[-1]} ({os.path.relpath(target, run_dir)})"
 
 
 class EventLog:
@@ -303,7 +245,7 @@ class Job:
 class Supervisor:
     def __init__(self, job: Job, redis_url: str, server=None, drills: list[Drill] = ()):
         self.job, self.redis_url, self.server = job, redis_url, server
-        self.drills = list(drills)
+        self.drills = Drills(drills, job.cfg, job.run_dir)
         self.events = EventLog(job.run_dir)
         self.client = redis.Redis.from_url(redis_url, socket_timeout=1.0, socket_connect_timeout=1.0)
         self.faults: list[Fault] = []
@@ -319,11 +261,7 @@ class Supervisor:
         self.placement = Placement(job.nprocs, job.spares)
         self.shape = Shape(job.nprocs, cfg.mesh.dp, cfg.parallel.microbatches)  # smaller after a shrink
         self.devices_per_process = cfg.mesh.size // job.nprocs
-        self.broken_slots: set[int] = set()  # slots a `faulty` drill broke: they fail diagnostics
-        self.slow_slots: set[int] = set()  # slots a `slow` drill made stragglers
-        self.slowed: set[int] = set()  # ranks on slow slots signalled in this attempt
         self.attempt_started = 0.0  # wall time the current attempt started
-        self.started = time.time()  # for drills at a time
         self.pool: StandbyPool | None = None  # warm worker processes, one per slot, while running
 
     def request_stop(self, signum: int) -> None:
@@ -397,12 +335,7 @@ class Supervisor:
         """Run the workers until they finish or a fault is detected; returns (fault, last step seen)."""
         job, sv = self.job, self.job.cfg.supervisor
         job_id = f"{job.job_id}-{attempt}"
-        env = dict(job.env)
-        nan = next((d for d in self.drills if d.kind == "nan"), None)
-        if nan:  # armed until it fired: an attempt that dies before passes it on to the next
-            env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}" if nan.step is not None else "usr1"
-        if self.slow_slots or any(d.kind == "slow" for d in self.drills):
-            env["MEGASCALE_FAULT_SLOW"] = f"usr2:{SLOW_FRACTION}"
+        env = {**job.env, **self.drills.attempt_env()}
         nprocs = self.shape.nprocs
         group = WorkerGroup("megascale_jax.train", [*job.worker_args, *self._shape_overrides(), "--redis",
                                                     self.redis_url, "--job", job_id, "--num-processes", str(nprocs)],
@@ -412,7 +345,7 @@ class Supervisor:
         monitor = HeartbeatMonitor(self.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
         self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
-        self.slowed, self.attempt_started = set(), time.time()
+        self.attempt_started = time.time()
         self.progress_printed = None
         try:
             while True:
@@ -450,7 +383,7 @@ class Supervisor:
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._print_progress(monitor)
                 self._fire_drill(group, monitor, now)
-                self._slow_down(group, monitor)
+                self.drills.slow_down(group, monitor.records, self.placement)
                 fault = (self._log_worker_events(monitor) or monitor.check(now, finished=set(codes))
                          or self._check_stragglers(now))
                 if fault:
@@ -532,47 +465,11 @@ class Supervisor:
                 and a.step == b.step and error_key(a.error) == error_key(b.error))
 
     def _fire_drill(self, group: WorkerGroup, monitor: HeartbeatMonitor, now: float) -> None:
-        step = monitor.max_step
-        if not self.drills or not self.drills[0].due(step, now - self.started):
-            return
-        drill = self.drills[0]
-        rank = drill.rank if drill.rank is None or drill.rank < self.shape.nprocs else 0  # after a shrink
-        if drill.kind == "nan" and drill.step is None and monitor.records.get(rank, {}).get("state") != "training":
-            return  # its SIGUSR1 handler is installed once it trains; before, the signal would end it
-        self.drills.pop(0)
-        host = self.placement.hosts[self.placement.active[rank if rank is not None else 0]]
-        if drill.kind == "redis":
-            self.server.process.kill()
-            what = "killed the Redis server"
-        elif drill.kind == "faulty":  # a broken machine: it crashes now and fails every diagnosis
-            self.broken_slots.add(self.placement.active[rank])
-            group.signal(rank, signal.SIGKILL)
-            what = f"broke the slot of rank {rank} ({host}): killed, and it fails diagnostics from now on"
-        elif drill.kind == "slow":  # signalled by _slow_down; armed in every attempt's environment
-            self.slow_slots.add(self.placement.active[rank])
-            what = f"made the slot of rank {rank} ({host}) a straggler: {SLOW_FRACTION:.0%} of a step late"
-        elif drill.kind == "corrupt":
-            what = f"damaged {damage_newest_checkpoint(self.job.cfg, self.job.run_dir)} and killed rank 0"
-            group.signal(0, signal.SIGKILL)
-        elif drill.kind == "nan":  # armed in the worker's environment at the attempt's start
-            if drill.step is None:
-                group.signal(rank, signal.SIGUSR1)
-            what = f"rank {rank} corrupts its share of " + \
-                (f"step {drill.step}'s batch" if drill.step is not None else "its next batch")
-        else:
-            group.signal(rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
-            what = f"sent SIG{drill.kind.upper()} to rank {rank}"
-        self.drill_at = now
-        self.events.log("drill", f"{what} at step {step}", drill=drill.kind, rank=rank, step=step, host=host)
-
-    def _slow_down(self, group: WorkerGroup, monitor: HeartbeatMonitor) -> None:
-        """The `slow` drill: SIGUSR2 to each rank on a slow slot, once per attempt, once it
-        trains (its handler is installed by then; before, the signal would end it)."""
-        for rank, slot in enumerate(self.placement.active):
-            if (slot in self.slow_slots and rank not in self.slowed
-                    and monitor.records.get(rank, {}).get("state") == "training"):
-                group.signal(rank, signal.SIGUSR2)
-                self.slowed.add(rank)
+        fired = self.drills.fire(group, monitor.records, monitor.max_step, self.placement, self.shape.nprocs,
+                                 self.server, now)
+        if fired:
+            self.drill_at = now
+            self.events.log("drill", fired.pop("summary"), **fired)
 
     def _check_stragglers(self, now: float) -> Fault | None:
         """Log newly flagged stragglers; the first one is a fault if they are to be evicted."""
@@ -633,10 +530,7 @@ class Supervisor:
             return {}
         from megascale_jax.supervise import diagnose
 
-        env = dict(self.job.env)
-        broken = [rank for rank, slot in enumerate(self.placement.active) if slot in self.broken_slots]
-        if broken:  # a `faulty` drill: that rank's collectives come out wrong (diagnose.FAULT_ENV)
-            env[diagnose.FAULT_ENV] = str(broken[0])
+        env = {**self.job.env, **self.drills.diagnosis_env(self.placement)}
         report = diagnose.run([*self.job.diagnose_args, *self._shape_overrides()], self.shape.nprocs,
                               self.redis_url, f"{self.job.job_id}-diag{restarts}", env,
                               run_dirs.logs_dir(self.job.run_dir))

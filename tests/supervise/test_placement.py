@@ -84,3 +84,42 @@ def test_spares_need_a_shrinkable_mesh_only_when_they_may_shrink():
     check_spares(config("mesh.dp=1", "mesh.tp=2", "supervisor.on_no_spare=stop"), 2, 1)
     with pytest.raises(ConfigError, match="--spares=-1 must be >= 0"):
         check_spares(cfg, 2, -1)
+
+
+# ============================================================================ drills
+
+
+class FakeGroup:
+    def __init__(self):
+        self.sent = []
+
+    def signal(self, rank, sig):
+        self.sent.append((rank, sig))
+
+
+def test_drills_fire_in_order_at_their_step_or_time_and_remember_broken_and_slow_slots():
+    import signal
+
+    from megascale_jax.supervise.drills import Drill, Drills
+
+    drills = Drills([Drill.parse("faulty:1@3"), Drill.parse("slow:0@t5"), Drill.parse("nan:1@t6")], config(), "run")
+    drills.started = 100.0
+    placement, group, training = Placement(2, 1, host="h"), FakeGroup(), {0: {"state": "training"}}
+    assert drills.attempt_env() == {"MEGASCALE_FAULT_NAN": "usr1", "MEGASCALE_FAULT_SLOW": "usr2:0.5"}
+    assert drills.fire(group, training, 2, placement, 2, None, 200.0) is None  # step 2 < 3
+    fired = drills.fire(group, training, 3, placement, 2, None, 100.0)
+    assert fired["drill"] == "faulty" and group.sent == [(1, signal.SIGKILL)] and drills.broken_slots == {1}
+    assert drills.diagnosis_env(placement) == {"MEGASCALE_DIAG_FAULT": "1"}
+    placement.evict(1, "broken")
+    placement.replace()  # the spare (slot 2) takes rank 1: no broken slot runs any more
+    assert drills.diagnosis_env(placement) == {}
+    assert drills.fire(group, training, 9, placement, 2, None, 104.0) is None  # 4 s < 5 s
+    assert drills.fire(group, training, 9, placement, 2, None, 105.0)["drill"] == "slow"
+    drills.slow_down(group, training, placement)
+    drills.slow_down(group, training, placement)  # once per attempt
+    assert group.sent[-1] == (0, signal.SIGUSR2) and len(group.sent) == 2
+    # rank 1 is not training yet: its SIGUSR1 handler is not installed, the nan drill waits
+    assert drills.fire(group, training, 9, placement, 2, None, 107.0) is None
+    fired = drills.fire(group, {**training, 1: {"state": "training"}}, 9, placement, 2, None, 107.0)
+    assert fired["drill"] == "nan" and group.sent[-1] == (1, signal.SIGUSR1) and drills.pending == []
+    assert drills.attempt_env() == {"MEGASCALE_FAULT_SLOW": "usr2:0.5"}  # slot 0 stays slow

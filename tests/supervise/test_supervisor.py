@@ -22,7 +22,8 @@ import redis
 from megascale_jax.cluster import rendezvous
 from megascale_jax.cluster.rendezvous import heartbeat_key
 from megascale_jax.supervise.redis_server import EmbeddedRedis
-from megascale_jax.supervise.supervisor import Drill, HeartbeatMonitor
+from megascale_jax.supervise.drills import Drill
+from megascale_jax.supervise.supervisor import HeartbeatMonitor
 
 # ============================================================================ fast: pieces
 

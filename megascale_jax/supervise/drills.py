@@ -1,0 +1,147 @@
+"""Faults the driver injects on purpose (`launch --drill`, tests, bench/ettr.py), and the state
+they leave behind: slots a `faulty` drill broke (they fail diagnostics from then on) and slots a
+`slow` drill made stragglers (whichever worker runs there is slowed, attempt after attempt).
+
+Worker-side injections (a corrupted batch, a late arrival) are armed through the environment of
+every attempt (cluster/faults.py) and triggered by a signal once the worker trains: its handlers
+are installed by then, and before, SIGUSR1/SIGUSR2 would end it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import Config
+
+
+@dataclasses.dataclass(frozen=True)
+class Drill:
+    """A fault the driver injects on purpose (tests, bench/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
+    step (fires when a heartbeat first reports it) or `t` + seconds since the launch; drills fire
+    once, in the order given.
+    * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
+    * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
+      every time they run there;
+    * `slow:RANK` makes the rank's slot a straggler: from now on whichever worker runs there
+      arrives late at every step (it sleeps half a step before each, `MEGASCALE_FAULT_SLOW`);
+    * `corrupt` damages the newest committed checkpoint, then SIGKILLs rank 0: the restart must
+      find the damage and fall back to the previous checkpoint;
+    * `nan:RANK` makes the rank corrupt one batch (a one-off NaN, `MEGASCALE_FAULT_NAN`): at a step,
+      that step's batch (armed in the workers' environment); at a time, the next batch (SIGUSR1)."""
+
+    kind: str
+    rank: int | None
+    step: int | None = None
+    at_s: float | None = None
+
+    KINDS = ("kill", "stop", "faulty", "slow", "nan", "redis", "corrupt")
+    RANKLESS = ("redis", "corrupt")
+
+    @classmethod
+    def parse(cls, spec: str) -> "Drill":
+        target, _, when = spec.partition("@")
+        kind, _, rank = target.partition(":")
+        timed = when.startswith("t")
+        try:
+            at = float(when[1:]) if timed else int(when)
+        except ValueError:
+            at = None
+        if kind not in cls.KINDS or at is None or at < 0 or (kind not in cls.RANKLESS) != rank.isdigit():
+            raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
+                             "kill, stop, faulty, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
+        return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        return step >= self.step if self.step is not None else elapsed_s >= self.at_s
+
+
+SLOW_FRACTION = 0.5  # the `slow` drill: of a step, slept before each dispatch
+
+
+def damage_newest_checkpoint(cfg: Config, run_dir: str) -> str:
+    """The `corrupt` drill: overwrite 4 KiB in the middle of the largest file of the newest
+    committed checkpoint's state with random bytes (a torn write, a bad disk); returns what."""
+    steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
+    if not steps:
+        return "no checkpoint (none committed yet)"
+    state = os.path.join(run_dirs.checkpoint_dir(cfg, run_dir), str(steps[-1]), "state")
+    files = [os.path.join(d, f) for d, _, names in os.walk(state) for f in names]
+    target = max(files, key=os.path.getsize)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        f.write(os.urandom(4096))
+    return f"checkpoint step {steps[-1]} ({os.path.relpath(target, run_dir)})"
+
+
+class Drills:
+    """The drills still to fire, in order, and what the fired ones broke."""
+
+    def __init__(self, drills: list[Drill], cfg: Config, run_dir: str):
+        self.pending = list(drills)
+        self.cfg, self.run_dir = cfg, run_dir
+        self.broken_slots: set[int] = set()  # `faulty`: they fail diagnostics
+        self.slow_slots: set[int] = set()  # `slow`: their workers arrive late
+        self.slowed: set[int] = set()  # ranks on slow slots signalled in this attempt
+        self.started = time.time()  # drills at a time count from here
+
+    def attempt_env(self) -> dict:
+        """The environment that arms this attempt's workers (and forgets the last attempt's ranks)."""
+        self.slowed = set()
+        env = {}
+        nan = next((d for d in self.pending if d.kind == "nan"), None)
+        if nan:  # armed until it fired: an attempt that dies before passes it on to the next
+            env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}" if nan.step is not None else "usr1"
+        if self.slow_slots or any(d.kind == "slow" for d in self.pending):
+            env["MEGASCALE_FAULT_SLOW"] = f"usr2:{SLOW_FRACTION}"
+        return env
+
+    def diagnosis_env(self, placement) -> dict:
+        """A broken slot's rank contributes wrong values to the diagnostics' collectives."""
+        from megascale_jax.supervise.diagnose import FAULT_ENV
+
+        broken = [rank for rank, slot in enumerate(placement.active) if slot in self.broken_slots]
+        return {FAULT_ENV: str(broken[0])} if broken else {}
+
+    def fire(self, group, records: dict, step: int, placement, nprocs: int, server, now: float) -> dict | None:
+        """Fire the next drill if it is due: the `drill` event's fields (with its `summary`)."""
+        if not self.pending or not self.pending[0].due(step, now - self.started):
+            return None
+        drill = self.pending[0]
+        rank = drill.rank if drill.rank is None or drill.rank < nprocs else 0  # after a shrink
+        if drill.kind == "nan" and drill.step is None and records.get(rank, {}).get("state") != "training":
+            return None  # not before its SIGUSR1 handler is installed
+        self.pending.pop(0)
+        host = placement.hosts[placement.active[rank if rank is not None else 0]]
+        if drill.kind == "redis":
+            server.process.kill()
+            what = "killed the Redis server"
+        elif drill.kind == "faulty":  # a broken machine: it crashes now and fails every diagnosis
+            self.broken_slots.add(placement.active[rank])
+            group.signal(rank, signal.SIGKILL)
+            what = f"broke the slot of rank {rank} ({host}): killed, and it fails diagnostics from now on"
+        elif drill.kind == "slow":  # signalled by slow_down, armed in every attempt's environment
+            self.slow_slots.add(placement.active[rank])
+            what = f"made the slot of rank {rank} ({host}) a straggler: {SLOW_FRACTION:.0%} of a step late"
+        elif drill.kind == "corrupt":
+            what = f"damaged {damage_newest_checkpoint(self.cfg, self.run_dir)} and killed rank 0"
+            group.signal(0, signal.SIGKILL)
+        elif drill.kind == "nan":  # armed in the worker's environment at the attempt's start
+            if drill.step is None:
+                group.signal(rank, signal.SIGUSR1)
+            what = f"rank {rank} corrupts its share of " + \
+                (f"step {drill.step}'s batch" if drill.step is not None else "its next batch")
+        else:
+            group.signal(rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
+            what = f"sent SIG{drill.kind.upper()} to rank {rank}"
+        return {"summary": f"{what} at step {step}", "drill": drill.kind, "rank": rank, "step": step, "host": host}
+
+    def slow_down(self, group, records: dict, placement) -> None:
+        """SIGUSR2 to each rank on a slow slot, once per attempt, once it trains."""
+        for rank, slot in enumerate(placement.active):
+            if slot in self.slow_slots and rank not in self.slowed and records.get(rank, {}).get("state") == "training":
+                group.signal(rank, signal.SIGUSR2)
+                self.slowed.add(rank)
