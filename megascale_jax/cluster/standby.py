@@ -7,8 +7,9 @@ free — each waiting on its stdin for one JSON line:
 
     {"argv": [...], "log": "RUN_DIR/logs/worker3.log", "env": {...}}
 
-It then appends its output to `log`, takes `env` and runs `MODULE.main(argv)`. End of input (the
-launcher released it, or died) ends it quietly. A pipe rather than Redis on purpose: a spare must
+It then appends its output to `log`, takes `env` and runs `MODULE.main(argv)`; had the import
+failed, the traceback goes to `log` instead and it exits 1, so the supervisor reports the error
+line like any worker's. End of input (the launcher released it, or died) ends it quietly. A pipe rather than Redis on purpose: a spare must
 outlive a killed Redis server, and the launcher that spawned it is the only one to command it.
 """
 
@@ -18,10 +19,14 @@ import importlib
 import json
 import os
 import sys
+import traceback
 
 
 def main() -> int:
-    module = importlib.import_module(sys.argv[1])  # the expensive part, done while standing by
+    try:
+        module, failed = importlib.import_module(sys.argv[1]), None  # the expensive part, done while standing by
+    except Exception:  # noqa: BLE001 — reported where the supervisor looks: the worker's log, once assigned
+        module, failed = None, traceback.format_exc()
     line = sys.stdin.readline()
     if not line:
         return 0
@@ -32,6 +37,9 @@ def main() -> int:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    if failed:
+        print(failed, file=sys.stderr, flush=True)
+        return 1
     os.environ.update(job["env"])
     sys.argv = [module.__file__, *job["argv"]]
     return module.main(job["argv"])

@@ -52,12 +52,16 @@ class StandbyPool:
 
     def start(self, slot: int, args: list[str], log_path: str, env: dict) -> subprocess.Popen:
         """`MODULE.main(args)` in `slot`'s warm process (a fresh one if it died), logging to `log_path`."""
+        line = json.dumps({"argv": args, "log": os.path.abspath(log_path), "env": env}).encode() + b"\n"
         process = self.warm.pop(slot)
-        if process.poll() is not None:
+        try:
+            process.stdin.write(line)
+            process.stdin.close()
+        except BrokenPipeError:  # it died while standing by (killed, out of memory): a fresh one
             self._spawn(slot)
             process = self.warm.pop(slot)
-        process.stdin.write(json.dumps({"argv": args, "log": os.path.abspath(log_path), "env": env}).encode() + b"\n")
-        process.stdin.close()
+            process.stdin.write(line)
+            process.stdin.close()
         self._spawn(slot)
         return process
 
