@@ -98,9 +98,14 @@ def consequences(events: list[dict]) -> list[dict]:
             row.update(detected_s=back and back["latency_s"], resumed_s=back and back["restart_s"], steps_lost=0)
         else:
             flagged = first("straggler") if drill["drill"] == "slow" else fault
+            # Steps lost: from the fault back to where training really resumed (a damaged newest
+            # checkpoint makes that an older one than the restart planned).
+            lost = restart and restart["steps_lost"]
+            if fault and resumed and "from_step" in resumed:
+                lost = fault["step"] - resumed["from_step"]
             row.update(detected_s=flagged and (flagged["time"] - drill["time"] if drill["drill"] == "slow"
                                                else flagged["latency_s"]),
-                       resumed_s=resumed and resumed["since_fault_s"], steps_lost=restart and restart["steps_lost"],
+                       resumed_s=resumed and resumed["since_fault_s"], steps_lost=lost,
                        cause=fault and fault["cause"])
         row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
