@@ -17,8 +17,8 @@ else the last sign of health):
   the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
   (rank, step window) as a `straggler` event, and each device that computes slowly in profiled
   steps (`observe.profile_every`, `stragglers.flag_slow_devices`) as a `slow_device` event;
-  with `supervisor.evict_stragglers=true` the first of them is also a fault (locally all ranks
-  restart on this machine; on a cluster its node would be excluded and replaced).
+  with `supervisor.evict_stragglers=true` the first of them is also a fault, and its slot is
+  excluded like a faulty rank's (placement.py: a spare takes over, or the job shrinks).
 Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line; rank 0's
 progress (step, loss, tokens/s, every `train.log_every` steps) is printed too.
 
