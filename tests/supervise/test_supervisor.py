@@ -185,8 +185,7 @@ def events(run_dir) -> list[dict]:
 
 
 def final_record(run_dir, steps: int = 20) -> dict:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = run_dir_metrics(run_dir)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # every step once, despite the restarts
     return records[-1]
 
