@@ -138,9 +138,17 @@ def run_reference(nprocs: int, job: list[str], work: str) -> dict:
 
 
 def compare(result: dict, reference: dict) -> dict:
+    """Final loss against the fault-free run, and what the faults alone cost: the wall time the
+    drilled run lost beyond the reference's own overhead (start-up, compilation, checkpoints), per
+    fault, and so the mean time between faults at which this job would keep ETTR >= 95%."""
     final = result["final_loss"]
+    lost = (result["wall_s"] - result["productive_s"]) - (reference["wall_s"] - reference["productive_s"])
+    per_fault = lost / max(1, result["faults_fired"])
+    headroom = reference["ettr"] - 0.95  # what the faults may take before ETTR drops below 95%
     return {"reference": reference, "final_loss_equal": final == reference["final_loss"],
-            "final_loss_rel_diff": abs(final - reference["final_loss"]) / abs(final)}
+            "final_loss_rel_diff": abs(final - reference["final_loss"]) / abs(final),
+            "fault_cost_s": lost, "fault_cost_per_fault_s": per_fault,
+            "mtbf_for_95_s": per_fault / headroom if headroom > 0 else None}
 
 
 def reference_for(path: str) -> None:
@@ -151,9 +159,15 @@ def reference_for(path: str) -> None:
     result.update(compare(result, run_reference(result["nprocs"], job, tempfile.mkdtemp(prefix="bench-ettr-ref-"))))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
-    print(f"final loss {result['final_loss']:.6f} vs {result['reference']['final_loss']:.6f} fault-free "
-          f"(equal: {result['final_loss_equal']}, relative difference {result['final_loss_rel_diff']:.2e}); "
-          f"updated {path}")
+    print(summary_of_comparison(result) + f"; updated {path}")
+
+
+def summary_of_comparison(result: dict) -> str:
+    mtbf = result["mtbf_for_95_s"]
+    return (f"final loss {result['final_loss']:.6f} vs {result['reference']['final_loss']:.6f} fault-free "
+            f"(equal: {result['final_loss_equal']}, relative difference {result['final_loss_rel_diff']:.2e}); "
+            f"faults cost {result['fault_cost_per_fault_s']:.1f}s of wall each; ETTR >= 95% at "
+            + (f"a fault every >= {mtbf / 60:.1f} min" if mtbf else "no fault rate (the reference is below 95%)"))
 
 
 def main():
@@ -213,13 +227,14 @@ def main():
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
+        "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None,
         "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,
     }
     if reference is not None:
         result.update(compare(result, reference))
     print(f"drilled: ETTR {result['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(rows)} faults, "
           f"{result['restarts']} restarts, {result['steps_lost']} steps lost; final loss {final:.6f}"
-          + ("" if reference is None else f" vs {reference['final_loss']:.6f} fault-free"), flush=True)
+          + ("" if reference is None else f"\n{summary_of_comparison(result)}"), flush=True)
     for kind, row in result["per_kind"].items():
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")

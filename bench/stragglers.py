@@ -25,14 +25,15 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from provenance import add_output_flags, result_path, write_result  # noqa: E402
-from supervisor import DRILL_MODEL  # noqa: E402  (bench/supervisor.py)
 
 from megascale_jax.observe import stragglers  # noqa: E402
 from megascale_jax.observe.timings import read_timings  # noqa: E402
 
-# The drill model, one CPU device per worker (mesh and batch are set per run, below), no
+# A small model, one CPU device per worker (mesh and batch are set per run, below), no
 # checkpoints, no supervisor straggler check (the bench judges the timings itself).
-MODEL = [*DRILL_MODEL, "mesh.pp=1", "checkpoint.every=0", "supervisor.straggler_check_s=0"]
+MODEL = ["train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=64", "optim.warmup=1",
+         "mesh.tp=1", "mesh.pp=1", "checkpoint.every=0", "supervisor.heartbeat_s=0.5",
+         "supervisor.straggler_check_s=0"]
 
 
 def run(nprocs: int, slow: float, args) -> dict:

@@ -1,12 +1,14 @@
 """Supervisor drills on this machine: job start time vs N, and detection latency, fault-to-resumed
 time and steps lost for crashes (kill -9), hangs (SIGSTOP) and a dead Redis, from events.jsonl.
 
-    python bench/supervisor.py [--nprocs-list 1 2 4 8] [--repeats 2] [--drill-rounds 1]
+    python bench/supervisor.py [--nprocs-list 1 2 4 8] [--repeats 2] [--drill-rounds 2]
 
 Start time = spawning N bare workers (1 CPU device each) until every one has finished the Redis
 rendezvous and `jax.distributed.initialize`; the rendezvous alone is reported beside it. Drills
-run `python -m megascale_jax.launch --nprocs 2` on a small model with a kill, a stop and a Redis
-kill per round. Writes bench/results/supervisor_cpu.json.
+run the README's supervised job (`python -m megascale_jax.launch --nprocs 2 --spares 1 --config
+configs/tiny_cpu.yaml`, checkpoints every 5 steps) with a kill, a stop and a Redis kill per
+round, once with the diagnostics every fault runs and once `--no-diagnose`.
+Writes bench/results/supervisor_cpu.json.
 """
 
 import argparse
@@ -18,16 +20,17 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from provenance import add_output_flags, result_path, write_result  # noqa: E402
 
 from megascale_jax.cluster import rendezvous  # noqa: E402
 from megascale_jax.supervise.redis_server import EmbeddedRedis  # noqa: E402
 
-DRILL_MODEL = ["train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=64",
-               "train.global_batch=8", "optim.warmup=1", "mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2",
-               "checkpoint.every=4", "supervisor.heartbeat_s=0.5", "supervisor.hang_timeout_s=6"]
+DRILL_JOB = ["--nprocs", "2", "--spares", "1", "--config", "configs/tiny_cpu.yaml", "train.steps=60",
+             "checkpoint.every=5", "supervisor.hang_timeout_s=6"]
+DRILLS = ["kill:1@12", "stop:0@30", "redis@45"]
 
 
 def probe(args) -> None:
@@ -62,11 +65,11 @@ def start_time(url: str, nprocs: int, job: str) -> dict:
             "initialize_s": max(r["initialize_s"] for r in rows)}
 
 
-def drill_round(run_dir: str) -> dict:
-    drills = ["kill:1@3", "stop:0@7", "redis@11"]
-    cmd = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", "2", "--run-dir", run_dir, "--no-diagnose",
-           *[a for d in drills for a in ("--drill", d)], *DRILL_MODEL, "train.steps=20"]
-    done = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=1200)
+def drill_round(run_dir: str, diagnose: bool) -> dict:
+    cmd = [sys.executable, "-m", "megascale_jax.launch", "--run-dir", run_dir, *([] if diagnose else ["--no-diagnose"]),
+           *[a for d in DRILLS for a in ("--drill", d)], *DRILL_JOB]
+    done = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=1200,
+                          cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:]
     with open(os.path.join(run_dir, "events.jsonl")) as f:
         events = [json.loads(line) for line in f]
@@ -90,7 +93,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs-list", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--drill-rounds", type=int, default=1)
+    parser.add_argument("--drill-rounds", type=int, default=2)
     parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--redis", help=argparse.SUPPRESS)
     parser.add_argument("--job", help=argparse.SUPPRESS)
@@ -116,15 +119,19 @@ def main():
         start_table.append(row)
         print(f"{n:>3} {row['start_s']:>8.2f} {row['import_s']:>9.2f} {row['rendezvous_s']:>13.3f} "
               f"{row['initialize_s']:>11.2f}")
-    rounds = [drill_round(os.path.join(work, f"drill{r}")) for r in range(args.drill_rounds)]
-    drills = {}
-    for kind in ("crash", "hang", "redis"):
-        keys = {k for r in rounds for k, v in r[kind].items() if v is not None}
-        drills[kind] = {k: summary([r[kind][k] for r in rounds if r[kind].get(k) is not None]) for k in sorted(keys)}
-        print(kind, {k: round(v["median"], 2) for k, v in drills[kind].items()})
+    rounds, drills = {}, {}
+    for mode in ("diagnose", "no_diagnose"):
+        rounds[mode] = [drill_round(os.path.join(work, f"{mode}{r}"), mode == "diagnose")
+                        for r in range(args.drill_rounds)]
+        drills[mode] = {}
+        for kind in ("crash", "hang", "redis"):
+            keys = {k for r in rounds[mode] for k, v in r[kind].items() if v is not None}
+            drills[mode][kind] = {k: summary([r[kind][k] for r in rounds[mode] if r[kind].get(k) is not None])
+                                  for k in sorted(keys)}
+            print(mode, kind, {k: round(v["median"], 2) for k, v in drills[mode][kind].items()})
     path = write_result("supervisor_cpu", {
         "start_time_vs_nprocs": start_table, "start_time_runs": starts, "drills": drills, "drill_rounds": rounds,
-        "drill_config": DRILL_MODEL + ["train.steps=20", "--nprocs 2", "kill:1@3 stop:0@7 redis@11", "--no-diagnose"],
+        "drill_job": DRILL_JOB, "drills_fired": DRILLS,
         "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()}, args.out, args.overwrite)
     print(f"wrote {path}")
 

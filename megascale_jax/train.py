@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
+from megascale_jax.cluster.self_test import device_self_test
 from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
 from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
@@ -32,7 +33,6 @@ from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.supervise.diagnose import device_self_test
 from megascale_jax.training import checkpoint, compile_cache, data, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
@@ -313,7 +313,11 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         profiler.start(step)
 
     def stop_trace(step: int, state) -> None:
-        recorder.flush()
+        try:
+            recorder.flush()
+        except BaseException:  # NonFiniteStep (the step is replayed, and traced again) or an error
+            profiler.abandon()
+            raise
         profiler.stop(step, watch)
 
     hooks.add("profile", cfg.observe.profile_every, stop_trace, before=start_trace, at_last=False)
@@ -491,6 +495,12 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
             lock.release()  # refused: nothing of ours stays behind
         raise
     return run_dir, lock
+
+
+def warm_up() -> None:
+    """What main() imports only once it runs, imported ahead by a warm standby worker
+    (cluster/standby.py), so that a restart pays for neither."""
+    timings.summary_writer_class()
 
 
 def main(argv=None) -> int:

@@ -8,11 +8,13 @@
 # Redis, learns rank 0's coordinator address there and starts jax.distributed with it. (Without
 # --redis, `jax.distributed.initialize()` with no arguments auto-detects SLURM itself — cluster
 # auto-detection also covers Kubernetes/GKE and Open MPI — but then there are no heartbeats.)
-# Recovery on a cluster is the scheduler's: when the job step fails, this script requeues the
-# job, which resumes from the newest checkpoint in the shared --run-dir. Nodes listed in
-# $RUN_DIR/excluded_hosts.txt (one per line: hosts the supervisor found faulty) are excluded from
-# the requeued job's allocation first (`scontrol update ExcNodeList`), so it never lands on them
-# again. (`python -m megascale_jax.diagnose --redis $REDIS_URL ...` checks nodes on demand.)
+# Recovery on a cluster is the scheduler's: when the job step fails, this script
+# 1. runs the diagnostics on every node of the allocation (`megascale_jax.diagnose --worker`, one
+#    per node, bounded by DIAGNOSE_TIMEOUT_S), then `diagnose --collect` appends the nodes found
+#    faulty to $RUN_DIR/excluded_hosts.txt (nothing, if no node could report at all);
+# 2. excludes every node listed there from the requeued job's allocation (`scontrol update
+#    ExcNodeList`), so it never lands on them again;
+# 3. requeues the job, which resumes from the newest checkpoint in the shared --run-dir.
 #SBATCH --job-name=megascale-jax
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -36,6 +38,14 @@ srun --kill-on-bad-exit=1 bash -c '
     --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
 ' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$@" || status=$?
 if [ "$status" -ne 0 ]; then
+  DIAGNOSE_JOB="slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}-diagnose"
+  srun --kill-on-bad-exit=0 timeout "${DIAGNOSE_TIMEOUT_S:-300}" bash -c '
+    exec python -m megascale_jax.diagnose --worker --config "$0" --redis "$1" --job "$2" \
+      --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
+  ' "$CONFIG" "$REDIS_URL" "$DIAGNOSE_JOB" "$@" || true
+  # One task per node, so rank i ran on the i-th node of the allocation.
+  python -m megascale_jax.diagnose --collect "$DIAGNOSE_JOB" --redis "$REDIS_URL" --nprocs "$SLURM_NTASKS" \
+    --hosts "$(scontrol show hostnames "$SLURM_JOB_NODELIST" | paste -sd, -)" --excluded-hosts "$EXCLUDED" || true
   if [ -s "$EXCLUDED" ]; then
     scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$(sort -u "$EXCLUDED" | paste -sd, -)"
   fi

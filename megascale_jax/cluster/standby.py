@@ -2,8 +2,8 @@
 
 A restart or a spare's promotion should not pay for Python importing jax, flax, optax and orbax
 again (seconds of CPU per process). So the launcher keeps processes that have already imported
-`MODULE` (megascale_jax.train) — JAX's backend not yet started, so the device count is still
-free — each waiting on its stdin for one JSON line:
+`MODULE` (megascale_jax.train) and run its `warm_up()` if it has one — JAX's backend not yet
+started, so the device count is still free — each waiting on its stdin for one JSON line:
 
     {"argv": [...], "log": "RUN_DIR/logs/worker3.log", "env": {...}}
 
@@ -25,6 +25,7 @@ import traceback
 def main() -> int:
     try:
         module, failed = importlib.import_module(sys.argv[1]), None  # the expensive part, done while standing by
+        getattr(module, "warm_up", lambda: None)()
     except Exception:  # noqa: BLE001 — reported where the supervisor looks: the worker's log, once assigned
         module, failed = None, traceback.format_exc()
     line = sys.stdin.readline()

@@ -207,12 +207,21 @@ class StepProfiler:
         self.wall_at_start = time.time()
         jax.profiler.start_trace(self.trace_dir)
 
+    def abandon(self) -> None:
+        """Stop tracing and drop the trace: the traced step did not complete (a non-finite step
+        that will be replayed, and traced again, or an error on the way out)."""
+        if self.trace_dir is not None:
+            jax.profiler.stop_trace()
+            shutil.rmtree(self.trace_dir, ignore_errors=True)
+            self.trace_dir = None
+
     def stop(self, step: int, watch) -> None:
         """Stop tracing and hand each device's compute, collective and span seconds to
         `watch.device_phase` as `device_<name>` phases of `step`."""
         jax.profiler.stop_trace()
         ops = read_ops(latest_trace(self.trace_dir), self.module)
         shutil.rmtree(self.trace_dir, ignore_errors=True)  # the numbers go to the timings; traces are large
+        self.trace_dir = None
         ids = {ordinal: d.id for ordinal, d in enumerate(jax.local_devices())}
         for t in device_times(ops, ids, self.wall_at_start):
             for name, seconds in (("compute", t.compute_s), ("collective", t.collective_s), ("span", t.span_s)):

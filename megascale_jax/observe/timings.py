@@ -33,6 +33,7 @@ import csv
 import glob
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 
@@ -97,10 +98,8 @@ class TensorBoardScalars(LoopObserver):
     TAGS = ("loss", "val_loss", "lr", "grad_norm", "mfu", "tokens_per_s", "step_time_s", "data_wait_s")
 
     def __init__(self, run_dir: str):
-        from tensorboardX import SummaryWriter
-
         # A short flush interval so a killed run still leaves recent scalars on disk.
-        self.writer = SummaryWriter(tensorboard_dir(run_dir), flush_secs=10)
+        self.writer = summary_writer_class()(tensorboard_dir(run_dir), flush_secs=10)
 
     def record(self, record):
         for tag in self.TAGS:
@@ -109,6 +108,21 @@ class TensorBoardScalars(LoopObserver):
 
     def close(self):
         self.writer.close()
+
+
+def summary_writer_class() -> type:
+    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever it
+    is installed, only to accept torch tensors: 4-5 s of CPU that rank 0 would pay on every start
+    and restart. We log Python floats, so torch is hidden from that one import."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def observers(cfg, run_dir: str, mesh) -> list[LoopObserver]:

@@ -11,6 +11,13 @@ peers, not only by itself; a rank that reports nothing, fails its self-test or i
 `SLOW_FACTOR` x slower than the median is named too. Prints a pass/fail and bandwidth table per
 rank and axis; exit code 1 when a rank is faulty.
 
+On a cluster the scheduler starts the workers (`--worker`, one per node, as in
+configs/cluster/sbatch.sh) and `--collect JOB` reads their results from Redis afterwards. With
+`--excluded-hosts FILE` (RUN_DIR/excluded_hosts.txt) the faulty ranks' hosts are appended to FILE,
+which the cluster recipes hand to the scheduler; `--hosts` names each rank's host (the node list)
+so that a rank that never reported is still named. When no rank reported at all, nothing is
+excluded: that is a broken diagnostics step (Redis, the launch), not evidence against every node.
+
 Test-only: `MEGASCALE_DIAG_FAULT=<rank>` makes that rank contribute wrong values to every collective.
 """
 
@@ -23,8 +30,11 @@ import os
 import socket
 import time
 
+import redis
+
 from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import rendezvous
+from megascale_jax.cluster.self_test import device_self_test, fastest_seconds
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise.workers import WorkerGroup, per_process_overrides, worker_env
@@ -36,28 +46,6 @@ BANDWIDTH_BYTES = 1 << 20
 
 
 # ============================================================================ worker side
-
-
-def device_self_test(size: int = 256, reps: int = 5) -> dict:
-    import jax
-    import numpy as np
-
-    a, b = np.random.default_rng(0).standard_normal((2, size, size), dtype=np.float32)
-    expected = a.astype(np.float64) @ b
-    ok, seconds = True, 0.0
-    for device in jax.local_devices():
-        x, y = jax.device_put(a, device), jax.device_put(b, device)
-        out = (x @ y).block_until_ready()  # compile outside the timing
-        ok &= bool(np.allclose(np.asarray(out), expected, rtol=1e-3, atol=1e-3))
-        # The fastest repetition: a shared host's noise only ever adds time.
-        seconds += min(_seconds(lambda: (x @ y).block_until_ready()) for _ in range(reps))
-    return {"ok": ok, "seconds": seconds, "gflops": 2 * size ** 3 * len(jax.local_devices()) / seconds / 1e9}
-
-
-def _seconds(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def collective_checks(mesh, corrupt: bool) -> dict[str, dict]:
@@ -117,7 +105,7 @@ def _allreduce_bandwidth(mesh, axis: str, reps: int = 3) -> dict:
     allreduce = jax.jit(jax.shard_map(lambda v: jax.lax.psum(v, axis), mesh=mesh, in_specs=spec, out_specs=spec,
                                       check_vma=False))
     allreduce(buffer).block_until_ready()
-    seconds = min(_seconds(lambda: allreduce(buffer).block_until_ready()) for _ in range(reps))
+    seconds = fastest_seconds(lambda: allreduce(buffer).block_until_ready(), reps)
     return {"allreduce_ms": seconds * 1e3, "busbw_gbps": 2 * (n - 1) / n * BANDWIDTH_BYTES / seconds / 1e9}
 
 
@@ -157,7 +145,8 @@ class Report:
         for rank in range(self.nprocs):
             if rank not in self.results:
                 code = self.exits.get(rank)
-                found[rank] = "no result (" + (describe_exit(code) if code is not None else "timed out") + ")"
+                # No exit code: still running when the driver gave up, or started by a scheduler.
+                found[rank] = "no result" + (f" ({describe_exit(code)})" if code is not None else "")
         for rank, result in self.results.items():
             if not result["self_test"]["ok"]:
                 found[rank] = "device self-test (matmul) mismatch"
@@ -217,10 +206,26 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
         exits = group.exit_codes()
     finally:
         group.stop()  # its workers run in their own sessions: nothing else would stop them
+    return collect(redis_url, job, nprocs, exits, start)
+
+
+def collect(redis_url: str, job: str, nprocs: int, exits: dict[int, int] | None = None,
+            start: float | None = None) -> Report:
+    """The results the workers of `job` left in Redis."""
+    start = time.time() if start is None else start
     client = rendezvous.connect(redis_url, timeout_s=5.0)
     raw = client.mget([rendezvous.key(job, "diag", r) for r in range(nprocs)])
     results = {rank: json.loads(value) for rank, value in enumerate(raw) if value is not None}
-    return Report(nprocs, results, exits, time.time() - start)
+    return Report(nprocs, results, exits or {}, time.time() - start)
+
+
+def faulty_hosts(report: Report, hosts: list[str] | None) -> list[str]:
+    """The hosts of the faulty ranks: from `hosts` (rank order) if given, else what each rank
+    reported; none at all when no rank reported (see the module docstring)."""
+    if not report.results:
+        return []
+    named = {hosts[rank] if hosts else report.results.get(rank, {}).get("host") for rank in report.faulty()}
+    return sorted(named - {None})
 
 
 def main(argv=None) -> int:
@@ -229,6 +234,13 @@ def main(argv=None) -> int:
     parser.add_argument("--config", default=None, help="YAML config whose mesh is tested (default: tiny_cpu)")
     parser.add_argument("--redis", default=None, help="redis://HOST:PORT (default: an embedded server)")
     parser.add_argument("--run-dir", default=None, help="where the worker logs go (default: a temporary directory)")
+    parser.add_argument("--collect", metavar="JOB", default=None,
+                        help="only read the results of job JOB's --worker processes (started by a scheduler) "
+                             "from --redis; --nprocs says how many")
+    parser.add_argument("--hosts", default=None, help="comma-separated host of each rank, in rank order "
+                                                      "(a cluster's node list); default: what each rank reported")
+    parser.add_argument("--excluded-hosts", metavar="FILE", default=None,
+                        help="append the faulty ranks' hosts to FILE (RUN_DIR/excluded_hosts.txt)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one diagnostics process
     parser.add_argument("--job", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--num-processes", type=int, default=1, help=argparse.SUPPRESS)
@@ -244,11 +256,22 @@ def main(argv=None) -> int:
     try:
         if args.nprocs < 1:
             raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
+        hosts = args.hosts.split(",") if args.hosts else None
+        if hosts is not None and len(hosts) != args.nprocs:
+            raise ConfigError(f"--hosts names {len(hosts)} host(s) for --nprocs={args.nprocs}; give one per rank")
+        if args.collect:
+            if not args.redis:
+                raise ConfigError("--collect reads the workers' results from Redis: give --redis redis://HOST:PORT")
+            report = collect(args.redis, args.collect, args.nprocs)
+            print(report.table())
+            return _exclude(report, hosts, args.excluded_hosts)
         cfg = load_config(args.config, args.overrides)
         worker_args = ([] if args.config is None else ["--config", args.config]) + \
             per_process_overrides(cfg, args.overrides, args.nprocs)
     except ConfigError as e:
         return cli.user_error(e)
+    except redis.RedisError as e:
+        return cli.user_error(f"cannot read the diagnostics results from {args.redis}: {e}")
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="megascale-diagnose-")
     server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))
     try:
@@ -259,4 +282,15 @@ def main(argv=None) -> int:
             server.stop()
     print(report.table())
     print(f"diagnostics took {report.duration_s:.1f}s; worker logs in {run_dirs.logs_dir(run_dir)}")
+    return _exclude(report, hosts, args.excluded_hosts)
+
+
+def _exclude(report: Report, hosts: list[str] | None, excluded_path: str | None) -> int:
+    """Append the faulty ranks' hosts to `excluded_path`; 1 when a rank is faulty."""
+    if excluded_path and report.faulty():
+        if not report.results:
+            print(f"no rank reported: the diagnostics did not run (Redis, the launch); {excluded_path} unchanged")
+        elif named := faulty_hosts(report, hosts):
+            run_dirs.append_lines(excluded_path, named)
+            print(f"excluded from now on (appended to {excluded_path}): {', '.join(named)}")
     return 1 if report.faulty() else 0

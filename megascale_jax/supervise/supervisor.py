@@ -380,6 +380,8 @@ class Supervisor:
                                     "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
                                     restarts=attempt)
                     resume_step = None
+                if monitor.resumed_from() is not None:  # training again: the CPU can spare the imports
+                    self.pool.refill(self.placement.active + self.placement.spares)
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._print_progress(monitor)
                 self._fire_drill(group, monitor, now)

@@ -35,35 +35,44 @@ def worker_env() -> dict:
 
 class StandbyPool:
     """One warm process per slot (`python -m megascale_jax.cluster.standby MODULE`: imports done,
-    waiting for its command line), so that starting a worker there costs no Python imports. A
-    slot's process is replaced as soon as it is taken: the next attempt, or a spare's
-    promotion, finds one ready."""
+    waiting for its command line), so that starting a worker there costs no Python imports.
+
+    A slot taken is refilled only when `refill` is called — by the supervisor once the workers
+    are training again — not at once: on a small host, N processes importing jax would take the
+    CPU from the N workers that are restoring and compiling, and slow the very restart the pool
+    is there to speed up. A slot started before its refill gets a cold process (it imports, then
+    runs)."""
 
     def __init__(self, module: str, env: dict, slots: int):
         self.module, self.env = module, env
         self.warm: dict[int, subprocess.Popen] = {}
         for slot in range(slots):
-            self._spawn(slot)
+            self.warm[slot] = self._spawn()
 
-    def _spawn(self, slot: int) -> None:
-        self.warm[slot] = subprocess.Popen(
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-m", "megascale_jax.cluster.standby", self.module], env=self.env,
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def start(self, slot: int, args: list[str], log_path: str, env: dict) -> subprocess.Popen:
-        """`MODULE.main(args)` in `slot`'s warm process (a fresh one if it died), logging to `log_path`."""
+        """`MODULE.main(args)` in `slot`'s warm process (a fresh one if it has none, or it died),
+        logging to `log_path`."""
         line = json.dumps({"argv": args, "log": os.path.abspath(log_path), "env": env}).encode() + b"\n"
-        process = self.warm.pop(slot)
+        process = self.warm.pop(slot, None) or self._spawn()
         try:
             process.stdin.write(line)
             process.stdin.close()
         except BrokenPipeError:  # it died while standing by (killed, out of memory): a fresh one
-            self._spawn(slot)
-            process = self.warm.pop(slot)
+            process = self._spawn()
             process.stdin.write(line)
             process.stdin.close()
-        self._spawn(slot)
         return process
+
+    def refill(self, slots: list[int]) -> None:
+        """A warm process for each of `slots` that has none."""
+        for slot in slots:
+            if slot not in self.warm:
+                self.warm[slot] = self._spawn()
 
     def close(self, slots: list[int] | None = None) -> None:
         """Release the warm processes of `slots` (default all): end of input ends them."""

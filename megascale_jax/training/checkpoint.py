@@ -382,8 +382,10 @@ def _quiet_late_tensorstore_callbacks() -> None:
     sys.unraisablehook, from its own threads and possibly after restore returned: one 6-line
     traceback per pending read (~300 lines for a real model) after our one warning line. Reads
     that failed too but whose futures the aborted gather never awaited are reported by asyncio,
-    when garbage-collected, as "Future exception was never retrieved" with TensorStore's whole
-    JSON spec (logger "asyncio"). The read's own error is what we report, so both are noise.
+    when garbage-collected, as "Future exception was never retrieved" (or "Task exception ...",
+    for orbax's own async_deserialize tasks) with TensorStore's whole JSON spec (logger
+    "asyncio"); when the collector runs decides whether they appear at all. The read's own
+    error is what we report, so both are noise.
     Installed once, process-wide."""
     global _FILTER_INSTALLED
     if _FILTER_INSTALLED:
@@ -408,7 +410,8 @@ def _quiet_late_tensorstore_callbacks() -> None:
 def _unretrieved_tensorstore_error(record: logging.LogRecord) -> bool:
     """False (drop) for asyncio's report of a TensorStore read error nobody awaited."""
     exc = record.exc_info[1] if record.exc_info else None
-    return not (str(record.msg).startswith("Future exception was never retrieved")
+    return not (str(record.msg).startswith(("Future exception was never retrieved",
+                                            "Task exception was never retrieved"))
                 and isinstance(exc, ValueError) and "tensorstore_spec" in str(exc))
 
 

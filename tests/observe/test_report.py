@@ -174,6 +174,23 @@ def test_tensorboard_scalars_read_back(tmp_path):
         np.testing.assert_allclose([s.value for s in scalars], [r[tag] for r in records], rtol=1e-6)
 
 
+
+def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch when it is installed (seconds on every rank-0 restart); the
+    writer hides it. Checked in a fresh interpreter, where nothing has imported torch yet."""
+    pytest.importorskip("torch")
+    code = ("import sys\n"
+            "from megascale_jax.observe.timings import summary_writer_class\n"
+            "writer = summary_writer_class()(sys.argv[1])\n"
+            "writer.add_scalar('train/loss', 2.5, 1)\n"
+            "writer.close()\n"
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
+            "import torch  # still importable afterwards\n")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+
 # ============================================================================ two real processes
 
 SLOW, STOP_AT = 0.3, 45

@@ -10,6 +10,7 @@ import pytest
 
 from megascale_jax import train
 from megascale_jax.cluster.faults import NanBatch
+from megascale_jax.observe.timings import read_timings
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.training import data
@@ -53,9 +54,10 @@ def metrics(run_dir):
 @pytest.mark.slow
 def test_a_transient_nan_in_the_pipeline_is_replayed_to_the_fault_free_result(tmp_path, monkeypatch, run_main):
     """pp=2 with microbatches; the NaN lands on a checkpoint step, so the save inside the
-    replayed step is the one that commits (its data position is that of the step)."""
+    replayed step is the one that commits (its data position is that of the step), and on a
+    profiled step, whose trace is dropped and taken again when the step is replayed."""
     args = ["train.steps=4", "mesh.dp=1", "mesh.pp=2", "mesh.tp=1", "mesh.cpu_devices=2", "parallel.microbatches=2",
-            "checkpoint.every=3", "train.eval_every=0", *SMALL]
+            "checkpoint.every=3", "train.eval_every=0", "observe.profile_every=3", *SMALL]
     code, _, err = run_main(train.main, ["--run-dir", "clean", *args], tmp_path)
     assert code == 0, err
     monkeypatch.setenv("MEGASCALE_FAULT_NAN", "0:3")
@@ -67,3 +69,7 @@ def test_a_transient_nan_in_the_pipeline_is_replayed_to_the_fault_free_result(tm
     assert [(r["loss"], r["grad_norm"]) for r in replayed] == [(r["loss"], r["grad_norm"]) for r in clean]
     with open(tmp_path / "nan" / "checkpoints" / "3" / "meta" / "metadata") as f:
         assert json.load(f)["data_step"] == 3
+    # The replayed step 3 was traced once more: its device rows are there, once per device.
+    traced = read_timings(str(tmp_path / "nan"))
+    rows = traced.select("device_compute")
+    assert sorted(traced.step[rows].tolist()) == [3, 3]
