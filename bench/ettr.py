@@ -102,7 +102,7 @@ def consequences(events: list[dict]) -> list[dict]:
             # checkpoint makes that an older one than the restart planned).
             lost = restart and restart["steps_lost"]
             if fault and resumed and "from_step" in resumed:
-                lost = fault["step"] - resumed["from_step"]
+                lost = max(0, fault["step"] - resumed["from_step"])
             row.update(detected_s=flagged and (flagged["time"] - drill["time"] if drill["drill"] == "slow"
                                                else flagged["latency_s"]),
                        resumed_s=resumed and resumed["since_fault_s"], steps_lost=lost,

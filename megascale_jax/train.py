@@ -545,6 +545,8 @@ def main(argv=None) -> int:
         return cli.user_error(e)
     except TrainingDiverged as e:
         return cli.user_error(e, code=3)
+    except checkpoint.CheckpointUnreadable as e:  # a fault like a crash: the restart falls back
+        return cli.user_error(e, code=1)
     except Interrupted as e:
         if jax.process_index() == 0:
             logger.warning(cli.interrupted(e.step if e.saved else None))

@@ -102,6 +102,9 @@ def parse_heartbeat(raw: bytes, rank: int) -> dict | str:
     return record
 
 
+STARTUP_STATES = ("initialising", "compiling")  # bounded by the startup timeout, not the hang timeout
+
+
 class HeartbeatMonitor:
     """Reads the heartbeats of one attempt's workers and notices those that stop or stall.
 
@@ -117,6 +120,7 @@ class HeartbeatMonitor:
         self.step_since: dict[int, tuple[int, float, bool]] = {}  # rank -> (step, since, advanced before)
         self.bad: dict[int, bytes] = {}  # last malformed value warned about, per rank
         self.started_at: dict[int, int] = {}  # rank -> the step its first compiling/training beat said
+        self.state_since: dict[int, tuple[str, float]] = {}  # rank -> (phase, when it began): "startup" or a state
         self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
         self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
         self.reachable = True
@@ -149,6 +153,9 @@ class HeartbeatMonitor:
             if record["seq"] != self.records.get(rank, {}).get("seq"):
                 self.arrived[rank] = now
                 self._track_progress(rank, record, now)
+                phase = "startup" if record["state"] in STARTUP_STATES else record["state"]
+                if self.state_since.get(rank, ("",))[0] != phase:
+                    self.state_since[rank] = (phase, now)
             self.records[rank] = record
         return True
 
@@ -172,6 +179,7 @@ class HeartbeatMonitor:
         """Restart every timer (after a Redis outage: silence then proves nothing)."""
         self.arrived = {rank: now for rank in self.arrived}
         self.step_since = {rank: (s, now, a) for rank, (s, _, a) in self.step_since.items()}
+        self.state_since = {rank: (s, now) for rank, (s, _) in self.state_since.items()}
         self.started = now
 
     def check(self, now: float, finished: set[int]) -> Fault | None:
@@ -198,6 +206,12 @@ class HeartbeatMonitor:
                 return Fault("hang", rank, f"no heartbeat for {now - self.arrived[rank]:.1f}s "
                              f"(last state {self.records[rank]['state']}, step {self.records[rank]['step']})",
                              self.arrived[rank], now)
+            # Start-up (restore, compile) must end within the startup time even while the
+            # heartbeat thread beats: a restore whose processes disagree waits in a barrier forever.
+            phase, since = self.state_since[rank]
+            if phase == "startup" and now - since > self.startup_timeout_s:
+                return Fault("stall", rank, f"still {self.records[rank]['state']} {now - since:.0f}s after its first "
+                             f"heartbeat (startup timeout {self.startup_timeout_s:.0f}s)", since, now)
             step, since, advanced = self.step_since[rank]
             # The first step after (re)compiling may be slow: until a step finished, allow the startup time.
             limit = self.hang_timeout_s if advanced else self.startup_timeout_s
@@ -291,6 +305,9 @@ class Supervisor:
             if self.stop_signal:
                 return self._stopped(restarts)
             fault, last_step = self._attempt(restarts, resume_step)
+            # A fault before the first step: the heartbeats of start-up say step 0, yet the
+            # attempt was at its restore point.
+            last_step = max(last_step, resume_step or 0)
             if self.stop_signal:
                 return self._stopped(restarts)
             if fault is None:

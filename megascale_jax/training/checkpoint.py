@@ -80,6 +80,11 @@ class CorruptCheckpoint(Exception):
     """A committed checkpoint whose contents cannot be read back or fail verification."""
 
 
+class CheckpointUnreadable(Exception):
+    """A multi-process restore found a damaged checkpoint: it was moved aside, and this attempt
+    ends, since the processes cannot agree in-process on falling back (see restore_latest)."""
+
+
 class Checkpointer:
     """Saves the steps it is given (the loop's checkpoint hook: every `checkpoint.every` steps and
     the last); restores the newest good one."""
@@ -186,11 +191,20 @@ class Checkpointer:
             try:
                 return self.restore(step, abstract_state)
             except CorruptCheckpoint as e:
-                aside = os.path.join(self.directory, f"{step}.corrupt")
-                if jax.process_index() == 0:
-                    os.rename(os.path.join(self.directory, str(step)), aside)
-                self.warn(f"warning: checkpoint step {step} ({os.path.join(self.directory, str(step))}) is "
-                          f"unreadable: {e}; moved to {aside}, trying the previous one")
+                where = os.path.join(self.directory, str(step))
+                aside = where + ".corrupt"
+                try:  # by whichever process found it: the damage may be in this process's files only
+                    os.rename(where, aside)
+                except FileNotFoundError:
+                    pass  # a peer moved it first
+                if jax.process_count() > 1:
+                    # The peers may have read their part and be waiting in orbax's barrier for this
+                    # process, which must not go on to another step's reads alone.
+                    raise CheckpointUnreadable(
+                        f"checkpoint step {step} ({where}) is unreadable on process {jax.process_index()}: {e}; "
+                        f"moved to {aside}: restart, and every process resumes from the previous one") from None
+                self.warn(f"warning: checkpoint step {step} ({where}) is unreadable: {e}; moved to {aside}, "
+                          "trying the previous one")
         self.manager.reload()  # forget the steps moved aside
         return None
 

@@ -191,11 +191,17 @@ def final_record(run_dir, steps: int = 20) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference_run(tmp_path_factory):
+    """The uninterrupted 2-process job's run directory (checkpoints 12, 16 and 20 kept)."""
     run_dir = tmp_path_factory.mktemp("reference")
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(run_dir), *JOB])
     assert done.returncode == 0, done.stdout + done.stderr
-    return final_record(run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return final_record(reference_run)
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +336,35 @@ def run_dir_metrics(run_dir) -> list[dict]:
 def test_recovered_run_ends_at_the_uninterrupted_loss(drilled, reference):
     run_dir, log, _ = drilled
     assert sum(e["kind"] == "restart" for e in log) == 2
+    recovered = final_record(run_dir)
+    assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
+
+
+@pytest.mark.slow
+@DRILL_GROUP
+def test_a_checkpoint_damaged_for_one_process_only_falls_back_on_every_process(reference_run, reference, tmp_path):
+    """Checkpoint 16's data-iterator state of process 1 is damaged: process 0 reads its part and
+    waits in orbax's barrier for process 1, which must not go on alone to checkpoint 12 (before:
+    a restore that hung while the heartbeats went on, 171 s in the ETTR drill). Process 1 moves 16
+    aside and the attempt ends with one error line; the restart resumes every process from 12,
+    and the run ends at the uninterrupted loss."""
+    run_dir = tmp_path / "damaged"
+    for step in (12, 16):
+        shutil.copytree(reference_run / "checkpoints" / str(step), run_dir / "checkpoints" / str(step))
+    shutil.copy(reference_run / "metrics.jsonl", run_dir / "metrics.jsonl")
+    (run_dir / "checkpoints" / "16" / "data" / "process_1-of-2.json").write_text('{"next_index": 3')
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(run_dir), "--startup-timeout", "60",
+                                               *JOB], timeout=400)
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = events(run_dir)
+    fault, rest = after(log, "fault", cause="crash")  # the first to exit: 1, or 0 once 16 was moved away
+    assert "checkpoint step 16" in fault["error"] and "unreadable on process" in fault["error"], fault
+    logs = "".join(p.read_text() for p in (run_dir / "logs").iterdir())
+    assert "unreadable on process 1: data iterator: JSONDecodeError" in logs
+    resumed, _ = after(rest, "resumed")
+    assert resumed["from_step"] == 12
+    assert sum(e["kind"] == "fault" for e in log) == 1
+    assert (run_dir / "checkpoints" / "16.corrupt").is_dir()
     recovered = final_record(run_dir)
     assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
 
@@ -519,3 +554,24 @@ def test_sigterm_to_the_launcher_checkpoints_every_worker_and_the_same_command_r
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"[rank 0] resumed from checkpoint step {step}\n" in again.stdout, again.stdout
     assert final_record(tmp_path / "run", 60)["step"] == 60
+
+
+def test_a_start_up_that_never_ends_is_a_stall_although_heartbeats_go_on(client):
+    """A restore whose processes disagree waits in a barrier while the heartbeat thread beats
+    (state `initialising`, step 0): once past the startup timeout, counted from the first
+    heartbeat across initialising and compiling, it is a stall of that rank."""
+    job = "stuck-start"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=30, now=0.0)
+    for seq, t in enumerate([1.0, 4.0, 8.0, 12.0, 16.0, 20.0, 24.0, 28.0, 31.5]):
+        beat(client, job, 0, seq, 0, "initialising" if t < 20 else "compiling")  # rank 0 moves on, slowly
+        beat(client, job, 1, seq, 0, "initialising")  # rank 1 never gets out of its restore
+        monitor.poll(t)
+        if t < 31:
+            assert monitor.check(t, finished=set()) is None, t
+    fault = monitor.check(31.5, finished=set())
+    assert (fault.cause, fault.rank, fault.at) == ("stall", 0, 1.0)
+    assert "still compiling 30s after its first heartbeat" in fault.detail
+    beat(client, job, 0, 100, 1)  # rank 0 trained a step: only rank 1 is still starting
+    monitor.poll(31.6)
+    fault = monitor.check(31.6, finished=set())
+    assert (fault.cause, fault.rank) == ("stall", 1) and "still initialising" in fault.detail
