@@ -50,6 +50,7 @@ from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
 log = get_logger("supervise", tag="[supervisor] ")
 rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
 
+PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see _peer_exit)
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
 
@@ -405,6 +406,8 @@ class Supervisor:
                 self.drills.slow_down(group, monitor.records, self.placement)
                 fault = (self._log_worker_events(monitor) or monitor.check(now, finished=set(codes))
                          or self._check_stragglers(now))
+                if fault and fault.cause == "crash" and fault.exit_code is None:
+                    fault = self._peer_exit(group, fault, alive_at) or fault
                 if fault:
                     if self.drill_at:
                         fault.at = self.drill_at
@@ -465,6 +468,18 @@ class Supervisor:
                         signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
         log.logger.info(interrupted(steps[-1] if steps else None))
         return 128 + self.stop_signal
+
+    def _peer_exit(self, group: WorkerGroup, raised: Fault, alive_at: float) -> Fault | None:
+        """A rank whose loop raised (heartbeat `failed`) is often a survivor of a peer that died:
+        the peer's broken connections make its collectives fail, and its heartbeat can arrive
+        before the dead peer's exit is reaped. The peer that exited within PEER_EXIT_GRACE_S is
+        the fault; None if none did."""
+        deadline = time.time() + PEER_EXIT_GRACE_S
+        while True:
+            failed = {r: c for r, c in group.exit_codes().items() if c != 0 and r != raised.rank}
+            if failed or time.time() >= deadline:
+                return self._exit_fault(failed, alive_at, time.time()) if failed else None
+            time.sleep(0.05)
 
     def _exit_fault(self, failed: dict[int, int], alive_at: float, now: float) -> Fault:
         rank = min(failed, key=lambda r: (failed[r] == -signal.SIGABRT, r))

@@ -575,3 +575,26 @@ def test_a_start_up_that_never_ends_is_a_stall_although_heartbeats_go_on(client)
     monitor.poll(31.6)
     fault = monitor.check(31.6, finished=set())
     assert (fault.cause, fault.rank) == ("stall", 1) and "still initialising" in fault.detail
+
+
+def test_a_raised_loop_defers_to_a_peer_that_exits_a_moment_later():
+    """Rank 1 is SIGKILLed; rank 0's collectives fail and its `failed` heartbeat can be read
+    before rank 1's exit is reaped (once in CI, on a loaded machine): the fault is rank 1's exit,
+    not rank 0's exception. A loop that raised on its own, with no peer exiting, stays the fault."""
+    from megascale_jax.supervise.supervisor import Fault, Supervisor
+
+    class Group:  # rank 1's exit becomes visible 0.2 s after the first look
+        def __init__(self, exits_at):
+            self.exits_at = exits_at
+
+        def exit_codes(self):
+            return {1: -signal.SIGKILL} if self.exits_at is not None and time.time() >= self.exits_at else {}
+
+    supervisor = Supervisor.__new__(Supervisor)  # only its fault bookkeeping is used
+    supervisor.drill_at = None
+    raised = Fault("crash", 0, "the training loop raised (see its log)", 0.0, 0.0)
+    fault = supervisor._peer_exit(Group(time.time() + 0.2), raised, alive_at=0.0)
+    assert (fault.cause, fault.rank, fault.exit_code) == ("crash", 1, -signal.SIGKILL)
+    start = time.time()
+    assert supervisor._peer_exit(Group(None), raised, alive_at=0.0) is None
+    assert time.time() - start >= 0.9  # it waited the grace before keeping the raised loop
