@@ -30,7 +30,8 @@ def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 def user_error(message, code: int = 2) -> int:
     """Report what the user must fix as one line; returns the exit code (2: bad input; the train
-    CLI also uses 3 for a diverged run)."""
+    CLI also uses 3 for a diverged run, and 1 for a checkpoint unreadable on one of several
+    processes, which a restart recovers from)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 

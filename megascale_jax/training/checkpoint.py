@@ -185,7 +185,9 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
         """(state, meta) of the newest checkpoint that verifies, placed per `abstract_state`'s
-        shardings; None when there is none. Bad ones are reported and moved aside."""
+        shardings; None when there is none. Bad ones are reported and moved aside; with several
+        processes the first bad one ends the attempt instead (CheckpointUnreadable), so that all
+        of them fall back together on the restart."""
         _quiet_late_tensorstore_callbacks()
         for step in reversed(committed_steps(self.directory)):
             try:
