@@ -9,7 +9,8 @@ call `flush`, which records the held step at once.
 
 A record is `{step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, data_wait_s}` plus
 `val_loss` when the step was evaluated. Step time is finish-to-finish, so it covers the whole
-step however the host and devices overlapped. A non-finite loss or gradient norm raises
+step however the host and devices overlapped; an evaluation or a checkpoint's blocking between two
+steps is not in it (`restart_clock` after them). A non-finite loss or gradient norm raises
 `NonFiniteStep` (a `TrainingDiverged`) naming the step; the loop replays it once (triage.py).
 """
 

@@ -306,6 +306,34 @@ def test_saves_record_blocking_and_total_time(reference):
     assert run_dirs.committed_steps(str(reference / "checkpoints")) == [5, 10, 15, 20]
 
 
+# Runs the CLI with the blocking part of each save (orbax's) held SLOW_SAVE_S longer.
+SLOW_SAVE_DRIVER = textwrap.dedent("""
+    import os, sys, time
+    from megascale_jax.training import checkpoint
+    from megascale_jax import train
+    save = checkpoint.ocp.CheckpointManager.save
+    def slow_save(self, *args, **kwargs):
+        time.sleep(float(os.environ["SLOW_SAVE_S"]))
+        return save(self, *args, **kwargs)
+    checkpoint.ocp.CheckpointManager.save = slow_save
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
+    """A step's time (and so tokens/s, MFU and bench/ettr.py's productive time) is training only:
+    the blocking of a save before it is overhead, recorded in checkpoints.jsonl."""
+    held = 4.0  # far above a TINY step (~0.05 s), so the assertion is about structure, not speed
+    run_dir = tmp_path / "slow-saves"
+    result = run_cli(run_dir, [*TINY, *DP8, "train.steps=10"], driver=SLOW_SAVE_DRIVER,
+                     env={"SLOW_SAVE_S": str(held)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    saves = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in saves] == [5, 10] and all(s["block_s"] >= held for s in saves), saves
+    after_save = records(run_dir)[5]
+    assert after_save["step"] == 6 and after_save["step_time_s"] < held, after_save
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("checkpoint-reference")
 def test_kill_during_background_write_then_resume_is_bitwise_exact(reference, tmp_path):
