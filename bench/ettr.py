@@ -3,9 +3,9 @@
     python bench/ettr.py [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
     python bench/ettr.py --reference-for bench/results/ettr_cpu.json   # step 2 later, for a --no-reference run
 
-1. Calibrate: a short fault-free launch measures the step time, which sets `train.steps` so the
-   drilled run lasts about `--minutes`, and `checkpoint.every` so a checkpoint comes every
-   <= `--checkpoint-s` seconds of training.
+1. Calibrate: a short fault-free launch measures the step time (or `--step-s` gives it), which
+   sets `train.steps` so the drilled run lasts about `--minutes`, and `checkpoint.every` so a
+   checkpoint comes every <= `--checkpoint-s` seconds of training.
 2. Reference: the same job without faults (skip with `--no-reference`): its ETTR is what start-up,
    compilation and checkpoints cost alone, and its final loss is the one to reproduce.
 3. Drilled: `python -m megascale_jax.launch --nprocs N --spares K` with a fault every U(a, b)
@@ -16,8 +16,9 @@
 
 ETTR = productive step time / wall time: the step times of the steps in the final metrics.jsonl
 (each step once: work redone after a restart is not productive; start-up, compilation,
-checkpoint blocking and evaluation are not steps) over the launcher's wall time. Per fault kind:
-detection latency, fault to training resumed, steps lost. The final loss is compared with the
+checkpoint blocking and evaluation are not in a step's time) over the launcher's wall time. Per
+fault kind: detection latency, fault to training resumed, steps lost. And the budget of the rest:
+start-up, checkpoint blocking, recovery, redone steps, other (`budget`). The final loss is compared with the
 reference: equal bitwise when the job kept its data-parallel size; after a shrink (fewer
 replicas, more microbatches) the reduction order changes, so the relative difference is reported.
 Writes bench/results/ettr_cpu.json.
@@ -49,8 +50,8 @@ MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq
          "supervisor.hang_timeout_s=10"]
 
 
-def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> float:
-    """Run a supervised job to its end; its wall time in seconds."""
+def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> tuple[float, float]:
+    """Run a supervised job to its end; (its start as time.time(), its wall time in seconds)."""
     command = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", str(nprocs), "--spares", str(spares),
                "--run-dir", run_dir, *[f"--drill={d}" for d in drills], *MODEL, f"mesh.dp={nprocs}",
                f"mesh.cpu_devices={nprocs}", *args]
@@ -63,7 +64,7 @@ def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), s
         f.write(done.stdout)
     if done.returncode != 0:
         raise SystemExit(f"launch failed ({done.returncode}); see {run_dir}/launcher.log:\n{done.stdout[-3000:]}")
-    return wall
+    return start, wall
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -128,11 +129,34 @@ def per_kind(rows: list[dict]) -> dict:
     return table
 
 
+def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict], step_s: float) -> dict:
+    """Where the wall time that was not productive went, in seconds and as a share of the wall:
+    start-up (launch to the first step), checkpoint blocking (every save, rank 0's), recovery
+    (each fault to training resumed: detection, diagnostics, restart, restore, compilation),
+    redone steps (steps lost x the median step) and the rest (the slow steps of a straggler
+    before its eviction, NaN replays, shutdown; negative when the estimates overlap)."""
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    started = next((e for e in events if e["kind"] == "started"), None)
+    saves_path = os.path.join(run_dir, "checkpoints.jsonl")
+    saves = read_jsonl(saves_path) if os.path.exists(saves_path) else []
+    parts = {"startup_s": started["time"] - start if started else None,
+             "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
+             "recovery_s": sum(r.get("resumed_s") or 0.0 for r in rows),
+             "redone_steps_s": sum(r.get("steps_lost") or 0 for r in rows) * step_s}
+    parts["other_s"] = wall - busy - sum(v or 0.0 for v in parts.values())
+    return {**parts, "share_of_wall": {k.removesuffix("_s"): None if v is None else v / wall
+                                       for k, v in {"productive_s": busy, **parts}.items()},
+            "checkpoints": len(saves), "checkpoint_block_s_median": statistics.median(s["block_s"] for s in saves)
+            if saves else None}
+
+
 def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     run_dir = os.path.join(work, "reference")
-    wall = launch(run_dir, nprocs, job)
+    start, wall = launch(run_dir, nprocs, job)
     busy, records = productive(run_dir)
-    reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"]}
+    step_s = statistics.median(r["step_time_s"] for r in records)
+    reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"],
+                 "budget": budget(run_dir, start, wall, busy, [], step_s)}
     print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s)", flush=True)
     return reference
 
@@ -178,6 +202,9 @@ def main():
     parser.add_argument("--fault-every", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--step-s", type=float, metavar="SECONDS",
+                        help="the step time to plan with, instead of calibrating (a short launch on a busy "
+                             "machine can misjudge it by 2x: the 20-min run measured 2.5 s for a 1.5 s step)")
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
     parser.add_argument("--reference-for", metavar="RESULT_JSON",
                         help="only run the fault-free run of a --no-reference result and add it there")
@@ -190,8 +217,10 @@ def main():
     print(f"work directory: {work}", flush=True)
 
     # 1. calibrate
-    launch(os.path.join(work, "calibrate"), args.nprocs, ["train.steps=30", "checkpoint.every=0"])
-    step_s = statistics.median(r["step_time_s"] for r in productive(os.path.join(work, "calibrate"))[1][5:])
+    step_s = args.step_s
+    if step_s is None:
+        launch(os.path.join(work, "calibrate"), args.nprocs, ["train.steps=30", "checkpoint.every=0"])
+        step_s = statistics.median(r["step_time_s"] for r in productive(os.path.join(work, "calibrate"))[1][5:])
     steps = max(20, int(args.minutes * 60 * 0.85 / step_s))  # ~15% of the wall goes to faults and start-up
     every = max(1, int(args.checkpoint_s / step_s))
     job = [f"train.steps={steps}", f"checkpoint.every={every}", "checkpoint.keep=3"]
@@ -213,7 +242,7 @@ def main():
         kind = kinds.pop()
         drills.append(f"{kind}@t{t:.0f}" if kind in RANKLESS else f"{kind}:{rng.randrange(args.nprocs)}@t{t:.0f}")
     run_dir = os.path.join(work, "drilled")
-    wall = launch(run_dir, args.nprocs, job, drills, args.spares)
+    start, wall = launch(run_dir, args.nprocs, job, drills, args.spares)
     busy, records = productive(run_dir)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     rows = consequences(events)
@@ -221,11 +250,14 @@ def main():
     final = records[-1]["loss"]
     result = {
         "minutes": args.minutes, "nprocs": args.nprocs, "spares": args.spares, "fault_every_s": list(args.fault_every),
-        "seed": args.seed, "steps": steps, "step_s_calibrated": step_s, "checkpoint_every_steps": every,
+        "seed": args.seed, "steps": steps, "step_s_planned": step_s,
+        "step_s_planned_from": "calibration" if args.step_s is None else "--step-s",
+        "step_s_median": statistics.median(r["step_time_s"] for r in records), "checkpoint_every_steps": every,
         "config": MODEL + job, "drills": drills,
         "wall_s": wall, "productive_s": busy, "ettr": busy / wall, "faults_fired": len(rows),
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
+        "budget": budget(run_dir, start, wall, busy, rows, statistics.median(r["step_time_s"] for r in records)),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None,
         "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,
@@ -235,6 +267,8 @@ def main():
     print(f"drilled: ETTR {result['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(rows)} faults, "
           f"{result['restarts']} restarts, {result['steps_lost']} steps lost; final loss {final:.6f}"
           + ("" if reference is None else f"\n{summary_of_comparison(result)}"), flush=True)
+    print("  where the wall went: " + ", ".join(f"{k} {v:.1%}" for k, v in result["budget"]["share_of_wall"].items()
+                                                if v is not None), flush=True)
     for kind, row in result["per_kind"].items():
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")

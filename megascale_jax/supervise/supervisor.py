@@ -165,6 +165,11 @@ class HeartbeatMonitor:
         advanced = [self.started_at[r] for r, (_, _, a) in self.step_since.items() if a and r in self.started_at]
         return min(advanced) if advanced else None
 
+    def first_step_done(self) -> bool:
+        """Some rank reported a step past the one it started from (however short the job: unlike
+        `resumed_from`, no two beats in state `training` are needed)."""
+        return any(r in self.started_at and record["step"] > self.started_at[r] for r, record in self.records.items())
+
     def _track_progress(self, rank: int, record: dict, now: float) -> None:
         """Progress counts in state `training` only: the jump to the resume step while
         restoring is no step, and compiling or checkpointing restarts the clock."""
@@ -362,7 +367,7 @@ class Supervisor:
                             pool=self.pool, slots=self.placement.active)
         monitor = HeartbeatMonitor(self.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time())
-        self.drill_at, alive_at, fault, forwarded = None, time.time(), None, False
+        self.drill_at, alive_at, fault, forwarded, started = None, time.time(), None, False, False
         self.attempt_started = time.time()
         self.progress_printed = None
         try:
@@ -391,6 +396,11 @@ class Supervisor:
                 self._keep_redis_alive(monitor, now)
                 if not monitor.poll(now):
                     continue
+                if attempt == 0 and not started and monitor.first_step_done():
+                    started = True
+                    since = now - self.attempt_started
+                    self.events.log("started", f"training started, {since:.1f}s after the launch", step=monitor.max_step,
+                                    since_launch_s=since)
                 if resume_step is not None and (start := monitor.resumed_from()) is not None:
                     since = now - self.faults[-1].at
                     fallback = f" (checkpoint {resume_step} was unreadable)" if start < resume_step else ""

@@ -333,6 +333,17 @@ def run_dir_metrics(run_dir) -> list[dict]:
 
 @pytest.mark.slow
 @DRILL_GROUP
+def test_a_fault_free_job_says_when_training_started_and_when_it_was_done(reference_run):
+    """`started`: launch to the first step finished (start-up and compilation: the first
+    overhead bench/ettr.py's ETTR budget names). Straggler events are observations (see above)."""
+    log = [e for e in events(reference_run) if e["kind"] != "straggler"]
+    assert [e["kind"] for e in log] == ["started", "done"], log
+    started = log[0]
+    assert started["step"] >= 1 and started["since_launch_s"] > 0 and started["time"] <= log[1]["time"]
+
+
+@pytest.mark.slow
+@DRILL_GROUP
 def test_recovered_run_ends_at_the_uninterrupted_loss(drilled, reference):
     run_dir, log, _ = drilled
     assert sum(e["kind"] == "restart" for e in log) == 2
@@ -575,6 +586,23 @@ def test_a_start_up_that_never_ends_is_a_stall_although_heartbeats_go_on(client)
     monitor.poll(31.6)
     fault = monitor.check(31.6, finished=set())
     assert (fault.cause, fault.rank) == ("stall", 1) and "still initialising" in fault.detail
+
+
+def test_the_first_step_is_seen_from_one_beat_past_the_start(client):
+    """A short job may send one `training` beat per rank after its start: one beat past the
+    step a rank started from is enough to say training started (the `started` event)."""
+    job = "first-step"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=30, now=0.0)
+    beat(client, job, 0, 0, 12, "compiling")  # restored at 12
+    beat(client, job, 1, 0, 12, "compiling")
+    monitor.poll(1.0)
+    assert not monitor.first_step_done()
+    beat(client, job, 1, 1, 12, "checkpointing")  # not past its start
+    monitor.poll(2.0)
+    assert not monitor.first_step_done()
+    beat(client, job, 0, 1, 13, "checkpointing")  # one beat, already past its start
+    monitor.poll(3.0)
+    assert monitor.first_step_done() and monitor.resumed_from() is None
 
 
 def test_a_raised_loop_defers_to_a_peer_that_exits_a_moment_later():
