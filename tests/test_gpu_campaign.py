@@ -55,12 +55,14 @@ def runs(tmp_path_factory):
     full_tmpdir.mkdir()
 
     def fail_then_rerun():
-        failed = campaign("--dry-run", "--only", "kernels,checkpoints", "--fail-section", "kernels",
+        # The failing and rerun section is the cheapest one (checkpoints, a few seconds), so the
+        # kernels, the slowest, run once in this module (in the full run).
+        failed = campaign("--dry-run", "--only", "checkpoints,profiled_steps", "--fail-section", "checkpoints",
                           "--out", str(partial))
         after_failure = partial.read_text()
-        refused = campaign("--dry-run", "--only", "kernels", "--out", str(partial))
+        refused = campaign("--dry-run", "--only", "checkpoints", "--out", str(partial))
         unchanged = partial.read_text() == after_failure
-        rerun = campaign("--dry-run", "--only", "kernels", "--overwrite", "--out", str(partial))
+        rerun = campaign("--dry-run", "--only", "checkpoints", "--overwrite", "--out", str(partial))
         return failed, json.loads(after_failure), refused, unchanged, rerun
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
@@ -173,12 +175,12 @@ def test_dry_run_checkpoints_profile_and_pngs(runs):
 def test_a_failing_section_records_one_line_and_the_others_still_run(runs):
     failed, result, *_ = runs["partial"]
     assert failed.returncode == 1  # a section failed: after everything was written
-    assert list(result["sections"]) == ["kernels", "checkpoints"]  # --only: nothing else ran
-    kernels, checkpoints = result["sections"]["kernels"], result["sections"]["checkpoints"]
-    assert kernels["status"] == "error" and one_line(kernels["reason"])
-    assert "InjectedFailure: kernels failed on purpose" in kernels["reason"]
-    assert checkpoints["status"] == "ok" and len(checkpoints["sizes"]) == 2
-    assert "sections that failed: kernels" in failed.stdout
+    assert list(result["sections"]) == ["checkpoints", "profiled_steps"]  # --only: nothing else ran
+    checkpoints, profiled = result["sections"]["checkpoints"], result["sections"]["profiled_steps"]
+    assert checkpoints["status"] == "error" and one_line(checkpoints["reason"])
+    assert "InjectedFailure: checkpoints failed on purpose" in checkpoints["reason"]
+    assert profiled["status"] == "ok" and profiled["profiled_steps"] == [2, 4, 6]
+    assert "sections that failed: checkpoints" in failed.stdout
 
 
 @pytest.mark.slow
@@ -190,11 +192,11 @@ def test_only_reruns_one_section_into_an_existing_result(runs):
         f"{os.path.relpath(path)} exists; pass --overwrite to replace it, or --out PATH to write elsewhere"]
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert [line for line in rerun.stdout.splitlines() if line.startswith("== ")] == [
-        "== probe (limit 300 s)", "== kernels (limit 900 s)"]
+        "== probe (limit 300 s)", "== checkpoints (limit 900 s)"]
     after = json.loads(path.read_text())
-    assert after["sections"]["kernels"]["status"] == "ok" and after["sections"]["kernels"]["attention"]
-    assert after["sections"]["checkpoints"] == before["sections"]["checkpoints"]  # kept as it was
-    assert "--overwrite" in after["sections"]["kernels"]["command"]
+    assert after["sections"]["checkpoints"]["status"] == "ok" and len(after["sections"]["checkpoints"]["sizes"]) == 2
+    assert after["sections"]["profiled_steps"] == before["sections"]["profiled_steps"]  # kept as it was
+    assert "--overwrite" in after["sections"]["checkpoints"]["command"]
 
 
 def test_dry_run_without_out_writes_into_a_new_temporary_directory(tmp_path):
