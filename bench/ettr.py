@@ -109,9 +109,30 @@ def consequences(events: list[dict]) -> list[dict]:
             row.update(detected_s=flagged and (flagged["time"] - drill["time"] if drill["drill"] == "slow"
                                                else flagged["latency_s"]),
                        resumed_s=resumed and resumed["since_fault_s"], steps_lost=lost,
-                       cause=fault and fault["cause"])
+                       cause=fault and fault["cause"],
+                       # the restart's anatomy: fault -> relaunched (detection, diagnostics, teardown),
+                       # then the launch -> every rank beating, restored, compiled (supervisor events)
+                       relaunched_s=resumed and resumed.get("relaunched_after_fault_s"),
+                       restart_phases_s=resumed and resumed.get("phases_s"))
         row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
+    return out
+
+
+def undrilled_faults(events: list[dict]) -> list[dict]:
+    """Faults no drill caused (`consequences` takes the first fault after each drill): a false
+    alarm or a real fault of the machine; each with what it cost, fault to training resumed."""
+    out, drilled_since = [], False
+    for i, e in enumerate(events):
+        if e["kind"] == "drill":
+            drilled_since = True
+        elif e["kind"] == "fault":
+            if drilled_since:
+                drilled_since = False
+                continue
+            resumed = next((r for r in events[i + 1:] if r["kind"] == "resumed"), None)
+            out.append({"cause": e["cause"], "rank": e["rank"], "step": e["step"], "detail": e.get("detail"),
+                        "resumed_s": resumed and resumed["since_fault_s"]})
     return out
 
 
@@ -126,17 +147,19 @@ def per_kind(rows: list[dict]) -> dict:
             values = [r[key] for r in mine if r.get(key) is not None]
             return statistics.median(values) if values else None
 
-        table[kind] = {"n": len(mine), "detected_s": median("detected_s"), "resumed_s": median("resumed_s"),
-                       "steps_lost": median("steps_lost")}
+        table[kind] = {"n": len(mine), "detected_s": median("detected_s"), "relaunched_s": median("relaunched_s"),
+                       "resumed_s": median("resumed_s"), "steps_lost": median("steps_lost")}
     return table
 
 
 def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict], step_s: float) -> dict:
     """Where the wall time that was not productive went, in seconds and as a share of the wall:
     start-up (launch to the first step), checkpoint blocking (every save, rank 0's), recovery
-    (each fault to training resumed: detection, diagnostics, restart, restore, compilation),
+    (each drill's fault to training resumed: detection, diagnostics, restart, restore,
+    compilation), the same for faults no drill caused (`undrilled_faults`),
     redone steps (steps lost x the median step) and the rest (the slow steps of a straggler
-    before its eviction, NaN replays, shutdown; negative when the estimates overlap)."""
+    before its eviction, NaN replays, shutdown; negative when the estimates overlap). Recovery is
+    split too: before the relaunch (detection, diagnostics, stopping the workers) and after it."""
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     started = next((e for e in events if e["kind"] == "started"), None)
     saves_path = os.path.join(run_dir, "checkpoints.jsonl")
@@ -144,10 +167,12 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     parts = {"startup_s": started["time"] - start if started else None,
              "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
              "recovery_s": sum(r.get("resumed_s") or 0.0 for r in rows),
+             "undrilled_faults_s": sum(f["resumed_s"] or 0.0 for f in undrilled_faults(events)),
              "redone_steps_s": sum(r.get("steps_lost") or 0 for r in rows) * step_s}
     parts["other_s"] = wall - busy - sum(v or 0.0 for v in parts.values())
     return {**parts, "share_of_wall": {k.removesuffix("_s"): None if v is None else v / wall
                                        for k, v in {"productive_s": busy, **parts}.items()},
+            "recovery_before_relaunch_s": sum(r.get("relaunched_s") or 0.0 for r in rows),
             "checkpoints": len(saves), "checkpoint_block_s_median": statistics.median(s["block_s"] for s in saves)
             if saves else None}
 
@@ -259,6 +284,7 @@ def main():
         "wall_s": wall, "productive_s": busy, "ettr": busy / wall, "faults_fired": len(rows),
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
+        "undrilled_faults": undrilled_faults(events),
         "budget": budget(run_dir, start, wall, busy, rows, statistics.median(r["step_time_s"] for r in records)),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None,
@@ -272,7 +298,8 @@ def main():
     print("  where the wall went: " + ", ".join(f"{k} {v:.1%}" for k, v in result["budget"]["share_of_wall"].items()
                                                 if v is not None), flush=True)
     for kind, row in result["per_kind"].items():
-        print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, resumed {row['resumed_s']} s, "
+        print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, relaunched {row['relaunched_s']} s, "
+              f"resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
     print(f"wrote {write_result('ettr_cpu', result, args.out, args.overwrite)}")
 

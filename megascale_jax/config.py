@@ -192,6 +192,9 @@ class SupervisorConfig:
 
     heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
+    # A step is stalled once it has taken this many times the rank's recent median step (if that is
+    # longer than hang_timeout_s): a slow phase or a model with long steps is no stall.
+    stall_steps: float = 5.0
     max_restarts: int = 3  # recoveries before the driver gives up with a report
     straggler_check_s: float = 10.0  # the driver runs the straggler statistic on the timings this often (0 = never)
     evict_stragglers: bool = False  # a flagged straggler is a fault: its slot is excluded, a spare takes over
@@ -447,6 +450,7 @@ def validate(cfg: Config, planning: bool = False) -> None:
     require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
     sv, ob = cfg.supervisor, cfg.observe
     require(sv.heartbeat_s > 0, f"supervisor.heartbeat_s={sv.heartbeat_s} must be > 0")
+    require(sv.stall_steps > 1, f"supervisor.stall_steps={sv.stall_steps} must be > 1 (a multiple of the recent step time)")
     require(sv.hang_timeout_s > 2 * sv.heartbeat_s,
             f"supervisor.hang_timeout_s={sv.hang_timeout_s} must exceed 2 x supervisor.heartbeat_s={sv.heartbeat_s}, "
             "or every late heartbeat looks like a hang")

@@ -30,14 +30,16 @@ def run(tmp_path):
         {"time": T + 100, "kind": "drill", "drill": "kill", "rank": 2, "step": 30},
         {"time": T + 100.1, "kind": "fault", "cause": "crash", "rank": 2, "step": 30, "latency_s": 0.1},
         {"time": T + 103, "kind": "restart", "resume_step": 28, "steps_lost": 2},
-        {"time": T + 112, "kind": "resumed", "from_step": 28, "since_fault_s": 12.0},
+        {"time": T + 112, "kind": "resumed", "from_step": 28, "since_fault_s": 12.0, "relaunched_after_fault_s": 3.0,
+         "phases_s": {"initialising": 1.0, "compiling": 4.0, "training": 8.0}},
         {"time": T + 200, "kind": "drill", "drill": "slow", "rank": 1, "step": 80},
         {"time": T + 209, "kind": "straggler", "rank": 1},
         {"time": T + 209.5, "kind": "fault", "cause": "straggler", "rank": 1, "step": 84, "latency_s": 0.5},
         {"time": T + 210, "kind": "evict", "rank": 1},
         {"time": T + 210, "kind": "spare_promoted", "rank": 1},
         {"time": T + 212, "kind": "restart", "resume_step": 84, "steps_lost": 0},
-        {"time": T + 229.5, "kind": "resumed", "from_step": 84, "since_fault_s": 20.0},
+        {"time": T + 229.5, "kind": "resumed", "from_step": 84, "since_fault_s": 20.0, "relaunched_after_fault_s": 2.5,
+         "phases_s": {"initialising": 2.0, "compiling": 9.0, "training": 16.0}},
         {"time": T + 300, "kind": "drill", "drill": "nan", "rank": 0, "step": 120},
         {"time": T + 304, "kind": "nan_triage", "outcome": "transient", "step": 121},
         {"time": T + 400, "kind": "done"},
@@ -53,10 +55,12 @@ def test_each_drill_is_costed_from_its_own_events(run):
     kill, slow, nan = ettr.consequences(events)
     assert (kill["kind"], kill["detected_s"], kill["resumed_s"], kill["steps_lost"], kill["evicted"]) == \
         ("kill", 0.1, 12.0, 2, False)
+    assert kill["relaunched_s"] == 3.0 and kill["restart_phases_s"]["compiling"] == 4.0
     assert (slow["detected_s"], slow["resumed_s"], slow["steps_lost"], slow["evicted"], slow["promoted"]) == \
         (9.0, 20.0, 0, True, True)  # a straggler is detected by its `straggler` event, not the fault
     assert (nan["outcome"], nan["detected_s"], nan["steps_lost"]) == ("transient", 4.0, 0)
-    assert ettr.per_kind([kill, slow, nan])["kill"] == {"n": 1, "detected_s": 0.1, "resumed_s": 12.0, "steps_lost": 2}
+    assert ettr.per_kind([kill, slow, nan])["kill"] == {"n": 1, "detected_s": 0.1, "relaunched_s": 3.0, "resumed_s": 12.0,
+                                                    "steps_lost": 2}
 
 
 def test_the_budget_names_where_the_unproductive_wall_went(run):
@@ -70,10 +74,34 @@ def test_the_budget_names_where_the_unproductive_wall_went(run):
     assert b["share_of_wall"]["productive"] == 0.75 and b["share_of_wall"]["startup"] == 0.1
     assert sum(b["share_of_wall"].values()) == pytest.approx(1.0)
     assert (b["checkpoints"], b["checkpoint_block_s_median"]) == (4, 0.5)
+    assert b["recovery_before_relaunch_s"] == 5.5  # 3 + 2.5 of the 32 s: detection and diagnostics
 
 
 def test_a_run_without_a_started_event_or_checkpoints_still_has_a_budget(tmp_path):
     write_run(tmp_path, [{"time": T + 10, "kind": "done"}], [], [{"step": 1, "step_time_s": 1.0, "loss": 1.0}])
     b = ettr.budget(str(tmp_path), T, 10.0, 1.0, [], step_s=1.0)
     assert b["startup_s"] is None and b["share_of_wall"]["startup"] is None
-    assert (b["checkpoint_blocking_s"], b["checkpoints"], b["other_s"]) == (0.0, 0, 9.0)
+    assert (b["checkpoint_blocking_s"], b["checkpoints"], b["other_s"], b["recovery_before_relaunch_s"]) == (0.0, 0, 9.0, 0.0)
+
+
+def test_a_fault_no_drill_caused_is_costed_apart(tmp_path):
+    """A stall before the first drill (a false alarm on an overloaded host, or a real fault), then
+    a kill whose fault is the drill's, then a second fault in the same drill's window."""
+    events = [
+        {"time": T + 40, "kind": "started", "step": 1, "since_launch_s": 40.0},
+        {"time": T + 90, "kind": "fault", "cause": "stall", "rank": 0, "step": 42, "detail": "no step for 10.2s"},
+        {"time": T + 136, "kind": "resumed", "from_step": 40, "since_fault_s": 46.0},
+        {"time": T + 200, "kind": "drill", "drill": "kill", "rank": 1, "step": 100},
+        {"time": T + 200.1, "kind": "fault", "cause": "crash", "rank": 1, "step": 100, "latency_s": 0.1},
+        {"time": T + 215, "kind": "resumed", "from_step": 100, "since_fault_s": 15.0},
+        {"time": T + 250, "kind": "fault", "cause": "hang", "rank": 2, "step": 120, "detail": "silent"},
+        {"time": T + 270, "kind": "resumed", "from_step": 120, "since_fault_s": 20.0},
+        {"time": T + 300, "kind": "done"},
+    ]
+    write_run(tmp_path, events, [], [{"step": s, "step_time_s": 1.0, "loss": 1.0} for s in range(1, 201)])
+    assert [(f["cause"], f["step"], f["resumed_s"]) for f in ettr.undrilled_faults(events)] == [
+        ("stall", 42, 46.0), ("hang", 120, 20.0)]
+    rows = ettr.consequences(events)
+    assert [(r["kind"], r["cause"], r["resumed_s"]) for r in rows] == [("kill", "crash", 15.0)]
+    b = ettr.budget(str(tmp_path), T, 300.0, 200.0, rows, step_s=1.0)
+    assert (b["recovery_s"], b["undrilled_faults_s"]) == (15.0, 66.0)

@@ -6,7 +6,9 @@ else the last sign of health):
 * crash — a worker exits non-zero or by a signal (noticed within one poll). Survivors of a dead
   JAX peer abort with SIGABRT later; the first non-aborted exit is blamed.
 * hang — a worker's heartbeat stops changing for `supervisor.hang_timeout_s` (e.g. SIGSTOP).
-* stall — heartbeats go on but the step does not advance in state `training` (a stuck collective).
+* stall — heartbeats go on but the step does not advance in state `training` (a stuck collective)
+  for `hang_timeout_s`, or `supervisor.stall_steps` times the rank's recent median step if longer
+  (an overloaded host's slow phase, or a model whose steps take longer than the timeout).
 * nan_triage — the workers replay a non-finite step once themselves (training/triage.py) and
   report it in their heartbeats: finite → `transient` (logged; training goes on; a device whose
   self-test failed is a `device` fault), non-finite again → `diverged`, below.
@@ -104,6 +106,8 @@ def parse_heartbeat(raw: bytes, rank: int) -> dict | str:
 
 
 STARTUP_STATES = ("initialising", "compiling")  # bounded by the startup timeout, not the hang timeout
+START_PHASES = (*STARTUP_STATES, "training")  # in order; the `started` and `resumed` events time them
+RECENT_STEPS = 10  # the step times a stall is judged against (supervisor.stall_steps)
 
 
 class HeartbeatMonitor:
@@ -112,9 +116,10 @@ class HeartbeatMonitor:
     Times are the driver's arrival times of changed records, not the workers' clocks."""
 
     def __init__(self, client: redis.Redis, job: str, nprocs: int, hang_timeout_s: float,
-                 startup_timeout_s: float, now: float):
+                 startup_timeout_s: float, now: float, stall_steps: float = 5.0):
         self.client, self.keys = client, [heartbeat_key(job, r) for r in range(nprocs)]
-        self.hang_timeout_s, self.startup_timeout_s = hang_timeout_s, startup_timeout_s
+        self.hang_timeout_s, self.startup_timeout_s, self.stall_steps = hang_timeout_s, startup_timeout_s, stall_steps
+        self.step_times: dict[int, dict[int, float]] = {}  # rank -> step -> its time, the last RECENT_STEPS seen
         self.started = now
         self.records: dict[int, dict] = {}
         self.arrived: dict[int, float] = {}  # rank -> when its record last changed
@@ -122,6 +127,7 @@ class HeartbeatMonitor:
         self.bad: dict[int, bytes] = {}  # last malformed value warned about, per rank
         self.started_at: dict[int, int] = {}  # rank -> the step its first compiling/training beat said
         self.state_since: dict[int, tuple[str, float]] = {}  # rank -> (phase, when it began): "startup" or a state
+        self.reached: dict[str, dict[int, float]] = {s: {} for s in START_PHASES}  # phase -> rank -> first seen there or later
         self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
         self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
         self.reachable = True
@@ -153,7 +159,9 @@ class HeartbeatMonitor:
                 continue
             if record["seq"] != self.records.get(rank, {}).get("seq"):
                 self.arrived[rank] = now
+                self._track_step_time(rank, record)
                 self._track_progress(rank, record, now)
+                self._track_start(rank, record["state"], now)
                 phase = "startup" if record["state"] in STARTUP_STATES else record["state"]
                 if self.state_since.get(rank, ("",))[0] != phase:
                     self.state_since[rank] = (phase, now)
@@ -164,6 +172,35 @@ class HeartbeatMonitor:
         """The step training (re)started from, once some rank finished a step past it."""
         advanced = [self.started_at[r] for r, (_, _, a) in self.step_since.items() if a and r in self.started_at]
         return min(advanced) if advanced else None
+
+    def _track_step_time(self, rank: int, record: dict) -> None:
+        took = record.get("last_step_time_s")
+        if record["state"] == "training" and isinstance(took, (int, float)) and took > 0:
+            times = self.step_times.setdefault(rank, {})
+            times[record["step"]] = float(took)
+            for step in sorted(times)[:-RECENT_STEPS]:
+                del times[step]
+
+    def stall_limit(self, rank: int) -> float:
+        """How long a step may take before it is a stall: hang_timeout_s, or stall_steps times the
+        rank's median step over its last RECENT_STEPS (heartbeat samples), whichever is longer."""
+        times = sorted(self.step_times.get(rank, {}).values())
+        median = times[len(times) // 2] if times else 0.0
+        return max(self.hang_timeout_s, self.stall_steps * median)
+
+    def _track_start(self, rank: int, state: str, now: float) -> None:
+        # A phase shorter than a beat interval is never seen: a later state implies the earlier ones.
+        later = START_PHASES.index(state) if state in START_PHASES else len(START_PHASES) - 1
+        for phase in START_PHASES[:later + 1]:
+            self.reached[phase].setdefault(rank, now)
+
+    def start_phases(self) -> dict[str, float | None]:
+        """Seconds from the attempt's launch until the last rank reached each start-up phase
+        (`initialising`: every rank joined and beats; `compiling`: restored; `training`: compiled),
+        None while some rank has not: where a restart's time goes."""
+        n = len(self.keys)
+        return {phase: round(max(by_rank.values()) - self.started, 2) if len(by_rank) == n else None
+                for phase, by_rank in self.reached.items()}
 
     def first_step_done(self) -> bool:
         """Some rank reported a step past the one it started from (however short the job: unlike
@@ -220,10 +257,10 @@ class HeartbeatMonitor:
                              f"heartbeat (startup timeout {self.startup_timeout_s:.0f}s)", since, now)
             step, since, advanced = self.step_since[rank]
             # The first step after (re)compiling may be slow: until a step finished, allow the startup time.
-            limit = self.hang_timeout_s if advanced else self.startup_timeout_s
+            limit = self.stall_limit(rank) if advanced else self.startup_timeout_s
             if self.records[rank]["state"] == "training" and now - since > limit:
                 stalled.append(Fault("stall", rank, f"heartbeats continue but step {step} has not advanced for "
-                                     f"{now - since:.1f}s", since, now))
+                                     f"{now - since:.1f}s (limit {limit:.1f}s)", since, now))
         if not stalled:
             return None
         # A stopped rank (SIGSTOP) loses its heartbeats and its steps together, but a peer's stall
@@ -366,7 +403,7 @@ class Supervisor:
                             header=f"attempt {attempt}, job {job_id}, slots {self.placement.active}",
                             pool=self.pool, slots=self.placement.active)
         monitor = HeartbeatMonitor(self.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
-                                   time.time())
+                                   time.time(), sv.stall_steps)
         self.drill_at, alive_at, fault, forwarded, started = None, time.time(), None, False, False
         self.attempt_started = time.time()
         self.progress_printed = None
@@ -400,13 +437,14 @@ class Supervisor:
                     started = True
                     since = now - self.attempt_started
                     self.events.log("started", f"training started, {since:.1f}s after the launch", step=monitor.max_step,
-                                    since_launch_s=since)
+                                    since_launch_s=since, phases_s=monitor.start_phases())
                 if resume_step is not None and (start := monitor.resumed_from()) is not None:
                     since = now - self.faults[-1].at
                     fallback = f" (checkpoint {resume_step} was unreadable)" if start < resume_step else ""
                     self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
                                     "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
-                                    restarts=attempt)
+                                    restarts=attempt, relaunched_after_fault_s=self.attempt_started - self.faults[-1].at,
+                                    phases_s=monitor.start_phases())
                     resume_step = None
                 if monitor.resumed_from() is not None:  # training again: the CPU can spare the imports
                     self.pool.refill(self.placement.active + self.placement.spares)

@@ -40,8 +40,8 @@ def client(server):
     return redis.Redis.from_url(server.url)
 
 
-def beat(client, job, rank, seq, step, state="training"):
-    record = {"rank": rank, "pid": 1, "host": "h", "seq": seq, "time": 0.0, "state": state, "step": step}
+def beat(client, job, rank, seq, step, state="training", **fields):
+    record = {"rank": rank, "pid": 1, "host": "h", "seq": seq, "time": 0.0, "state": state, "step": step, **fields}
     client.set(heartbeat_key(job, rank), json.dumps(record))
 
 
@@ -83,6 +83,34 @@ def test_monitor_tells_a_stall_from_a_hang(client):
     assert monitor.check(9.5, finished={1}) is None  # an exited rank is judged by its exit code
     fault = monitor.check(15.0, finished={1})
     assert (fault.cause, fault.rank, fault.at) == ("hang", 0, 9.5)
+
+
+def test_a_stall_is_judged_against_the_recent_step_time_when_it_is_longer_than_the_timeout(client):
+    """Steps of 1 s, then a slow phase of 3 s steps (an overloaded host: once in the ETTR drill,
+    steps of 3-5 s, then one of 10.2 s, called a stall at the 10 s timeout). The limit is
+    max(hang_timeout_s, stall_steps x the median of the last 10 steps): 5 s while steps take 1 s,
+    15 s once they take 3 s. A genuinely stuck step is still a stall, at that limit."""
+    job = "slow-phase"
+    monitor = HeartbeatMonitor(client, job, 1, hang_timeout_s=5, startup_timeout_s=60, now=0.0, stall_steps=5)
+    t, seq = 0.0, 0
+    for step, took in [*((s, 1.0) for s in range(1, 11)), *((s, 3.0) for s in range(11, 21))]:
+        t += took
+        beat(client, job, 0, seq, step, last_step_time_s=took)
+        seq += 1
+        monitor.poll(t)
+        assert monitor.check(t, finished=set()) is None
+        if step == 10:
+            assert monitor.stall_limit(0) == 5.0  # the timeout: 5 x 1 s is no longer
+    assert monitor.stall_limit(0) == 15.0
+    for dt in (2.0, 6.0, 10.5, 14.5):  # step 21 takes long; heartbeats go on
+        beat(client, job, 0, seq, 20, last_step_time_s=3.0)
+        seq += 1
+        monitor.poll(t + dt)
+        assert monitor.check(t + dt, finished=set()) is None, dt  # past the 5 s timeout, within 15 s
+    beat(client, job, 0, seq, 20, last_step_time_s=3.0)
+    monitor.poll(t + 15.5)
+    fault = monitor.check(t + 15.5, finished=set())
+    assert (fault.cause, fault.rank, fault.at) == ("stall", 0, t) and "limit 15.0s" in fault.detail
 
 
 def test_a_stopped_rank_is_a_hang_even_when_its_peers_stall_clock_runs_out_first(client):
@@ -232,7 +260,11 @@ def test_kill_9_is_detected_and_recovered_from_the_checkpoint(drilled):
     assert diagnosis["faulty"] == {}  # a killed process leaves healthy hardware behind
     restart, rest = after(rest, "restart")
     assert restart["resume_step"] % 4 == 0 and restart["steps_lost"] == fault["step"] - restart["resume_step"]
-    after(rest, "resumed")
+    resumed, _ = after(rest, "resumed")
+    phases = resumed["phases_s"]  # the restart's anatomy: relaunched, joined, restored, compiled, first step
+    assert 0 < resumed["relaunched_after_fault_s"] < resumed["since_fault_s"]
+    assert 0 < phases["initialising"] <= phases["compiling"] <= phases["training"] \
+        <= resumed["since_fault_s"] - resumed["relaunched_after_fault_s"] + 0.01, resumed
     assert "[supervisor] fault: crash of rank 1 (killed by SIGKILL)" in stdout
 
 
@@ -340,6 +372,9 @@ def test_a_fault_free_job_says_when_training_started_and_when_it_was_done(refere
     assert [e["kind"] for e in log] == ["started", "done"], log
     started = log[0]
     assert started["step"] >= 1 and started["since_launch_s"] > 0 and started["time"] <= log[1]["time"]
+    phases = started["phases_s"]
+    assert list(phases) == ["initialising", "compiling", "training"], phases
+    assert 0 < phases["initialising"] <= phases["compiling"] <= phases["training"] <= started["since_launch_s"] + 0.01
 
 
 @pytest.mark.slow
@@ -603,6 +638,24 @@ def test_the_first_step_is_seen_from_one_beat_past_the_start(client):
     beat(client, job, 0, 1, 13, "checkpointing")  # one beat, already past its start
     monitor.poll(3.0)
     assert monitor.first_step_done() and monitor.resumed_from() is None
+
+
+def test_start_phases_are_when_the_last_rank_reached_each(client):
+    """A phase a rank passed between two beats counts as reached when a later one is seen."""
+    job = "phases"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=30, now=100.0)
+    beat(client, job, 0, 0, 0, "initialising")
+    monitor.poll(101.0)
+    assert monitor.start_phases() == {"initialising": None, "compiling": None, "training": None}
+    beat(client, job, 1, 0, 0, "initialising")
+    beat(client, job, 0, 1, 0, "compiling")
+    monitor.poll(102.5)
+    assert monitor.start_phases() == {"initialising": 2.5, "compiling": None, "training": None}
+    beat(client, job, 1, 1, 0, "training")  # rank 1 compiled between two beats
+    monitor.poll(104.0)
+    beat(client, job, 0, 2, 1, "checkpointing")  # rank 0 trained, then saves
+    monitor.poll(106.0)
+    assert monitor.start_phases() == {"initialising": 2.5, "compiling": 4.0, "training": 6.0}
 
 
 def test_a_raised_loop_defers_to_a_peer_that_exits_a_moment_later():
