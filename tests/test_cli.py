@@ -82,6 +82,7 @@ ERROR_CASES = [
     ("kv-heads-vs-tp", ["model.heads=6", "model.kv_heads=3", "model.d_model=96"], None,
      ["model.kv_heads=3", "mesh.tp=2", "divide one another"]),
     ("layers-vs-pp", ["model.layers=3", "mesh.pp=2", "mesh.dp=2"], None, ["model.layers=3", "mesh.pp"]),
+    ("stall-steps-not-a-multiple", ["supervisor.stall_steps=1"], None, ["supervisor.stall_steps=1.0", "> 1"]),
     ("layers-vs-pp-virtual", ["mesh.pp=2", "mesh.dp=2", "parallel.pp_schedule=interleaved_1f1b",
                               "parallel.pp_virtual=4", "parallel.microbatches=2"], None, ["model.layers=4", "pp_virtual"]),
     ("1f1b-too-few-microbatches", ["mesh.pp=2", "mesh.dp=2", "parallel.microbatches=1"], None,
