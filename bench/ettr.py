@@ -271,6 +271,7 @@ def main():
     run_dir = os.path.join(work, "drilled")
     start, wall = launch(run_dir, args.nprocs, job, drills, args.spares)
     busy, records = productive(run_dir)
+    step_s_median = statistics.median(r["step_time_s"] for r in records)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     rows = consequences(events)
     shrunk = any(e["kind"] == "shrink" for e in events)
@@ -279,13 +280,13 @@ def main():
         "minutes": args.minutes, "nprocs": args.nprocs, "spares": args.spares, "fault_every_s": list(args.fault_every),
         "seed": args.seed, "steps": steps, "step_s_planned": step_s,
         "step_s_planned_from": "calibration" if args.step_s is None else "--step-s",
-        "step_s_median": statistics.median(r["step_time_s"] for r in records), "checkpoint_every_steps": every,
+        "step_s_median": step_s_median, "checkpoint_every_steps": every,
         "config": MODEL + job, "drills": drills,
         "wall_s": wall, "productive_s": busy, "ettr": busy / wall, "faults_fired": len(rows),
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
         "undrilled_faults": undrilled_faults(events),
-        "budget": budget(run_dir, start, wall, busy, rows, statistics.median(r["step_time_s"] for r in records)),
+        "budget": budget(run_dir, start, wall, busy, rows, step_s_median),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None,
         "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,

@@ -35,6 +35,7 @@ import dataclasses
 import json
 import os
 import signal
+import statistics
 import time
 
 import redis
@@ -184,9 +185,9 @@ class HeartbeatMonitor:
     def stall_limit(self, rank: int) -> float:
         """How long a step may take before it is a stall: hang_timeout_s, or stall_steps times the
         rank's median step over its last RECENT_STEPS (heartbeat samples), whichever is longer."""
-        times = sorted(self.step_times.get(rank, {}).values())
-        median = times[len(times) // 2] if times else 0.0
-        return max(self.hang_timeout_s, self.stall_steps * median)
+        times = self.step_times.get(rank)
+        return max(self.hang_timeout_s, self.stall_steps * statistics.median(times.values())) if times \
+            else self.hang_timeout_s
 
     def _track_start(self, rank: int, state: str, now: float) -> None:
         # A phase shorter than a beat interval is never seen: a later state implies the earlier ones.
