@@ -203,10 +203,13 @@ class HeartbeatMonitor:
         return {phase: round(max(by_rank.values()) - self.started, 2) if len(by_rank) == n else None
                 for phase, by_rank in self.reached.items()}
 
-    def first_step_done(self) -> bool:
-        """Some rank reported a step past the one it started from (however short the job: unlike
-        `resumed_from`, no two beats in state `training` are needed)."""
-        return any(r in self.started_at and record["step"] > self.started_at[r] for r, record in self.records.items())
+    def first_step_from(self) -> int | None:
+        """The step this attempt started from, once some rank reported a step past it (however
+        short the job: unlike `resumed_from`, no two beats in state `training` are needed; a job
+        that resumes and finishes between two beats shows it only in its `done` beat)."""
+        past = [self.started_at[r] for r, record in self.records.items()
+                if r in self.started_at and record["step"] > self.started_at[r]]
+        return min(past) if past else None
 
     def _track_progress(self, rank: int, record: dict, now: float) -> None:
         """Progress counts in state `training` only: the jump to the resume step while
@@ -429,24 +432,14 @@ class Supervisor:
                     fault = self._exit_fault(failed, alive_at, now)
                     return fault, monitor.max_step
                 if len(codes) == nprocs:
+                    if monitor.poll(now):  # their last beats: a short attempt's only sign of a step
+                        started, resume_step = self._log_start(monitor, now, attempt, started, resume_step)
                     return None, monitor.max_step
                 alive_at = now
                 self._keep_redis_alive(monitor, now)
                 if not monitor.poll(now):
                     continue
-                if attempt == 0 and not started and monitor.first_step_done():
-                    started = True
-                    since = now - self.attempt_started
-                    self.events.log("started", f"training started, {since:.1f}s after the launch", step=monitor.max_step,
-                                    since_launch_s=since, phases_s=monitor.start_phases())
-                if resume_step is not None and (start := monitor.resumed_from()) is not None:
-                    since = now - self.faults[-1].at
-                    fallback = f" (checkpoint {resume_step} was unreadable)" if start < resume_step else ""
-                    self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
-                                    "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
-                                    restarts=attempt, relaunched_after_fault_s=self.attempt_started - self.faults[-1].at,
-                                    phases_s=monitor.start_phases())
-                    resume_step = None
+                started, resume_step = self._log_start(monitor, now, attempt, started, resume_step)
                 if monitor.resumed_from() is not None:  # training again: the CPU can spare the imports
                     self.pool.refill(self.placement.active + self.placement.spares)
                 self._note_heartbeats_back(monitor, set(codes), now)
@@ -466,6 +459,28 @@ class Supervisor:
             if fault is not None and fault.rank is not None:
                 fault.log_tail = group.log_tail(fault.rank)
                 fault.error = group.last_error(fault.rank)
+
+    def _log_start(self, monitor: HeartbeatMonitor, now: float, attempt: int, started: bool,
+                   resume_step: int | None) -> tuple[bool, int | None]:
+        """The `started` event (attempt 0) or `resumed` event (after a fault), once some rank
+        finished a step; returns the updated (started, resume_step still awaited)."""
+        start = monitor.first_step_from()
+        if start is None:
+            return started, resume_step
+        if attempt == 0 and not started:
+            started = True
+            since = now - self.attempt_started
+            self.events.log("started", f"training started, {since:.1f}s after the launch", step=monitor.max_step,
+                            since_launch_s=since, phases_s=monitor.start_phases())
+        if resume_step is not None:
+            since = now - self.faults[-1].at
+            fallback = f" (checkpoint {resume_step} was unreadable)" if start < resume_step else ""
+            self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
+                            "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
+                            restarts=attempt, relaunched_after_fault_s=self.attempt_started - self.faults[-1].at,
+                            phases_s=monitor.start_phases())
+            resume_step = None
+        return started, resume_step
 
     def _log_worker_events(self, monitor: HeartbeatMonitor) -> Fault | None:
         """The workers' own events (heartbeat `events`), each logged once: every process reports
