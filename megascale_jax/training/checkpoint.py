@@ -14,9 +14,9 @@ Each checkpoint is an ordinary orbax composite with three items:
   notice a flipped bit in a data file, so restore recomputes them and rejects a mismatch. Batches
   are a pure function of (seed, step), so a checkpoint restored on another number of processes
   (no `data` file for this process) resumes the data from `meta.data_step`.
-The checksums were a fourth item, an array tree, until 2026-11-24: its 63 scalar arrays cost a
-third of a save's blocking time at 4 processes (0.63 s -> 0.39 s median per save, tiny 4-layer
-model, 2-core CPU); checkpoints written that way still restore.
+The checksums were a fourth item, a tree of scalar arrays, until 2026-11-24: one small
+tensorstore write (and read) per array, which lengthened every save's blocking part; checkpoints
+written that way still restore.
 With `checkpoint.single_replica_restore=true` only the processes of dp replica 0 read arrays
 that are replicated over dp and broadcast them to the other replicas (orbax's
 `SingleReplicaArrayHandler`, replica axis = dp), so N replicas do not read N copies from
@@ -124,8 +124,7 @@ class Checkpointer:
         start = time.perf_counter()
         finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
         meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
-                "config": self.cfg.to_dict()}
-        meta["checksums"] = _flat(jax.device_get(self._checksums(state)))
+                "config": self.cfg.to_dict(), "checksums": _flat(jax.device_get(self._checksums(state)))}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                                   meta=ocp.args.JsonSave(meta))
@@ -216,7 +215,7 @@ class Checkpointer:
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, meta); meta["data_state"] is the data iterator state to continue from."""
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._meta(step)
         except Exception as e:
             raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
         self._check_compatible(step, meta)
@@ -225,11 +224,10 @@ class Checkpointer:
         try:
             expected = self._saved_checksums(step, meta, abstract_state)
             if self.cfg.checkpoint.single_replica_restore:
-                restored = {"state": self._restore_single_replica(step, abstract_state)}
+                state = self._restore_single_replica(step, abstract_state)
             else:
-                restored = {"state": self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state)))["state"]}
-            restored["checksums"] = expected
+                state = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:
             raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
         if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
@@ -238,9 +236,9 @@ class Checkpointer:
             print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
                   f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
                   file=sys.stderr, flush=True)
-        _verify(restored["state"], restored["checksums"])
+        _verify(state, expected)
         self.manager.reload()
-        return restored["state"], meta
+        return state, meta
 
     def restore_params(self, step: int, abstract_state):
         """Only the parameters of checkpoint `step` (the optimizer state is not read), placed per
@@ -252,7 +250,7 @@ class Checkpointer:
         restore_args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(sharding=a.sharding),
                                     item)
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self._meta(step)
             with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
                 params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
                     item=item, restore_args=restore_args)).params
@@ -261,6 +259,9 @@ class Checkpointer:
             raise CorruptCheckpoint(_describe_read_error(e, path)) from None
         _verify(params, expected, prefix=".params")
         return params
+
+    def _meta(self, step: int) -> dict:
+        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
     def _saved_checksums(self, step: int, meta: dict, abstract_state) -> dict[str, int]:
         """{path: checksum} as saved: in `meta` (since 2026-11-24), or the `checksums` item of
