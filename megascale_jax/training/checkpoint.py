@@ -24,7 +24,8 @@ storage; arrays sharded over dp (ZeRO-1 moments) are read once anyway, each repl
 Every process reports the bytes it read (`/proc/self/io` rchar) in one line.
 
 A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
-`<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried.
+`<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried. A bug in
+the reading code (PROGRAMMING_ERRORS) is not damage: it propagates and nothing is moved.
 """
 
 from __future__ import annotations
@@ -48,6 +49,13 @@ from megascale_jax.run_dir import committed_steps
 # Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
 _SHAPE_SECTIONS = ("model",)
 _SHAPE_KEYS = {"optim": ("name",)}
+
+
+# Exceptions that mean the code reading a checkpoint is wrong (ours, or orbax as we call it), not
+# the files: taken for corruption, they would move every good checkpoint aside one restart after
+# another. They propagate as they are; damaged files raise OSError, ValueError or tensorstore's
+# errors (checked by the damage tests).
+PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
 
 
 @jax.jit
@@ -216,6 +224,8 @@ class Checkpointer:
         """(state, meta); meta["data_state"] is the data iterator state to continue from."""
         try:
             meta = self._meta(step)
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as e:
             raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
         self._check_compatible(step, meta)
@@ -228,6 +238,8 @@ class Checkpointer:
             else:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as e:
             raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
         if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
@@ -255,6 +267,8 @@ class Checkpointer:
                 params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
                     item=item, restore_args=restore_args)).params
             expected = self._saved_checksums(step, meta, abstract_state)
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as e:
             raise CorruptCheckpoint(_describe_read_error(e, path)) from None
         _verify(params, expected, prefix=".params")
@@ -310,6 +324,8 @@ class Checkpointer:
         holder = _IteratorState()
         try:
             self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
+        except PROGRAMMING_ERRORS:
+            raise
         except Exception as e:
             raise CorruptCheckpoint(f"data iterator: {_one_line(e)}") from None
         if holder.state.get("next_index") != meta["data_step"]:

@@ -221,6 +221,29 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
     assert "error" not in ckpt.close()[0]
 
 
+@pytest.mark.parametrize("error", [TypeError, AttributeError])
+@pytest.mark.parametrize("reader", ["Checkpointer._saved_checksums", "_IteratorState.set_state"])
+def test_a_programming_error_in_restore_propagates_and_moves_nothing_aside(tmp_path, monkeypatch, error, reader):
+    """A bug in the code that reads a checkpoint is not damage to the files: before, it was taken
+    for corruption and every good checkpoint was moved aside, one restart after another."""
+    cfg = tiny_cfg()
+    mesh = make_mesh(cfg.mesh)
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
+    for step in (1, 2):
+        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
+    ckpt.close()
+
+    def bug(*args, **kwargs):
+        raise error("a bug, not damage")
+    monkeypatch.setattr(getattr(checkpoint, reader.split(".")[0]), reader.split(".")[1], bug)
+    warnings = []
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=warnings.append)
+    with pytest.raises(error, match="a bug, not damage"):
+        ckpt.restore_latest(abstract(tiny_state(mesh, 0)))
+    assert not warnings and sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+    assert run_dirs.committed_steps(str(tmp_path)) == [1, 2]
+
+
 def test_data_iterator_state_is_saved_by_grain_and_checked_against_meta(tmp_path):
     """grain's orbax handler writes one file per process; a state that disagrees with the
     checkpoint's step is corruption (falls back), and a checkpoint without this process's file
