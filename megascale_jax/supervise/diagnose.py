@@ -37,7 +37,7 @@ from megascale_jax.cluster import rendezvous
 from megascale_jax.cluster.self_test import device_self_test, fastest_seconds
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
-from megascale_jax.supervise.workers import WorkerGroup, per_process_overrides, worker_env
+from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, per_process_overrides, worker_env
 
 AXES = ("dp", "pp", "tp")
 FAULT_ENV = "MEGASCALE_DIAG_FAULT"
@@ -109,6 +109,17 @@ def _allreduce_bandwidth(mesh, axis: str, reps: int = 3) -> dict:
     return {"allreduce_ms": seconds * 1e3, "busbw_gbps": 2 * (n - 1) / n * BANDWIDTH_BYTES / seconds / 1e9}
 
 
+def warm_up() -> None:
+    """What a diagnostics worker imports only once it runs, imported ahead by a warm standby
+    process (cluster/standby.py; the supervisor keeps one per active slot), so that diagnostics
+    after a fault pay for no imports (`python bench/diagnose.py`). The backend is not started:
+    the device count is still free."""
+    import jax.numpy  # noqa: F401
+    import jax.sharding  # noqa: F401
+
+    import megascale_jax.parallel.mesh  # noqa: F401
+
+
 def worker_main(args) -> int:
     """One diagnostics process: join, test, write the result to Redis."""
     import jax
@@ -122,7 +133,7 @@ def worker_main(args) -> int:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(member.coordinator, args.num_processes, member.rank)
     corrupt = os.environ.get(FAULT_ENV) == str(member.rank)
-    result = {"rank": member.rank, "host": socket.gethostname(), "self_test": device_self_test(),
+    result = {"rank": member.rank, "host": socket.gethostname(), "pid": os.getpid(), "self_test": device_self_test(),
               "axes": collective_checks(make_mesh(cfg.mesh), corrupt)}
     rendezvous.connect(args.redis).set(rendezvous.key(args.job, "diag", member.rank), json.dumps(result),
                                        ex=rendezvous.KEY_TTL_S)
@@ -188,16 +199,22 @@ def _verdict(check: dict) -> str:
 
 
 def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_dir: str,
-        timeout_s: float = 180.0, grace_s: float = 15.0) -> Report:
-    """Run the checks on `nprocs` processes (`args`: --config and per-process overrides)."""
+        timeout_s: float = 180.0, grace_s: float = 15.0, pool: StandbyPool | None = None,
+        slots: list[int] | None = None) -> Report:
+    """Run the checks on `nprocs` processes (`args`: --config and per-process overrides); with a
+    `pool` of warm processes (module megascale_jax.supervise.diagnose), rank i runs in slot
+    `slots[i]`'s."""
     start = time.time()
     group = WorkerGroup("megascale_jax.diagnose", ["--worker", "--redis", redis_url, "--job", job,
                                                    "--num-processes", str(nprocs), *args],
-                        nprocs, env, log_dir, "diagnose", header=f"diagnostics, job {job}")
+                        nprocs, env, log_dir, "diagnose", header=f"diagnostics, job {job}", pool=pool, slots=slots)
+    client = rendezvous.connect(redis_url, timeout_s=1.0)
     try:
         # A rank that fails leaves its peers blocked in a collective: give them `grace_s`, not the full timeout.
         first_failure = None
         while len(group.exit_codes()) < nprocs and time.time() - start < timeout_s:
+            if _all_reported(client, job, nprocs):
+                break  # their exits (jax's distributed shutdown) would add ~0.8 s; stop() kills them
             if first_failure is None and any(group.exit_codes().values()):
                 first_failure = time.time()
             if first_failure is not None and time.time() - first_failure > grace_s:
@@ -207,6 +224,13 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
     finally:
         group.stop()  # its workers run in their own sessions: nothing else would stop them
     return collect(redis_url, job, nprocs, exits, start)
+
+
+def _all_reported(client: redis.Redis, job: str, nprocs: int) -> bool:
+    try:
+        return client.exists(*[rendezvous.key(job, "diag", r) for r in range(nprocs)]) == nprocs
+    except redis.RedisError:
+        return False  # read again by collect(), which reports the error
 
 
 def collect(redis_url: str, job: str, nprocs: int, exits: dict[int, int] | None = None,

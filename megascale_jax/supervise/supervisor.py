@@ -53,6 +53,7 @@ from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
 log = get_logger("supervise", tag="[supervisor] ")
 rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
 
+DIAGNOSE_MODULE = "megascale_jax.supervise.diagnose"  # its main(argv) runs one diagnostics worker too
 PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see _peer_exit)
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
@@ -324,6 +325,7 @@ class Supervisor:
         self.devices_per_process = cfg.mesh.size // job.nprocs
         self.attempt_started = 0.0  # wall time the current attempt started
         self.pool: StandbyPool | None = None  # warm worker processes, one per slot, while running
+        self.diagnose_pool: StandbyPool | None = None  # warm diagnostics processes, one per active slot
 
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
@@ -340,10 +342,14 @@ class Supervisor:
         """0 when training finished, 1 when the driver gave up (report printed), 128 + signal when
         stopped by a signal."""
         self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs + self.job.spares)
+        # Warm diagnostics processes for the active slots, started once training runs (refill):
+        # at launch they would take the CPU from the workers' own start-up.
+        self.diagnose_pool = StandbyPool(DIAGNOSE_MODULE, self.job.env, 0)
         try:
             return self._run()
         finally:
             self.pool.close()
+            self.diagnose_pool.close()
 
     def _run(self) -> int:
         sv = self.job.cfg.supervisor
@@ -442,6 +448,8 @@ class Supervisor:
                 started, resume_step = self._log_start(monitor, now, attempt, started, resume_step)
                 if monitor.resumed_from() is not None:  # training again: the CPU can spare the imports
                     self.pool.refill(self.placement.active + self.placement.spares)
+                    if self.job.diagnose_args is not None:
+                        self.diagnose_pool.refill(self.placement.active)
                 self._note_heartbeats_back(monitor, set(codes), now)
                 self._print_progress(monitor)
                 self._fire_drill(group, monitor, now)
@@ -631,7 +639,8 @@ class Supervisor:
         env = {**self.job.env, **self.drills.diagnosis_env(self.placement)}
         report = diagnose.run([*self.job.diagnose_args, *self._shape_overrides()], self.shape.nprocs,
                               self.redis_url, f"{self.job.job_id}-diag{restarts}", env,
-                              run_dirs.logs_dir(self.job.run_dir))
+                              run_dirs.logs_dir(self.job.run_dir), pool=self.diagnose_pool,
+                              slots=self.placement.active)
         log.info("diagnostics:\n" + report.table())
         faulty = report.faulty()
         verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"

@@ -427,6 +427,31 @@ def test_diagnose_names_the_rank_whose_collectives_are_wrong(tmp_path):
     assert np.all([line.split()[2] == "ok" for line in healthy.stdout.splitlines()[1:3]])
 
 
+def test_diagnostics_in_warm_standby_processes_name_the_faulty_rank(tmp_path):
+    """The supervisor's diagnostics run in processes that imported jax while standing by: rank i
+    in slot slots[i]'s process, the fault injected through the environment the command line
+    brings (not the one the process was started with), the device count still free to set."""
+    from megascale_jax.config import load_config
+    from megascale_jax.supervise import diagnose
+    from megascale_jax.supervise.redis_server import EmbeddedRedis
+    from megascale_jax.supervise.supervisor import DIAGNOSE_MODULE
+    from megascale_jax.supervise.workers import StandbyPool, per_process_overrides, worker_env
+
+    env = worker_env()
+    pool = StandbyPool(DIAGNOSE_MODULE, env, 3)
+    warm = {slot: process.pid for slot, process in pool.warm.items()}
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    try:
+        report = diagnose.run(per_process_overrides(load_config(None, SMALL), SMALL, 2), 2, server.url, "warm-diag",
+                              {**env, diagnose.FAULT_ENV: "1"}, str(tmp_path / "logs"), pool=pool, slots=[2, 0])
+    finally:
+        server.stop()
+        pool.close()
+    assert {rank: r["pid"] for rank, r in report.results.items()} == {0: warm[2], 1: warm[0]}
+    assert list(report.faulty()) == [1] and "wrong values in collectives over dp" in report.faulty()[1]
+    assert sorted(pool.warm) == []
+
+
 @pytest.mark.slow
 def test_a_stuck_step_with_live_heartbeats_is_detected_as_a_stall(tmp_path):
     """Rank 1 stops making progress before dispatching a step (it sleeps 1000 step times) while
