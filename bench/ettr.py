@@ -2,6 +2,7 @@
 
     python bench/ettr.py [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
     python bench/ettr.py --reference-for bench/results/ettr_cpu.json   # step 2 later, for a --no-reference run
+    python bench/ettr.py --recount bench/results/ettr_cpu.json   # per-fault rows and budget again
 
 1. Calibrate: a short fault-free launch measures the step time (or `--step-s` gives it), which
    sets `train.steps` so the drilled run lasts about `--minutes`, and `checkpoint.every` so a
@@ -108,7 +109,9 @@ def consequences(events: list[dict]) -> list[dict]:
                 lost = max(0, fault["step"] - resumed["from_step"])
             row.update(detected_s=flagged and (flagged["time"] - drill["time"] if drill["drill"] == "slow"
                                                else flagged["latency_s"]),
-                       resumed_s=resumed and resumed["since_fault_s"], steps_lost=lost,
+                       # from the drill, not from the last fault: a damaged checkpoint takes two
+                       # attempts (the second fault is the first restore's), and they are one recovery
+                       resumed_s=resumed and resumed["time"] - drill["time"], steps_lost=lost,
                        cause=fault and fault["cause"],
                        # the restart's anatomy: fault -> relaunched (detection, diagnostics, teardown),
                        # then the launch -> every rank beating, restored, compiled (supervisor events)
@@ -121,15 +124,20 @@ def consequences(events: list[dict]) -> list[dict]:
 
 def undrilled_faults(events: list[dict]) -> list[dict]:
     """Faults no drill caused (`consequences` takes the first fault after each drill): a false
-    alarm or a real fault of the machine; each with what it cost, fault to training resumed."""
-    out, drilled_since = [], False
+    alarm or a real fault of the machine; each with what it cost, fault to training resumed. A
+    fault during the recovery from another (before training resumed: the damaged checkpoint's
+    second attempt) is part of that recovery, not a fault of its own."""
+    out, drilled_since, recovering = [], False, False
     for i, e in enumerate(events):
         if e["kind"] == "drill":
             drilled_since = True
+        elif e["kind"] == "resumed":
+            recovering = False
         elif e["kind"] == "fault":
-            if drilled_since:
-                drilled_since = False
+            if drilled_since or recovering:
+                drilled_since, recovering = False, True
                 continue
+            recovering = True
             resumed = next((r for r in events[i + 1:] if r["kind"] == "resumed"), None)
             out.append({"cause": e["cause"], "rank": e["rank"], "step": e["step"], "detail": e.get("detail"),
                         "resumed_s": resumed and resumed["since_fault_s"]})
@@ -213,6 +221,26 @@ def reference_for(path: str) -> None:
     print(summary_of_comparison(result) + f"; updated {path}")
 
 
+def recount(path: str) -> None:
+    """The per-fault rows and the budget of a result again, from its run directory (its
+    `work_dir`), with this file's accounting; the rest of the result is kept."""
+    with open(path) as f:
+        result = json.load(f)
+    run_dir = os.path.join(result["work_dir"], "drilled")
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    busy, records = productive(run_dir)
+    rows = consequences(events)
+    started = next(e for e in events if e["kind"] == "started")
+    start = started["time"] - result["budget"]["startup_s"]  # the launch's start, as the run measured it
+    result.update(faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
+                  steps_lost=sum(r["steps_lost"] or 0 for r in rows),
+                  budget=budget(run_dir, start, result["wall_s"], busy, rows, result["step_s_median"]))
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"recounted {path}: " + ", ".join(f"{k} {v:.1%}" for k, v in result["budget"]["share_of_wall"].items()
+                                             if v is not None))
+
+
 def summary_of_comparison(result: dict) -> str:
     mtbf = result["mtbf_for_95_s"]
     return (f"final loss {result['final_loss']:.6f} vs {result['reference']['final_loss']:.6f} fault-free "
@@ -235,10 +263,14 @@ def main():
     parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
     parser.add_argument("--reference-for", metavar="RESULT_JSON",
                         help="only run the fault-free run of a --no-reference result and add it there")
+    parser.add_argument("--recount", metavar="RESULT_JSON",
+                        help="only recompute a result's per-fault rows and budget from its run directory")
     add_output_flags(parser, "ettr_cpu")
     args = parser.parse_args()
     if args.reference_for:
         return reference_for(args.reference_for)
+    if args.recount:
+        return recount(args.recount)
     result_path("ettr_cpu", args.out, args.overwrite)  # refuse before the run, not after it
     work = tempfile.mkdtemp(prefix="bench-ettr-")
     print(f"work directory: {work}", flush=True)

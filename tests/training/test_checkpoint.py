@@ -98,6 +98,17 @@ def tiny_state(mesh, seed):
             "step": jax.device_put(jnp.int32(seed), NamedSharding(mesh, P()))}
 
 
+def saved_checkpoints(directory: Path, steps) -> tuple:
+    """(cfg, mesh) after saving tiny_state(mesh, step) as checkpoint `step` for each of `steps`."""
+    cfg = tiny_cfg()
+    mesh = make_mesh(cfg.mesh)
+    ckpt = checkpoint.Checkpointer(cfg, str(directory), warn=print)
+    for step in steps:
+        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
+    ckpt.close()
+    return cfg, mesh
+
+
 def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
@@ -226,12 +237,7 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, dama
 def test_a_programming_error_in_restore_propagates_and_moves_nothing_aside(tmp_path, monkeypatch, error, reader):
     """A bug in the code that reads a checkpoint is not damage to the files: before, it was taken
     for corruption and every good checkpoint was moved aside, one restart after another."""
-    cfg = tiny_cfg()
-    mesh = make_mesh(cfg.mesh)
-    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
-    for step in (1, 2):
-        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
-    ckpt.close()
+    cfg, mesh = saved_checkpoints(tmp_path, (1, 2))
 
     def bug(*args, **kwargs):
         raise error("a bug, not damage")
@@ -248,12 +254,7 @@ def test_data_iterator_state_is_saved_by_grain_and_checked_against_meta(tmp_path
     """grain's orbax handler writes one file per process; a state that disagrees with the
     checkpoint's step is corruption (falls back), and a checkpoint without this process's file
     (saved with another process count) resumes the data from meta.data_step."""
-    cfg = tiny_cfg()
-    mesh = make_mesh(cfg.mesh)
-    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
-    for step in (4, 6):
-        ckpt.save(step, tiny_state(mesh, step), {"next_index": step})
-    ckpt.close()
+    cfg, mesh = saved_checkpoints(tmp_path, (4, 6))
     own = tmp_path / "6" / "data" / "process_0-of-1.json"
     assert json.loads(own.read_text()) == {"next_index": 6}
 
