@@ -27,7 +27,6 @@ from provenance import add_output_flags, result_path, write_result  # noqa: E402
 from megascale_jax.config import load_config  # noqa: E402
 from megascale_jax.supervise import diagnose  # noqa: E402
 from megascale_jax.supervise.redis_server import EmbeddedRedis  # noqa: E402
-from megascale_jax.supervise.supervisor import DIAGNOSE_MODULE  # noqa: E402
 from megascale_jax.supervise.workers import StandbyPool, per_process_overrides, worker_env  # noqa: E402
 
 POOL_SETTLE_S = 10.0  # a standby's imports take ~1-2 s of CPU each; N of them share the cores
@@ -50,7 +49,7 @@ def main():
             report = diagnose.run(worker_args, args.nprocs, server.url, f"cold{r}", env, os.path.join(work, "logs"))
             assert not report.faulty(), report.table()
             times["cold"].append(report.duration_s)
-            pool = StandbyPool(DIAGNOSE_MODULE, env, args.nprocs)
+            pool = StandbyPool(diagnose.__name__, env, args.nprocs)
             time.sleep(POOL_SETTLE_S)
             try:
                 report = diagnose.run(worker_args, args.nprocs, server.url, f"warm{r}", env,

@@ -116,6 +116,7 @@ def consequences(events: list[dict]) -> list[dict]:
                        # the restart's anatomy: fault -> relaunched (detection, diagnostics, teardown),
                        # then the launch -> every rank beating, restored, compiled (supervisor events)
                        relaunched_s=resumed and resumed.get("relaunched_after_fault_s"),
+                       diagnosis_s=(diagnosis := first("diagnosis")) and diagnosis["duration_s"],
                        restart_phases_s=resumed and resumed.get("phases_s"))
         row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
@@ -134,10 +135,10 @@ def undrilled_faults(events: list[dict]) -> list[dict]:
         elif e["kind"] == "resumed":
             recovering = False
         elif e["kind"] == "fault":
-            if drilled_since or recovering:
-                drilled_since, recovering = False, True
+            caused = drilled_since or recovering
+            drilled_since, recovering = False, True
+            if caused:
                 continue
-            recovering = True
             resumed = next((r for r in events[i + 1:] if r["kind"] == "resumed"), None)
             out.append({"cause": e["cause"], "rank": e["rank"], "step": e["step"], "detail": e.get("detail"),
                         "resumed_s": resumed and resumed["since_fault_s"]})

@@ -30,6 +30,7 @@ def run(tmp_path):
         {"time": T + 40, "kind": "started", "step": 1, "since_launch_s": 39.5},
         {"time": T + 100, "kind": "drill", "drill": "kill", "rank": 2, "step": 30},
         {"time": T + 100.1, "kind": "fault", "cause": "crash", "rank": 2, "step": 30, "latency_s": 0.1},
+        {"time": T + 102, "kind": "diagnosis", "duration_s": 1.9},
         {"time": T + 103, "kind": "restart", "resume_step": 28, "steps_lost": 2},
         {"time": T + 112, "kind": "resumed", "from_step": 28, "since_fault_s": 12.0, "relaunched_after_fault_s": 3.0,
          "phases_s": {"initialising": 1.0, "compiling": 4.0, "training": 8.0}},
@@ -57,6 +58,7 @@ def test_each_drill_is_costed_from_its_own_events(run):
     assert (kill["kind"], kill["detected_s"], kill["resumed_s"], kill["steps_lost"], kill["evicted"]) == \
         ("kill", 0.1, 12.0, 2, False)
     assert kill["relaunched_s"] == 3.0 and kill["restart_phases_s"]["compiling"] == 4.0
+    assert kill["diagnosis_s"] == 1.9 and slow["diagnosis_s"] is None
     assert (slow["detected_s"], slow["resumed_s"], slow["steps_lost"], slow["evicted"], slow["promoted"]) == \
         (9.0, 29.5, 0, True, True)  # a straggler is detected by its `straggler` event, not the fault
     assert (nan["outcome"], nan["detected_s"], nan["steps_lost"]) == ("transient", 4.0, 0)

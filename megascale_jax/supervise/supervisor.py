@@ -46,6 +46,7 @@ from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.observe.timings import read_timings
 from megascale_jax.observe.hangs import describe_exit
+from megascale_jax.supervise import diagnose
 from megascale_jax.supervise.drills import Drill, Drills
 from megascale_jax.supervise.placement import Placement, Shape, shrunk
 from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
@@ -53,7 +54,6 @@ from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, error_key
 log = get_logger("supervise", tag="[supervisor] ")
 rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
 
-DIAGNOSE_MODULE = "megascale_jax.supervise.diagnose"  # its main(argv) runs one diagnostics worker too
 PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see _peer_exit)
 EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
 
@@ -343,8 +343,9 @@ class Supervisor:
         stopped by a signal."""
         self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs + self.job.spares)
         # Warm diagnostics processes for the active slots, started once training runs (refill):
-        # at launch they would take the CPU from the workers' own start-up.
-        self.diagnose_pool = StandbyPool(DIAGNOSE_MODULE, self.job.env, 0)
+        # at launch they would take the CPU from the workers' own start-up. The module's main(argv)
+        # runs one diagnostics worker, its warm_up() does the imports.
+        self.diagnose_pool = StandbyPool(diagnose.__name__, self.job.env, 0)
         try:
             return self._run()
         finally:
@@ -634,8 +635,6 @@ class Supervisor:
     def _diagnose(self, restarts: int) -> dict[int, str]:
         if self.job.diagnose_args is None:
             return {}
-        from megascale_jax.supervise import diagnose
-
         env = {**self.job.env, **self.drills.diagnosis_env(self.placement)}
         report = diagnose.run([*self.job.diagnose_args, *self._shape_overrides()], self.shape.nprocs,
                               self.redis_url, f"{self.job.job_id}-diag{restarts}", env,

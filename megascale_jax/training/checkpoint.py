@@ -30,6 +30,7 @@ the reading code (PROGRAMMING_ERRORS) is not damage: it propagates and nothing i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -56,6 +57,18 @@ _SHAPE_KEYS = {"optim": ("name",)}
 # another. They propagate as they are; damaged files raise OSError, ValueError or tensorstore's
 # errors (checked by the damage tests).
 PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
+
+
+@contextlib.contextmanager
+def _damage_is_corruption(describe: Callable[[Exception], str]):
+    """An error reading a checkpoint's files becomes CorruptCheckpoint(describe(error)), one line;
+    a PROGRAMMING_ERRORS one propagates as it is."""
+    try:
+        yield
+    except PROGRAMMING_ERRORS:
+        raise
+    except Exception as e:
+        raise CorruptCheckpoint(describe(e)) from None
 
 
 @jax.jit
@@ -222,26 +235,18 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, meta); meta["data_state"] is the data iterator state to continue from."""
-        try:
+        with _damage_is_corruption(lambda e: f"meta: {_one_line(e)}"):
             meta = self._meta(step)
-        except PROGRAMMING_ERRORS:
-            raise
-        except Exception as e:
-            raise CorruptCheckpoint(f"meta: {_one_line(e)}") from None
         self._check_compatible(step, meta)
         meta["data_state"] = self._restore_data_state(step, meta)
         read_before, start = _bytes_read(), time.perf_counter()
-        try:
+        with _damage_is_corruption(lambda e: _describe_read_error(e, os.path.join(self.directory, str(step)))):
             expected = self._saved_checksums(step, meta, abstract_state)
             if self.cfg.checkpoint.single_replica_restore:
                 state = self._restore_single_replica(step, abstract_state)
             else:
                 state = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state)))["state"]
-        except PROGRAMMING_ERRORS:
-            raise
-        except Exception as e:
-            raise CorruptCheckpoint(_describe_read_error(e, os.path.join(self.directory, str(step)))) from None
         if self.cfg.checkpoint.single_replica_restore or jax.process_count() > 1:
             mode = "single-replica" if self.cfg.checkpoint.single_replica_restore else "every-replica"
             # Every process reports its own read (print: logging is quiet on ranks > 0).
@@ -261,16 +266,12 @@ class Checkpointer:
                                                                                    abstract_state.opt_state))
         restore_args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(sharding=a.sharding),
                                     item)
-        try:
+        with _damage_is_corruption(lambda e: _describe_read_error(e, path)):
             meta = self._meta(step)
             with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
                 params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
                     item=item, restore_args=restore_args)).params
             expected = self._saved_checksums(step, meta, abstract_state)
-        except PROGRAMMING_ERRORS:
-            raise
-        except Exception as e:
-            raise CorruptCheckpoint(_describe_read_error(e, path)) from None
         _verify(params, expected, prefix=".params")
         return params
 
@@ -322,12 +323,8 @@ class Checkpointer:
         if not os.path.exists(own):
             return {"next_index": meta["data_step"]}
         holder = _IteratorState()
-        try:
+        with _damage_is_corruption(lambda e: f"data iterator: {_one_line(e)}"):
             self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
-        except PROGRAMMING_ERRORS:
-            raise
-        except Exception as e:
-            raise CorruptCheckpoint(f"data iterator: {_one_line(e)}") from None
         if holder.state.get("next_index") != meta["data_step"]:
             raise CorruptCheckpoint(f"data iterator at {holder.state} but meta.data_step={meta['data_step']}")
         return holder.state
