@@ -71,10 +71,12 @@ class Trainer:
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, cfg.parallel)
     replicated = sharding.replicated(mesh)
-    dummy = jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
-    # Shapes and logical axes come from an abstract init; nothing is allocated here.
-    boxed = jax.eval_shape(model.init, jax.random.key(0), dummy)["params"]
+    def dummy():
+        return jnp.zeros((1, cfg.model.seq_len), jnp.int32)
+
+    # Shapes and logical axes come from an abstract init; nothing is allocated (or compiled) here.
+    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy()))["params"]
     optimizer = make_optimizer(cfg.optim, cfg.train.steps, layer_axes(boxed))
     param_shardings = sharding.param_shardings(boxed, mesh, cfg)
     abstract_params = nn.unbox(boxed)
@@ -82,9 +84,9 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     if cfg.parallel.zero1:
         moment_shardings = jax.tree.map(
             lambda s, x: sharding.zero1_sharding(s, x.shape, mesh), param_shardings, abstract_params)
-    opt_shardings = optax.tree_map_params(
+    opt_shardings = staged(lambda: optax.tree_map_params(
         optimizer, lambda _, s: s, jax.eval_shape(optimizer.init, abstract_params), moment_shardings,
-        transform_non_params=lambda _: replicated)
+        transform_non_params=lambda _: replicated))
     state_shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
 
     def start_from(params) -> TrainState:
@@ -93,7 +95,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
 
     def init() -> TrainState:
         # threefry is partitionable, so values depend on the seed only, never on the shardings.
-        return start_from(nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy))["params"])
+        return start_from(nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy()))["params"])
 
     def loss_and_grads(params, batch):
         m = cfg.parallel.microbatches
@@ -167,6 +169,20 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     )
 
 
+def staged(fn: Callable[[], Any]) -> Any:
+    """fn(), run inside a trace, so that the jax.numpy operations it applies to constants are traced
+    and dropped rather than each compiled and run. optax.tree_map_params runs the optimizer's init
+    (the learning-rate schedule at step 0: ~20 small programs); processes the compilation cache
+    cannot serve compiled them on every restart."""
+    result = []
+
+    def record():
+        result.append(fn())
+        return ()
+    jax.make_jaxpr(record)()
+    return result[0]
+
+
 def compiler_options(platform: str) -> dict | None:
     """XLA options for compiling the steps on `platform`: none, except one workaround on the CPU.
 
@@ -228,21 +244,28 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     from tqdm import tqdm
 
     watch.state("initialising", 0)
+    t0 = time.perf_counter()
+    clock = StartupClock()
     trainer = build_trainer(cfg, mesh)
+    clock.lap("trainer")
     is_main = jax.process_index() == 0
     log = logger.info  # progress lines: rank 0's only (cli.setup_logging quiets the others)
 
-    t0 = time.perf_counter()
     ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=logger.warning) \
         if cfg.checkpoint.every else None
+    # The state's shapes from the optimizer's init alone: tracing the model again costs seconds.
     abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                  trainer.init.lower().out_info, trainer.state_shardings)
+                                  jax.eval_shape(trainer.start_from, trainer.abstract_params),
+                                  trainer.state_shardings)
+    clock.lap("shapes")
     restored, to_canonical = None, trainer.to_canonical
     if ckpt:
-        restored = ckpt.restore_latest(abstract_state)
-        ckpt.compile(abstract_state)
+        ckpt.compile(abstract_state)  # before the restore, whose verification runs it
         if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
-            to_canonical = trainer.to_canonical.lower(abstract_state).compile()
+            to_canonical = compile_cache.compile(trainer.to_canonical.lower(abstract_state), "to_canonical")
+        clock.lap("checkpoint_compile")
+        restored = ckpt.restore_latest(abstract_state)
+        clock.lap("restore")
     start = restored[1]["step"] if restored else 0  # steps done so far
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
     if restored:
@@ -255,18 +278,29 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         log(f"initialised from the Hugging Face model in {cfg.model.init_from}")
     else:
         state = trainer.init()
+    clock.lap("state")
     batches = data.Prefetcher(train_batches, trainer.batch_sharding, data_position, cfg.data.prefetch)
     first = batches.get()
+    clock.lap("first_batch")
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
-    train_step = compile_cache.compile(trainer.train_step.lower(state, first), "train_step")
+    # Loaded without tracing on a restart (compile_cache.load_or_compile).
+    train_step = compile_cache.load_or_compile(
+        "train_step", lambda: trainer.train_step.lower(state, first), cfg.to_dict(), (state, first))
+    clock.lap("train_step")
     check_compiled_memory(cfg, train_step)
     profiler = device_profile.StepProfiler(train_step, run_dirs.profiles_dir(run_dir, jax.process_index()))
-    eval_loss = compile_cache.compile(trainer.eval_loss.lower(state.params, first), "eval_loss")
+    eval_loss = compile_cache.load_or_compile(
+        "eval_loss", lambda: trainer.eval_loss.lower(state.params, first), cfg.to_dict(), (state.params, first))
+    clock.lap("eval_loss")
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
         f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
         f"{resumed}initialised and compiled in {time.perf_counter() - t0:.1f}s")
+    if jax.process_index():  # every process's own breakdown, in its own log: where a restart waits
+        print(clock.summary(), flush=True)
+    else:
+        log(clock.summary())
 
     def validation_loss(params) -> float:
         losses = [eval_loss(params, data.make_global_batch(val_batches, i, trainer.batch_sharding))
@@ -402,6 +436,22 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("done", cfg.train.steps)
     log(run_summary(records, start, time.perf_counter() - t0))
     return records
+
+
+class StartupClock:
+    """Seconds spent in each phase of a start or restart, in order, for the log."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        return "start-up phases: " + ", ".join(f"{phase} {s:.2f}s" for phase, s in self.laps.items())
 
 
 def run_summary(records: list[dict], start: int, wall_s: float) -> str:

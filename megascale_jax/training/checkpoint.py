@@ -45,6 +45,7 @@ import grain
 import orbax.checkpoint as ocp
 
 from megascale_jax.config import Config, ConfigError
+from megascale_jax.training import compile_cache
 from megascale_jax.run_dir import committed_steps
 
 # Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
@@ -134,8 +135,10 @@ class Checkpointer:
     # ------------------------------------------------------------------ save
 
     def compile(self, abstract_state) -> None:
-        """Compile the checksum up front, so the first save's blocking time has no compilation."""
-        self._checksums = checksums.lower(abstract_state).compile()
+        """Compile the checksum up front, so that neither the restore's verification nor the first
+        save's blocking time holds a compilation; through the run's compilation cache, so that a
+        restart loads it (in every process: see compile_cache.compile)."""
+        self._checksums = compile_cache.compile(checksums.lower(abstract_state), "checkpoint_checksums")
 
     def save(self, step: int, state, data_state: dict) -> list[dict]:
         """Stage 1: blocks for the device->host copy (and for the previous save, if still writing).
@@ -253,7 +256,7 @@ class Checkpointer:
             print(f"process {jax.process_index()}: restored checkpoint step {step} ({mode}) reading "
                   f"{(_bytes_read() - read_before) / 1e6:.2f} MB in {time.perf_counter() - start:.2f}s",
                   file=sys.stderr, flush=True)
-        _verify(state, expected)
+        _verify(self._checksums(state), expected)
         self.manager.reload()
         return state, meta
 
@@ -272,7 +275,7 @@ class Checkpointer:
                 params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
                     item=item, restore_args=restore_args)).params
             expected = self._saved_checksums(step, meta, abstract_state)
-        _verify(params, expected, prefix=".params")
+        _verify(checksums(params), expected, prefix=".params")
         return params
 
     def _meta(self, step: int) -> dict:
@@ -349,10 +352,10 @@ def _flat(sums) -> dict[str, int]:
     return {jax.tree_util.keystr(path): int(v) for path, v in jax.tree_util.tree_leaves_with_path(sums)}
 
 
-def _verify(tree, expected: dict[str, int], prefix: str = "") -> None:
-    """Raise CorruptCheckpoint unless every array of `tree` (at `prefix` in the state) has its
-    saved checksum."""
-    actual = _flat(jax.device_get(checksums(tree)))
+def _verify(sums, expected: dict[str, int], prefix: str = "") -> None:
+    """Raise CorruptCheckpoint unless the checksums `sums` of a restored tree (at `prefix` in the
+    state) are the saved ones."""
+    actual = _flat(jax.device_get(sums))
     bad = [prefix + path for path, value in actual.items() if expected.get(prefix + path) != value]
     if bad:
         raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")

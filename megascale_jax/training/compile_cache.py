@@ -28,10 +28,22 @@ entries under its own keys, loads them and both train; and `jax_share_binary_bet
 the same way (process 1 waits for its own key, which process 0 never publishes). So the cache is
 used where every process can read process 0's entries — a job of one process, or accelerators.
 In a CPU job of several processes the other processes keep their own copies of what train.py
-compiles up front (the train step and evaluation: ~7 s of an idle machine's 13 s tiny_cpu
-restart) in `RUN_DIR/compile_cache/process-<i>/`, through `jax.experimental.serialize_executable`
-(`compile`); what they compile implicitly (the restore's checksums, initialisation helpers: ~1 s)
-they still compile, and process 0 waits that long.
+compiles up front (the train step, evaluation and the checkpoints' checksums: ~7 s of an idle
+machine's 13 s tiny_cpu restart) in `RUN_DIR/compile_cache/process-<i>/`, through
+`jax.experimental.serialize_executable` (`compile`, `load_or_compile`). What they would compile
+implicitly is kept out of the restart's path: build_trainer traces rather than runs the
+optimizer's init (train.staged), and the restore verifies with the precompiled checksums.
+
+What a restart still spent with every executable cached: tracing. JAX looks an executable up by
+its lowered program, so a hit still traces and lowers the train step first: ~1.1 s of a 3.5 s
+single-process tiny_cpu resume, ~3 s of ~12 s for each of 4 processes sharing 2 cores.
+`load_or_compile` skips that for the executables train.py compiles up front: each process keeps
+them in `RUN_DIR/compile_cache/process-<i>/` under a key of what the program is made from instead
+of the program itself — the config, the arguments' shapes, dtypes and shardings, this package's
+source (every module's bytes), the versions of jax, jaxlib, flax and optax, JAX's settings and
+XLA_FLAGS, the process and its devices — and loads them without tracing. Anything else the
+program could depend on (an edited dependency at the same version) is not in that key: delete
+`compile_cache/` or set `train.compile_cache=false` after such a change.
 
 Corrupt entries (a kill during JAX's in-place write, a full disk): JAX warns and compiles, but it
 never replaces an existing entry, so the same entry would be unreadable on every restart. Here the
@@ -49,14 +61,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import hashlib
+import json
 import os
+import pickle
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
+import flax
 import jax
 import jaxlib
+import optax
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
@@ -86,6 +103,7 @@ class CacheCounts:
 
 
 _own_copies: dict = {}  # directory, counts: while `use` serves a process JAX's cache cannot serve
+_store: dict = {}  # directory, counts: this process's store for `load_or_compile`, while `use` is on
 
 
 def readable_by_every_process(platform: str, processes: int) -> bool:
@@ -143,13 +161,15 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
     jax_compilation_cache.reset_cache()  # JAX opens its cache once per process: here, now
     jax.monitoring.register_event_listener(count)
     warnings.showwarning = on_warning
+    _store.update(directory=os.path.join(directory, f"process-{jax.process_index()}"), counts=counts)
+    os.makedirs(_store["directory"], exist_ok=True)
     if not readable_by_every_process(jax.default_backend(), jax.process_count()) and jax.process_index():
-        _own_copies.update(directory=os.path.join(directory, f"process-{jax.process_index()}"), counts=counts)
-        os.makedirs(_own_copies["directory"], exist_ok=True)
+        _own_copies.update(_store)
     try:
         yield counts
     finally:
         _own_copies.clear()
+        _store.clear()
         warnings.showwarning = show_warning
         jax.monitoring.unregister_event_listener(count)
         for name, value in previous.items():
@@ -182,3 +202,61 @@ def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
         f.write(serialize_executable.serialize(compiled)[0])
     os.replace(path + ".tmp", path)
     return compiled
+
+
+def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: dict, args: tuple
+                    ) -> jax.stages.Compiled:
+    """The executable `lower()` compiles for `config` and `args`: loaded from this process's store
+    without tracing anything when `use` is on and it is there; else lowered, compiled (`compile`)
+    and stored. See the module's note for the key."""
+    if not _store:
+        return lower().compile()
+    counts = _store["counts"]
+    path = os.path.join(_store["directory"], f"{name}-{_program_key(name, config, args)}")
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                serialized, in_tree, out_tree = pickle.load(f)
+            # The devices the program runs on, in its order (by default it would be every device
+            # of the backend, and a program for fewer aborts the process in XLA).
+            devices = jax.tree.leaves(args)[0].sharding._device_assignment
+            compiled = serialize_executable.deserialize_and_load(
+                serialized, in_tree, out_tree, execution_devices=devices)
+            counts.requests += 1
+            counts.hits += 1
+            return compiled
+        except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
+            logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {_one_line(e)}")
+    compiled = lower().compile()  # through JAX's cache in process 0; this entry is the others' copy
+    with open(path + ".tmp", "wb") as f:  # renamed when whole: a kill never leaves half an entry
+        pickle.dump(serialize_executable.serialize(compiled), f)
+    os.replace(path + ".tmp", path)
+    return compiled
+
+
+def _program_key(name: str, config: dict, args: tuple) -> str:
+    """What the program `name` is made from, hashed: everything but its traced text."""
+    def describe(x) -> str:
+        return f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {x.sharding}"
+    settings = {k: repr(v) for k, v in jax.config.values.items() if "cache" not in k}
+    return hashlib.sha256(json.dumps([
+        name, config, str(jax.tree.structure(args)), [describe(x) for x in jax.tree.leaves(args)],
+        _source_digest(), jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
+        settings, os.environ.get("XLA_FLAGS", ""), jax.process_index(),
+        [(d.id, d.device_kind) for d in jax.devices()]], sort_keys=True, default=str).encode()).hexdigest()
+
+
+@functools.cache
+def _source_digest() -> str:
+    """sha256 of every module of this package: an edit to any of them changes every key."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(package, "**", "*.py"), recursive=True)):
+        digest.update(os.path.relpath(path, package).encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -4,7 +4,8 @@ recompilation, never the run. Counted through the line a run ends with (`compila
 hits, M misses`), never timed.
 
 In a CPU job of several processes JAX's cache serves process 0 only (its keys differ by process);
-the others load their own copies of the train step and evaluation (see the module's note).
+the others load their own copies of the train step, evaluation and checkpoint checksums (see the
+module's note). The train step and evaluation are loaded without tracing (`load_or_compile`).
 """
 
 import glob
@@ -14,7 +15,10 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import cli
 from megascale_jax.training import compile_cache
@@ -37,8 +41,9 @@ def entries(run_dir) -> list[str]:
 @pytest.mark.slow
 def test_every_process_of_a_restarted_cpu_job_loads_its_train_step(tmp_path):
     """Two processes, kill -9 of rank 1 at step 6: in the restarted attempt process 0 loads
-    everything from JAX's cache, and process 1 its own copies of the train step and evaluation
-    (without them process 0 would wait in the first step while process 1 compiles)."""
+    everything from JAX's cache and its store, and process 1 its own copies of the train step,
+    evaluation and checkpoint checksums (without them process 0 would wait in the first step
+    while process 1 compiles)."""
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(tmp_path), "--no-diagnose",
                                                "--drill", "kill:1@6", *SMALL])
     assert done.returncode == 0, done.stdout + done.stderr
@@ -47,10 +52,14 @@ def test_every_process_of_a_restarted_cpu_job_loads_its_train_step(tmp_path):
         with open(tmp_path / "logs" / f"worker{rank}.log") as f:
             restarted = f.read().split("===== attempt ")[-1]
         counts.append(tuple(map(int, COUNTS.search(restarted).groups())))
+        assert re.search(r"start-up phases: trainer .* restore .* train_step .* eval_loss", restarted)
     assert counts[0][1] == 0 and counts[0][0] > 0, counts  # every executable, the train step among them
     assert len(glob.glob(str(tmp_path / "compile_cache" / "jit_train_step-*-cache"))) == 1  # written once
-    assert counts[1][0] == 2, counts  # its own train step and evaluation; the small ops it compiles
-    assert len(glob.glob(str(tmp_path / "compile_cache" / "process-1" / "train_step-*"))) == 1
+    # Process 1: its own train step, evaluation and checksums; the small ops it compiles are misses.
+    assert counts[1][0] == 3, counts
+    for rank in (0, 1):  # one entry each, written by the first attempt and loaded by the second
+        for name in ("train_step", "eval_loss"):
+            assert len(glob.glob(str(tmp_path / "compile_cache" / f"process-{rank}" / f"{name}-*"))) == 1
 
 
 @pytest.mark.slow
@@ -107,3 +116,85 @@ def test_who_can_read_process_0s_entries():
     assert compile_cache.readable_by_every_process("cpu", 1)
     assert compile_cache.readable_by_every_process("gpu", 8)
     assert not compile_cache.readable_by_every_process("cpu", 2)
+
+
+def test_load_or_compile_loads_without_tracing_and_keys_on_what_the_program_is_made_from(tmp_path, monkeypatch):
+    """The second request for the same config and arguments traces nothing and computes what jit
+    does; another config, other argument shardings or an edited package source compile afresh."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
+    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 4)), NamedSharding(mesh, P("dp")))
+    traced = []
+
+    def f(x):
+        traced.append(1)
+        return jnp.tanh(x) @ x.T
+
+    def get(config, arg):
+        return compile_cache.load_or_compile(
+            "f", lambda: jax.jit(lambda x: f(x)).lower(arg), config, (arg,))  # a new function: traced anew
+
+    with compile_cache.use(str(tmp_path)) as counts:
+        get({"a": 1}, x)
+        assert len(traced) == 1
+        loaded = get({"a": 1}, x)
+        assert len(traced) == 1 and (counts.hits, counts.misses) == (1, 1)  # the miss: JAX's, compiling
+        x64 = np.asarray(x, np.float64)
+        np.testing.assert_allclose(loaded(x), np.tanh(x64) @ x64.T, rtol=1e-5, atol=1e-6)
+        get({"a": 2}, x)
+        assert len(traced) == 2
+        get({"a": 1}, jax.device_put(x, NamedSharding(mesh, P())))
+        assert len(traced) == 3
+        monkeypatch.setattr(compile_cache, "_source_digest", lambda: "an edited package")
+        get({"a": 1}, x)
+        assert len(traced) == 4
+    assert len(glob.glob(str(tmp_path / "compile_cache" / "process-0" / "f-*"))) == 4
+
+
+def test_an_unreadable_stored_executable_is_one_warning_and_a_recompilation(tmp_path, capsys):
+    cli.setup_logging()
+    x = jax.random.normal(jax.random.key(2), (5,))
+    with compile_cache.use(str(tmp_path)):
+        compile_cache.load_or_compile("g", lambda: jax.jit(jnp.sin).lower(x), {}, (x,))
+        [entry] = glob.glob(str(tmp_path / "compile_cache" / "process-0" / "g-*"))
+        garbage = os.urandom(64)
+        with open(entry, "wb") as f:
+            f.write(garbage)
+        again = compile_cache.load_or_compile("g", lambda: jax.jit(jnp.sin).lower(x), {}, (x,))
+    np.testing.assert_allclose(again(x), np.sin(np.asarray(x)), rtol=1e-6)
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and "discarded, compiling afresh" in err[0], err
+    with open(entry, "rb") as f:  # written anew: the next restart loads it
+        assert f.read() != garbage
+
+
+def test_without_the_cache_load_or_compile_just_compiles():
+    x = jax.random.normal(jax.random.key(3), (3,))
+    compiled = compile_cache.load_or_compile("h", lambda: jax.jit(jnp.cos).lower(x), {}, (x,))
+    np.testing.assert_allclose(compiled(x), np.cos(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
+def test_building_the_trainer_compiles_nothing(optimizer):
+    """build_trainer's shapes and shardings come from traces alone: the small programs it used to
+    run (the learning-rate schedule at step 0, inside optax.tree_map_params) were compiled on every
+    restart by each process the compilation cache cannot serve."""
+    from megascale_jax.config import load_config
+    from megascale_jax.parallel.mesh import make_mesh
+    from megascale_jax.train import build_trainer
+
+    cfg = load_config(None, [f"optim.name={optimizer}", "parallel.zero1=true", "train.global_batch=8"])
+    mesh = make_mesh(cfg.mesh)
+    jax.clear_caches()  # what earlier tests compiled in this process would hide a compilation
+    compiled = []
+
+    def on_duration(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        trainer = build_trainer(cfg, mesh)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+    assert compiled == []
+    assert jax.tree.leaves(trainer.state_shardings)  # and it built the shardings
