@@ -228,8 +228,13 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: 
         except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
             logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {_one_line(e)}")
     compiled = lower().compile()  # through JAX's cache in process 0; this entry is the others' copy
+    try:
+        entry = pickle.dumps(serialize_executable.serialize(compiled))
+    except Exception as e:  # noqa: BLE001 — JAX cannot serialize it (a host callback): never fatal
+        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {_one_line(e)}")
+        return compiled
     with open(path + ".tmp", "wb") as f:  # renamed when whole: a kill never leaves half an entry
-        pickle.dump(serialize_executable.serialize(compiled), f)
+        f.write(entry)
     os.replace(path + ".tmp", path)
     return compiled
 

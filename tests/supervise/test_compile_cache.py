@@ -198,3 +198,24 @@ def test_building_the_trainer_compiles_nothing(optimizer):
         jax.monitoring.unregister_event_duration_listener(on_duration)
     assert compiled == []
     assert jax.tree.leaves(trainer.state_shardings)  # and it built the shardings
+
+
+def test_an_executable_jax_cannot_serialize_is_compiled_with_one_warning(tmp_path, capsys):
+    """A program with a host callback (JAX cannot pickle it): the run goes on with one warning
+    line per attempt, and nothing half-written is left in the store."""
+    cli.setup_logging()
+    x = jax.random.normal(jax.random.key(4), (6,))
+
+    def lower():
+        return jax.jit(lambda v: jax.pure_callback(
+            lambda a: np.asarray(a) * np.arange(6.0, dtype=np.float32), jax.ShapeDtypeStruct(v.shape, v.dtype), v)
+        ).lower(x)
+
+    with compile_cache.use(str(tmp_path)):
+        first = compile_cache.load_or_compile("k", lower, {}, (x,))
+        second = compile_cache.load_or_compile("k", lower, {}, (x,))
+    for compiled in (first, second):
+        np.testing.assert_allclose(compiled(x), np.asarray(x) * np.arange(6.0), rtol=1e-6)
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 2 and all("cannot keep k" in line for line in err), err
+    assert os.listdir(tmp_path / "compile_cache" / "process-0") == []
