@@ -26,9 +26,11 @@ Writes bench/results/ettr_cpu.json.
 """
 
 import argparse
+import glob
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -145,6 +147,28 @@ def undrilled_faults(events: list[dict]) -> list[dict]:
     return out
 
 
+PHASES = re.compile(r"start-up phases: (.*)")
+ATTEMPT = re.compile(r"^===== attempt (\d+),", re.MULTILINE)
+
+
+def startup_phases(run_dir: str) -> list[dict]:
+    """Per attempt, seconds in each start-up phase of train.py (its `start-up phases:` line),
+    the slowest process's: the one every other waits for in the first step's collectives."""
+    attempts: dict[int, dict[str, float]] = {}
+    for path in sorted(glob.glob(os.path.join(run_dir, "logs", "worker*.log"))):
+        with open(path) as f:
+            text = f.read()
+        starts = list(ATTEMPT.finditer(text))
+        for n, start in enumerate(starts):
+            segment = text[start.end():starts[n + 1].start() if n + 1 < len(starts) else len(text)]
+            if line := PHASES.search(segment):
+                slowest = attempts.setdefault(int(start.group(1)), {})
+                for part in line.group(1).split(", "):
+                    phase, seconds = part.rsplit(" ", 1)
+                    slowest[phase] = max(slowest.get(phase, 0.0), float(seconds.removesuffix("s")))
+    return [{"attempt": a, **{k: round(v, 2) for k, v in phases.items()}} for a, phases in sorted(attempts.items())]
+
+
 def per_kind(rows: list[dict]) -> dict:
     table = {}
     for kind in KINDS:
@@ -234,7 +258,7 @@ def recount(path: str) -> None:
     started = next(e for e in events if e["kind"] == "started")
     start = started["time"] - result["budget"]["startup_s"]  # the launch's start, as the run measured it
     result.update(faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
-                  steps_lost=sum(r["steps_lost"] or 0 for r in rows),
+                  steps_lost=sum(r["steps_lost"] or 0 for r in rows), startup_phases_s=startup_phases(run_dir),
                   budget=budget(run_dir, start, result["wall_s"], busy, rows, result["step_s_median"]))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
@@ -321,7 +345,7 @@ def main():
         "ettr_at_median_step": len(records) * step_s_median / wall, "faults_fired": len(rows),
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
-        "undrilled_faults": undrilled_faults(events),
+        "undrilled_faults": undrilled_faults(events), "startup_phases_s": startup_phases(run_dir),
         "budget": budget(run_dir, start, wall, busy, rows, step_s_median),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None,

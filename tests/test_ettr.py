@@ -126,3 +126,19 @@ def test_a_fault_during_a_drills_recovery_is_part_of_it(tmp_path):
     assert [(f["cause"], f["step"]) for f in ettr.undrilled_faults(events)] == [("hang", 120)]
     (row,) = ettr.consequences(events)
     assert (row["kind"], row["resumed_s"], row["steps_lost"]) == ("corrupt", 33.0, 10)
+
+
+def test_startup_phases_are_the_slowest_process_per_attempt(tmp_path):
+    """Each attempt's phases from the workers' `start-up phases:` lines, the slowest process's per
+    phase; a worker that never got as far (killed before its line) adds nothing."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "worker0.log").write_text(
+        "===== attempt 0, job j-0, slots [0, 1] =====\n[rank 0] start-up phases: trainer 1.50s, restore 0.00s\n"
+        "===== attempt 1, job j-1, slots [0, 1] =====\nnoise\n[rank 0] start-up phases: trainer 0.40s, restore 0.90s\n")
+    (logs / "worker1.log").write_text(
+        "===== attempt 0, job j-0, slots [0, 1] =====\nstart-up phases: trainer 1.25s, restore 0.00s\n"
+        "===== attempt 1, job j-1, slots [0, 1] =====\nstart-up phases: trainer 0.70s, restore 0.30s\n"
+        "===== attempt 2, job j-2, slots [0, 1] =====\nkilled early\n")
+    assert ettr.startup_phases(str(tmp_path)) == [{"attempt": 0, "trainer": 1.5, "restore": 0.0},
+                                                  {"attempt": 1, "trainer": 0.7, "restore": 0.9}]
