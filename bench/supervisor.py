@@ -42,9 +42,8 @@ def probe(args) -> None:
     imported = time.time()
     member = rendezvous.join(args.redis, args.job, args.nprocs, args.process_id)
     joined = time.time()
-    if args.nprocs > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(member.coordinator, args.nprocs, member.rank)
+    if args.nprocs > 1:  # as train.py and the diagnostics do
+        rendezvous.start_distributed(member.coordinator, args.nprocs, member.rank)
     assert jax.device_count() == args.nprocs
     ready = time.time()
     rendezvous.connect(args.redis).hset(rendezvous.key(args.job, "probe"), str(member.rank), json.dumps(

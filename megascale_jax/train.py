@@ -572,8 +572,7 @@ def main(argv=None) -> int:
             member = rendezvous.join(args.redis, job, args.num_processes, args.process_id)
             coordinator, process_id = member.coordinator, member.rank
         if coordinator:
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
-            jax.distributed.initialize(coordinator, args.num_processes, process_id)
+            rendezvous.start_distributed(coordinator, args.num_processes, process_id)
         cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         resuming = args.run_dir and run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, args.run_dir))

@@ -98,6 +98,34 @@ def join(url: str, job: str, nprocs: int, rank: int | None = None, timeout_s: fl
     return Membership(rank=rank, nprocs=nprocs, coordinator=coordinator, wait_s=time.perf_counter() - start)
 
 
+def start_distributed(coordinator: str, nprocs: int, rank: int) -> None:
+    """`jax.distributed.initialize` for CPU jobs of several processes (gloo collectives). Ranks
+    other than 0 first wait until rank 0's service listens: one that dials before is refused, and
+    gRPC retries only after its initial reconnect backoff (1 s ±20%), a second every start and
+    restart paid whenever a worker won that race."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
+    if rank:
+        wait_until_listening(coordinator)
+    jax.distributed.initialize(coordinator, nprocs, rank)
+
+
+def wait_until_listening(address: str, timeout_s: float = 60.0) -> bool:
+    """Whether something accepted a TCP connection at HOST:PORT within `timeout_s` (polled every
+    10 ms). On a timeout the caller goes on and jax.distributed reports what is wrong."""
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+
+
 def barrier(client: redis.Redis, job: str, name: str, nprocs: int, timeout_s: float) -> None:
     """Block until `nprocs` workers called barrier(name). The last to arrive pushes one token per
     waiter onto a list that the others wait on with BLPOP: no polling, one round trip each."""

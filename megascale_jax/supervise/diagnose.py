@@ -130,8 +130,7 @@ def worker_main(args) -> int:
     use_cpu_devices(cfg.mesh.cpu_devices_per_process(args.num_processes))
     member = rendezvous.join(args.redis, args.job, args.num_processes, args.process_id)
     if args.num_processes > 1:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(member.coordinator, args.num_processes, member.rank)
+        rendezvous.start_distributed(member.coordinator, args.num_processes, member.rank)
     corrupt = os.environ.get(FAULT_ENV) == str(member.rank)
     result = {"rank": member.rank, "host": socket.gethostname(), "pid": os.getpid(), "self_test": device_self_test(),
               "axes": collective_checks(make_mesh(cfg.mesh), corrupt)}

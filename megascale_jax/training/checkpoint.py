@@ -147,8 +147,10 @@ class Checkpointer:
         of earlier saves that finished meanwhile (see `poll`)."""
         start = time.perf_counter()
         finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
+        waited = time.perf_counter()
         meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
                 "config": self.cfg.to_dict(), "checksums": _flat(jax.device_get(self._checksums(state)))}
+        summed = time.perf_counter()
         args = ocp.args.Composite(state=ocp.args.StandardSave(state),
                                   data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
                                   meta=ocp.args.JsonSave(meta))
@@ -159,7 +161,12 @@ class Checkpointer:
             self.warn(f"warning: checkpoint at step {step} not saved: {_one_line(e)}; training continues, "
                       f"last good checkpoint: step {self._last_committed()}")
             return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": _one_line(e)}]
-        self._pending = {"step": step, "start": start, "block_s": time.perf_counter() - start}
+        end = time.perf_counter()
+        # Where the blocking went: the previous save's write, the checksums (which also wait for
+        # the step that produced `state`), orbax's own part (host copy, directories, barriers).
+        parts = {"previous_save": waited - start, "checksums": summed - waited, "orbax": end - summed}
+        self._pending = {"step": step, "start": start, "block_s": end - start,
+                         "block_parts_s": {k: round(v, 4) for k, v in parts.items()}}
         return finished
 
     def _on_commit(self) -> None:
@@ -169,7 +176,8 @@ class Checkpointer:
                 self._commit_times[self._pending["step"]] = time.perf_counter()
 
     def poll(self, wait: bool = False) -> list[dict]:
-        """Records of saves that finished since the last call: {step, block_s, total_s} or {step, error}."""
+        """Records of saves that finished since the last call: {step, block_s, block_parts_s,
+        total_s}, or with `error` instead of total_s."""
         pending = self._pending
         if pending is None:
             return []
@@ -182,7 +190,7 @@ class Checkpointer:
             return []
         self._pending = None
         step = pending["step"]
-        record = {"step": step, "block_s": pending["block_s"]}
+        record = {"step": step, "block_s": pending["block_s"], "block_parts_s": pending["block_parts_s"]}
         # orbax logs a background write error but does not always re-raise it, so success is
         # judged by the commit itself: the rename to <dir>/<step>.
         error = "not committed (orbax logged the cause above)"

@@ -163,6 +163,37 @@ def test_rendezvous_hands_out_ranks_and_one_coordinator(server):
         rendezvous.join(server.url, "rdv", 3, timeout_s=1)
 
 
+def test_ranks_other_than_0_dial_the_coordinator_only_once_it_listens(monkeypatch):
+    """A rank that dials rank 0's jax.distributed service before it listens waits gRPC's 1 s
+    reconnect backoff; start_distributed holds it until the port accepts. Rank 0 (the service)
+    never waits. Checked by the order of events, not by time."""
+    import socket
+    import jax
+
+    port = rendezvous.free_port("127.0.0.1")
+    address = f"127.0.0.1:{port}"
+    calls, listener = [], socket.socket()
+
+    def initialize(coordinator, nprocs, rank):
+        with socket.socket() as probe:
+            calls.append((rank, probe.connect_ex(("127.0.0.1", port)) == 0))
+
+    monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the backend of this process stays as it is
+
+    def listen_later():
+        time.sleep(0.3)
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+
+    threading.Thread(target=listen_later).start()
+    rendezvous.start_distributed(address, 2, 0)  # rank 0: straight through, nothing listens yet
+    rendezvous.start_distributed(address, 2, 1)
+    listener.close()
+    assert calls == [(0, False), (1, True)]
+    assert rendezvous.wait_until_listening(address, timeout_s=0.05) is False  # closed again: gives up
+
+
 def test_job_id_changes_with_the_schedulers_restart_count(monkeypatch):
     for name in ("MEGASCALE_JOB", "SLURM_JOB_ID", "SLURM_RESTART_COUNT", "JOBSET_NAME", "JOBSET_RESTART_ATTEMPT"):
         monkeypatch.delenv(name, raising=False)

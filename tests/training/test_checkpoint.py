@@ -376,6 +376,11 @@ def test_saves_record_blocking_and_total_time(reference):
     saves = [json.loads(line) for line in (reference / "checkpoints.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saves] == [5, 10, 15, 20]
     assert all(0 < s["block_s"] <= s["total_s"] for s in saves), saves
+    # The blocking time's parts add up to it (rounded to 0.1 ms each) and are all measured.
+    for s in saves:
+        parts = s["block_parts_s"]
+        assert set(parts) == {"previous_save", "checksums", "orbax"} and all(v >= 0 for v in parts.values())
+        assert abs(sum(parts.values()) - s["block_s"]) < 1e-3 and parts["orbax"] > 0, s
     assert run_dirs.committed_steps(str(reference / "checkpoints")) == [5, 10, 15, 20]
 
 
@@ -403,6 +408,7 @@ def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     saves = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
     assert [s["step"] for s in saves] == [5, 10] and all(s["block_s"] >= held for s in saves), saves
+    assert all(s["block_parts_s"]["orbax"] >= held for s in saves), saves  # attributed to orbax's part
     after_save = records(run_dir)[5]
     assert after_save["step"] == 6 and after_save["step_time_s"] < held, after_save
 
