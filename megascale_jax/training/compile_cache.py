@@ -161,9 +161,14 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
     jax_compilation_cache.reset_cache()  # JAX opens its cache once per process: here, now
     jax.monitoring.register_event_listener(count)
     warnings.showwarning = on_warning
-    _store.update(directory=os.path.join(directory, f"process-{jax.process_index()}"), counts=counts)
-    os.makedirs(_store["directory"], exist_ok=True)
-    if not readable_by_every_process(jax.default_backend(), jax.process_count()) and jax.process_index():
+    own = os.path.join(directory, f"process-{jax.process_index()}")
+    try:
+        os.makedirs(own, exist_ok=True)
+        _store.update(directory=own, counts=counts)
+    except OSError as e:  # the run goes on; JAX's cache may still serve it
+        logger.warning(f"warning: compilation cache {own} cannot be made ({e.strerror or e}); "
+                       "this process keeps no executables of its own")
+    if _store and not readable_by_every_process(jax.default_backend(), jax.process_count()) and jax.process_index():
         _own_copies.update(_store)
     try:
         yield counts
@@ -198,9 +203,7 @@ def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
         except Exception as e:  # noqa: BLE001 — an unreadable copy is compiled afresh, never fatal
             logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {e}")
     compiled = lowered.compile()
-    with open(path + ".tmp", "wb") as f:  # renamed when whole: a kill never leaves half a copy
-        f.write(serialize_executable.serialize(compiled)[0])
-    os.replace(path + ".tmp", path)
+    _keep(path, serialize_executable.serialize(compiled)[0], name)
     return compiled
 
 
@@ -233,10 +236,22 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: 
     except Exception as e:  # noqa: BLE001 — JAX cannot serialize it (a host callback): never fatal
         logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {_one_line(e)}")
         return compiled
-    with open(path + ".tmp", "wb") as f:  # renamed when whole: a kill never leaves half an entry
-        f.write(entry)
-    os.replace(path + ".tmp", path)
+    _keep(path, entry, name)
     return compiled
+
+
+def _keep(path: str, data: bytes, name: str) -> None:
+    """Write an entry whole: renamed into place once complete, so a kill never leaves half of one.
+    A write that fails (a full disk, a file size limit) is one warning; the run goes on."""
+    try:
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: "
+                       f"{e.strerror or e}")
 
 
 def _program_key(name: str, config: dict, args: tuple) -> str:

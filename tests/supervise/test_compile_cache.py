@@ -219,3 +219,28 @@ def test_an_executable_jax_cannot_serialize_is_compiled_with_one_warning(tmp_pat
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(err) == 2 and all("cannot keep k" in line for line in err), err
     assert os.listdir(tmp_path / "compile_cache" / "process-0") == []
+
+
+def test_a_full_disk_while_keeping_an_entry_is_one_warning_and_training_goes_on(tmp_path, capsys, monkeypatch):
+    """EFBIG/ENOSPC writing an entry (seen in the checkpoint test that caps file sizes): the
+    executable is returned, one warning line names it, and no half-written file is left."""
+    import errno
+
+    cli.setup_logging()
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        if "w" in mode and "process-0" in str(path):
+            f = real_open(path, mode, *args, **kwargs)  # created, then the write fails, like EFBIG
+            f.close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(compile_cache, "open", full_disk, raising=False)
+    x = jax.random.normal(jax.random.key(5), (7,))
+    with compile_cache.use(str(tmp_path)):
+        compiled = compile_cache.load_or_compile("m", lambda: jax.jit(jnp.exp).lower(x), {}, (x,))
+    np.testing.assert_allclose(compiled(x), np.exp(np.asarray(x)), rtol=1e-6)
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and "cannot keep m" in err[0] and "No space left" in err[0], err
+    assert os.listdir(tmp_path / "compile_cache" / "process-0") == []
