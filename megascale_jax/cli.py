@@ -36,6 +36,12 @@ def user_error(message, code: int = 2) -> int:
     return code
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line for a warning or a record: its type and first line."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
+
+
 def interrupted(step: int | None) -> str:
     """The last line of a run stopped by SIGINT/SIGTERM (`train` and `launch` both print it):
     `step` is the checkpoint it saved, None when none was saved."""

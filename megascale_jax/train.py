@@ -285,13 +285,14 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     watch.state("compiling", start)
     # Compile everything up front, so no step's time includes compilation.
     # Loaded without tracing on a restart (compile_cache.load_or_compile).
+    config = cfg.to_dict()
     train_step = compile_cache.load_or_compile(
-        "train_step", lambda: trainer.train_step.lower(state, first), cfg.to_dict(), (state, first))
+        "train_step", lambda: trainer.train_step.lower(state, first), config, (state, first))
     clock.lap("train_step")
     check_compiled_memory(cfg, train_step)
     profiler = device_profile.StepProfiler(train_step, run_dirs.profiles_dir(run_dir, jax.process_index()))
     eval_loss = compile_cache.load_or_compile(
-        "eval_loss", lambda: trainer.eval_loss.lower(state.params, first), cfg.to_dict(), (state.params, first))
+        "eval_loss", lambda: trainer.eval_loss.lower(state.params, first), config, (state.params, first))
     clock.lap("eval_loss")
     resumed = f"resumed from checkpoint step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "

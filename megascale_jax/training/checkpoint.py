@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import grain
 import orbax.checkpoint as ocp
 
+from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.training import compile_cache
 from megascale_jax.run_dir import committed_steps
@@ -158,9 +159,9 @@ class Checkpointer:
             # force: the cadence (incl. the last step) is the loop's checkpoint hook's.
             self.manager.save(step, args=args, force=True)
         except Exception as e:  # e.g. the directory cannot be written
-            self.warn(f"warning: checkpoint at step {step} not saved: {_one_line(e)}; training continues, "
+            self.warn(f"warning: checkpoint at step {step} not saved: {cli.one_line(e)}; training continues, "
                       f"last good checkpoint: step {self._last_committed()}")
-            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": _one_line(e)}]
+            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": cli.one_line(e)}]
         end = time.perf_counter()
         # Where the blocking went: the previous save's write, the checksums (which also wait for
         # the step that produced `state`), orbax's own part (host copy, directories, barriers).
@@ -197,7 +198,7 @@ class Checkpointer:
         try:
             self.manager.check_for_errors()
         except Exception as e:
-            error = _one_line(e)
+            error = cli.one_line(e)
         with self._lock:
             done = self._commit_times.pop(step, None)
         if step not in committed_steps(self.directory):
@@ -246,7 +247,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, meta); meta["data_state"] is the data iterator state to continue from."""
-        with _damage_is_corruption(lambda e: f"meta: {_one_line(e)}"):
+        with _damage_is_corruption(lambda e: f"meta: {cli.one_line(e)}"):
             meta = self._meta(step)
         self._check_compatible(step, meta)
         meta["data_state"] = self._restore_data_state(step, meta)
@@ -334,7 +335,7 @@ class Checkpointer:
         if not os.path.exists(own):
             return {"next_index": meta["data_step"]}
         holder = _IteratorState()
-        with _damage_is_corruption(lambda e: f"data iterator: {_one_line(e)}"):
+        with _damage_is_corruption(lambda e: f"data iterator: {cli.one_line(e)}"):
             self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
         if holder.state.get("next_index") != meta["data_step"]:
             raise CorruptCheckpoint(f"data iterator at {holder.state} but meta.data_step={meta['data_step']}")
@@ -410,7 +411,7 @@ def _describe_read_error(e: BaseException, step_dir: str) -> str:
     array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/\.z(?:array|attrs|group)"', text)
     files = list(re.finditer(r'file "([^"]+)"', text))
     if not (array or files):
-        return _one_line(e)
+        return cli.one_line(e)
     parts = []
     if array:
         parts.append(f"array {array.group(1)}")
@@ -467,7 +468,3 @@ def _unretrieved_tensorstore_error(record: logging.LogRecord) -> bool:
                                             "Task exception was never retrieved"))
                 and isinstance(exc, ValueError) and "tensorstore_spec" in str(exc))
 
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0][:300] if text else ''}"

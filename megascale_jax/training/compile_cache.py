@@ -194,14 +194,9 @@ def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
         str(jax.process_index()), str([d.id for d in jax.devices()])]).encode()).hexdigest()
     path = os.path.join(_own_copies["directory"], f"{name}-{key}")
     counts.requests += 1
-    if os.path.exists(path):
-        try:
-            with open(path, "rb") as f:
-                compiled = serialize_executable.deserialize_and_load(f.read(), lowered.in_tree, lowered.out_tree)
-            counts.hits += 1
-            return compiled
-        except Exception as e:  # noqa: BLE001 — an unreadable copy is compiled afresh, never fatal
-            logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {e}")
+    if (compiled := _load(path, lambda data: (data, lowered.in_tree, lowered.out_tree))) is not None:
+        counts.hits += 1
+        return compiled
     compiled = lowered.compile()
     _keep(path, serialize_executable.serialize(compiled)[0], name)
     return compiled
@@ -216,28 +211,35 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: 
         return lower().compile()
     counts = _store["counts"]
     path = os.path.join(_store["directory"], f"{name}-{_program_key(name, config, args)}")
-    if os.path.exists(path):
-        try:
-            with open(path, "rb") as f:
-                serialized, in_tree, out_tree = pickle.load(f)
-            # The devices the program runs on, in its order (by default it would be every device
-            # of the backend, and a program for fewer aborts the process in XLA).
-            devices = jax.tree.leaves(args)[0].sharding._device_assignment
-            compiled = serialize_executable.deserialize_and_load(
-                serialized, in_tree, out_tree, execution_devices=devices)
-            counts.requests += 1
-            counts.hits += 1
-            return compiled
-        except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
-            logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {_one_line(e)}")
+    # The devices the program runs on, in its order (by default it would be every device of the
+    # backend, and a program for fewer aborts the process in XLA).
+    devices = jax.tree.leaves(args)[0].sharding._device_assignment
+    if (compiled := _load(path, pickle.loads, devices)) is not None:
+        counts.requests += 1
+        counts.hits += 1
+        return compiled
     compiled = lower().compile()  # through JAX's cache in process 0; this entry is the others' copy
     try:
         entry = pickle.dumps(serialize_executable.serialize(compiled))
     except Exception as e:  # noqa: BLE001 — JAX cannot serialize it (a host callback): never fatal
-        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {_one_line(e)}")
+        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {cli.one_line(e)}")
         return compiled
     _keep(path, entry, name)
     return compiled
+
+
+def _load(path: str, unpack: Callable[[bytes], tuple], devices=None) -> jax.stages.Compiled | None:
+    """The executable kept at `path` (`unpack` turns the file into (serialized, in_tree,
+    out_tree)), or None when there is none; an unreadable one is one warning and None."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            serialized, in_tree, out_tree = unpack(f.read())
+        return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
+    except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
+        logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {cli.one_line(e)}")
+        return None
 
 
 def _keep(path: str, data: bytes, name: str) -> None:
@@ -277,6 +279,3 @@ def _source_digest() -> str:
             digest.update(f.read())
     return digest.hexdigest()
 
-
-def _one_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
