@@ -276,8 +276,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
             lambda w, a: jax.make_array_from_callback(a.shape, a.sharding, lambda index: w[index]),
             weights, trainer.abstract_params))
         log(f"initialised from the Hugging Face model in {cfg.model.init_from}")
-    else:
-        state = trainer.init()
+    else:  # through the cache: in a CPU job of several processes, process 0 compiles it for all
+        state = compile_cache.compile(trainer.init.lower(), "init")()
     clock.lap("state")
     batches = data.Prefetcher(train_batches, trainer.batch_sharding, data_position, cfg.data.prefetch)
     first = batches.get()

@@ -1,4 +1,5 @@
-"""Two real processes (4 simulated CPU devices each, gloo collectives) train exactly like one.
+"""Two real processes (4 simulated CPU devices each, gloo collectives) train exactly like one,
+process 1 with the executables process 0 compiled.
 
 Each process loads only the rows of the batch its devices hold, so equal losses show that the
 per-process data slices assemble into the same global batch.
@@ -6,6 +7,7 @@ per-process data slices assemble into the same global batch.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -43,3 +45,8 @@ def test_two_processes_match_one(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outputs
 
     np.testing.assert_allclose(losses(tmp_path / "multi"), losses(tmp_path / "single"), rtol=1e-5)
+    # ... running what process 0 compiled: process 1 compiled none of the executables it keeps
+    # (initialisation, train step, evaluation, checkpoint checksums), it loaded them all from process 0.
+    kept = os.listdir(tmp_path / "multi" / "compile_cache" / "process-1")
+    loaded = re.search(r"compilation cache: \d+ hits, \d+ misses \((\d+) loaded from process 0\)", outputs[1])
+    assert len(kept) >= 3 and int(loaded.group(1)) == len(kept), (kept, outputs[1][-2000:])

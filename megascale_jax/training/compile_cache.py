@@ -27,12 +27,20 @@ aborts the job. The loaded executables are not at fault: process 1, given copies
 entries under its own keys, loads them and both train; and `jax_share_binary_between_hosts` fails
 the same way (process 1 waits for its own key, which process 0 never publishes). So the cache is
 used where every process can read process 0's entries — a job of one process, or accelerators.
-In a CPU job of several processes the other processes keep their own copies of what train.py
-compiles up front (the train step, evaluation and the checkpoints' checksums: ~7 s of an idle
-machine's 13 s tiny_cpu restart) in `RUN_DIR/compile_cache/process-<i>/`, through
-`jax.experimental.serialize_executable` (`compile`, `load_or_compile`). What they would compile
-implicitly is kept out of the restart's path: build_trainer traces rather than runs the
-optimizer's init (train.staged), and the restore verifies with the precompiled checksums.
+In a CPU job of several processes every process keeps its own copies of what train.py compiles
+up front (the initialisation, the train step, evaluation and the checkpoints' checksums) in
+`RUN_DIR/compile_cache/process-<i>/`, through `jax.experimental.serialize_executable`
+(`compile`, `load_or_compile`), and process 0 compiles each of them once for all: it hands each
+to the others through the job's coordination service (see `_slot`). Four processes on this
+2-core machine compiled tiny_cpu's programs in ~35 s each at the same time; with one compiling,
+the job starts in ~12 s. What they would compile implicitly is kept out of the restart's path:
+build_trainer traces rather than runs the optimizer's init (train.staged), and the restore
+verifies with the precompiled checksums.
+
+Only executables seen compiled are kept (jaxlib 0.10.2): XLA:CPU serializes an executable that
+was itself deserialized (a hit of JAX's cache) without the program's compiled functions, and the
+copy fails when it runs ("Function add_tanh_fusion.1 not found"). A program JAX's cache serves is
+therefore neither kept nor handed over; the others compile it themselves.
 
 What a restart still spent with every executable cached: tracing. JAX looks an executable up by
 its lowered program, so a hit still traces and lowers the train step first: ~1.1 s of a 3.5 s
@@ -59,6 +67,7 @@ misses). `CacheCounts.summary()` is the line a run ends with: `compilation cache
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -74,6 +83,7 @@ import flax
 import jax
 import jaxlib
 import optax
+from jax._src import distributed  # the job's coordination client (orbax reaches it the same way)
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
@@ -87,23 +97,35 @@ SETTINGS = {"jax_persistent_cache_min_compile_time_secs": 0.0, "jax_persistent_c
 ENTRIES = "*-cache"  # JAX's file name of an entry: <module>-<key>-cache
 
 
+# The largest executable process 0 hands the others through the coordination service; a larger
+# one each process compiles itself (the service holds it in memory; 64 MB takes ~1 s to pass).
+SHARE_MAX_BYTES = 64 << 20
+SHARE_TIMEOUT_MS = 30 * 60 * 1000  # how long the others wait for process 0 to compile one
+
+
 @dataclasses.dataclass
 class CacheCounts:
-    """This process's compilations that consulted the cache, and the hits among them."""
+    """This process's compilations that consulted the cache, the hits among them, and the misses
+    it loaded from process 0 instead of compiling (see `_share`)."""
 
     requests: int = 0
     hits: int = 0
+    from_process_0: int = 0
 
     @property
     def misses(self) -> int:
         return self.requests - self.hits
 
     def summary(self) -> str:
-        return f"compilation cache: {self.hits} hits, {self.misses} misses"
+        return (f"compilation cache: {self.hits} hits, {self.misses} misses "
+                f"({self.from_process_0} loaded from process 0)")
 
 
-_own_copies: dict = {}  # directory, counts: while `use` serves a process JAX's cache cannot serve
 _store: dict = {}  # directory, counts: this process's store for `load_or_compile`, while `use` is on
+_share: dict = {}  # client: while `use` serves a CPU job of several processes (see `_slot`)
+# name -> how many programs of that name this process has compiled or loaded. Never reset: every
+# process of a job asks for the same programs in the same order, so the n-th is the same program.
+_asked: collections.Counter = collections.Counter()
 
 
 def readable_by_every_process(platform: str, processes: int) -> bool:
@@ -168,13 +190,13 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
     except OSError as e:  # the run goes on; JAX's cache may still serve it
         logger.warning(f"warning: compilation cache {own} cannot be made ({e.strerror or e}); "
                        "this process keeps no executables of its own")
-    if _store and not readable_by_every_process(jax.default_backend(), jax.process_count()) and jax.process_index():
-        _own_copies.update(_store)
+    if _store and not readable_by_every_process(jax.default_backend(), jax.process_count()):
+        _share.update(client=distributed.global_state.client)
     try:
         yield counts
     finally:
-        _own_copies.clear()
         _store.clear()
+        _share.clear()
         warnings.showwarning = show_warning
         jax.monitoring.unregister_event_listener(count)
         for name, value in previous.items():
@@ -183,63 +205,161 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
 
 
 def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
-    """`lowered.compile()`; in a process JAX's cache cannot serve (a CPU job's processes other
-    than 0), through this process's own copy of the executable, written after compiling."""
-    if not _own_copies:
+    """`lowered.compile()`; in a CPU job of several processes (whose JAX caches serve process 0
+    only), through this process's store, keyed by the program's text: process 0 compiles it once
+    and hands it to the others (`_slot`), and each keeps its copy for its restarts."""
+    if not (_store and _share):
         return lowered.compile()
-    counts = _own_copies["counts"]
-    # What JAX's key covers that the program text does not: versions, flags, which devices ask.
+    # What JAX's key covers that the program text does not: versions, flags, the job's devices.
     key = hashlib.sha256("\n".join([
         lowered.as_text(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
-        str(jax.process_index()), str([d.id for d in jax.devices()])]).encode()).hexdigest()
-    path = os.path.join(_own_copies["directory"], f"{name}-{key}")
-    counts.requests += 1
-    if (compiled := _load(path, lambda data: (data, lowered.in_tree, lowered.out_tree))) is not None:
-        counts.hits += 1
-        return compiled
-    compiled = lowered.compile()
-    _keep(path, serialize_executable.serialize(compiled)[0], name)
-    return compiled
+        str([d.id for d in jax.devices()])]).encode()).hexdigest()
+    return _through_store(name, key, _slot(name), lowered.compile, lambda entry: (entry, lowered.in_tree,
+                          lowered.out_tree), lambda serialized: serialized[0], _devices(lowered))
 
 
 def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: dict, args: tuple
                     ) -> jax.stages.Compiled:
     """The executable `lower()` compiles for `config` and `args`: loaded from this process's store
-    without tracing anything when `use` is on and it is there; else lowered, compiled (`compile`)
-    and stored. See the module's note for the key."""
+    without tracing anything when `use` is on and it is there (in a CPU job of several processes,
+    else from process 0); else lowered, compiled and stored. See the module's note for the key."""
     if not _store:
         return lower().compile()
-    counts = _store["counts"]
-    path = os.path.join(_store["directory"], f"{name}-{_program_key(name, config, args)}")
     # The devices the program runs on, in its order (by default it would be every device of the
     # backend, and a program for fewer aborts the process in XLA).
     devices = jax.tree.leaves(args)[0].sharding._device_assignment
-    if (compiled := _load(path, pickle.loads, devices)) is not None:
+    return _through_store(name, _program_key(name, config, args), _slot(name) if _share else None,
+                          lambda: lower().compile(), pickle.loads, pickle.dumps, devices)
+
+
+def _devices(lowered: jax.stages.Lowered):
+    """The devices `lowered` runs on, in its order (None: every device), from its shardings: a
+    program loaded for more devices than it runs on aborts the process in XLA. (JAX keeps them in
+    the lowering's private compile arguments; there is no public accessor in jax 0.10.)"""
+    compile_args = lowered._lowering.compile_args
+    for sharding in (*compile_args["in_shardings"], *compile_args["out_shardings"]):
+        if hasattr(sharding, "_device_assignment"):
+            return sharding._device_assignment
+    return None
+
+
+def _through_store(name: str, key: str, slot: str | None, compile_here: Callable[[], jax.stages.Compiled],
+                   unpack: Callable[[bytes], tuple], pack: Callable[[tuple], bytes], devices
+                   ) -> jax.stages.Compiled:
+    """This process's entry of the program `key` (`unpack` reads one, `pack` writes one); else
+    process 0's, handed over under `slot` (None: not shared); else compiled here and kept. Process
+    0 hands over what it loads or compiles under `slot`, an empty entry when it has none."""
+    counts, first = _store["counts"], jax.process_index() == 0
+    path = os.path.join(_store["directory"], f"{name}-{_own_key(key)}")
+    entry = _read(path)
+    if (compiled := _deserialize(entry, unpack, devices, path)) is not None:
         counts.requests += 1
         counts.hits += 1
+        if slot and first:
+            _publish(slot, key, entry)
         return compiled
-    compiled = lower().compile()  # through JAX's cache in process 0; this entry is the others' copy
-    try:
-        entry = pickle.dumps(serialize_executable.serialize(compiled))
-    except Exception as e:  # noqa: BLE001 — JAX cannot serialize it (a host callback): never fatal
-        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {cli.one_line(e)}")
+    if entry is not None:  # unreadable (warned): gone, so that no later restart warns again
+        with contextlib.suppress(OSError):
+            os.remove(path)
+    if slot and not first and (compiled := _from_process_0(slot, key, unpack, devices, path, name)) is not None:
+        counts.requests += 1  # a miss of this process's store, loaded rather than compiled
+        counts.from_process_0 += 1
         return compiled
-    _keep(path, entry, name)
+    requests, hits = counts.requests, counts.hits
+    compiled = compile_here()  # through JAX's cache, which counts it
+    # XLA:CPU cannot serialize an executable that was itself deserialized: the copy lacks the
+    # program's compiled functions ("Function ... not found" when it runs). So only an executable
+    # seen compiled here (JAX's cache asked, and missed) is kept and handed over; not one JAX's
+    # cache served, nor one JAX served from memory (whose origin is unknown).
+    fresh = counts.requests > requests and counts.hits == hits
+    entry = _serialized(compiled, name, pack) if fresh else None
+    if slot and first:
+        _publish(slot, key, entry)
+    if entry is not None:
+        _keep(path, entry, name)
     return compiled
 
 
-def _load(path: str, unpack: Callable[[bytes], tuple], devices=None) -> jax.stages.Compiled | None:
-    """The executable kept at `path` (`unpack` turns the file into (serialized, in_tree,
-    out_tree)), or None when there is none; an unreadable one is one warning and None."""
-    if not os.path.exists(path):
+def _serialized(compiled: jax.stages.Compiled, name: str, pack: Callable[[tuple], bytes]) -> bytes | None:
+    """`pack((serialized, in_tree, out_tree))`, or None (one warning) when JAX cannot serialize the
+    executable (a host callback): never fatal, the executable is compiled again where needed."""
+    try:
+        return pack(serialize_executable.serialize(compiled))
+    except Exception as e:  # noqa: BLE001
+        logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {cli.one_line(e)}")
         return None
+
+
+def _read(path: str) -> bytes | None:
     try:
         with open(path, "rb") as f:
-            serialized, in_tree, out_tree = unpack(f.read())
+            return f.read()
+    except OSError:
+        return None
+
+
+def _deserialize(entry: bytes | None, unpack: Callable[[bytes], tuple], devices, where: str
+                 ) -> jax.stages.Compiled | None:
+    """The executable in `entry` (`unpack` turns it into (serialized, in_tree, out_tree)), or None
+    when there is none; an unreadable one is one warning and None."""
+    if entry is None:
+        return None
+    try:
+        serialized, in_tree, out_tree = unpack(entry)
         return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
     except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
-        logger.warning(f"warning: compilation cache {path} discarded, compiling afresh: {cli.one_line(e)}")
+        logger.warning(f"warning: compilation cache {where} discarded, compiling afresh: {cli.one_line(e)}")
         return None
+
+
+# ------------------------------------------------------- one compilation for every process
+
+# In a CPU job of several processes every process compiles the same program, and on one machine
+# they share its cores: 4 processes on 2 cores took ~35 s to compile tiny_cpu's programs where one
+# process alone takes ~11 s. So process 0 compiles (or loads) each program and hands it to the
+# others through the job's coordination service (`jax.distributed`'s key-value store), under the
+# n-th slot of its name; the others, on a miss of their own store, wait for that slot and load it
+# for their own devices, if it is the same program (same key; otherwise they compile it
+# themselves). Process 0 publishes every program it is asked for, hit or miss, so no process ever
+# waits for a slot that is never filled. JAX's `jax_share_binary_between_hosts` does the same on
+# GPUs, where its keys agree between processes; on the CPU they never do (see above).
+
+def _slot(name: str) -> str:
+    _asked[name] += 1
+    return f"megascale_jax/compile_cache/{name}/{_asked[name]}"
+
+
+def _own_key(key: str) -> str:
+    """A process's own entry of the program `key`: process 0's executables are the others' too,
+    but each loads (and keeps) its copy for its own devices."""
+    return hashlib.sha256(f"{key} {jax.process_index()}".encode()).hexdigest()
+
+
+def _publish(slot: str, key: str, entry: bytes | None) -> None:
+    """Process 0: the entry for `slot` (empty when there is none to give: the others compile)."""
+    if entry is not None and len(entry) > SHARE_MAX_BYTES:
+        entry = None
+    try:
+        _share["client"].key_value_set_bytes(slot, key.encode() + b"\n" + (entry or b""), allow_overwrite=True)
+    except Exception as e:  # noqa: BLE001 — the others then compile on their own, after the wait
+        logger.warning(f"warning: compilation cache cannot hand {slot} to the other processes: {cli.one_line(e)}")
+
+
+def _from_process_0(slot: str, key: str, unpack, devices, path: str, name: str) -> jax.stages.Compiled | None:
+    """Processes other than 0: process 0's executable for `slot` when it is this program, loaded
+    and kept as this process's own entry at `path`; else None (compile it here)."""
+    try:
+        payload = _share["client"].blocking_key_value_get_bytes(slot, SHARE_TIMEOUT_MS)
+    except Exception as e:  # noqa: BLE001 — process 0 gone or too slow: compile here
+        logger.warning(f"warning: compilation cache got no {name} from process 0, compiling it here: "
+                       f"{cli.one_line(e)}")
+        return None
+    theirs, _, entry = payload.partition(b"\n")
+    if theirs.decode() != key or not entry:
+        return None
+    if (compiled := _deserialize(entry, unpack, devices, f"{slot} from process 0")) is not None:
+        _keep(path, entry, name)
+    return compiled
 
 
 def _keep(path: str, data: bytes, name: str) -> None:
@@ -257,14 +377,15 @@ def _keep(path: str, data: bytes, name: str) -> None:
 
 
 def _program_key(name: str, config: dict, args: tuple) -> str:
-    """What the program `name` is made from, hashed: everything but its traced text."""
+    """What the program `name` is made from, hashed: everything but its traced text (the same in
+    every process of a job; `_own_key` makes each process's entry its own)."""
     def describe(x) -> str:
         return f"{x.shape} {x.dtype} {getattr(x, 'weak_type', False)} {x.sharding}"
     settings = {k: repr(v) for k, v in jax.config.values.items() if "cache" not in k}
     return hashlib.sha256(json.dumps([
         name, config, str(jax.tree.structure(args)), [describe(x) for x in jax.tree.leaves(args)],
         _source_digest(), jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
-        settings, os.environ.get("XLA_FLAGS", ""), jax.process_index(),
+        settings, os.environ.get("XLA_FLAGS", ""),
         [(d.id, d.device_kind) for d in jax.devices()]], sort_keys=True, default=str).encode()).hexdigest()
 
 

@@ -8,6 +8,7 @@ the others load their own copies of the train step, evaluation and checkpoint ch
 module's note). The train step and evaluation are loaded without tracing (`load_or_compile`).
 """
 
+import collections
 import glob
 import os
 import re
@@ -21,6 +22,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import cli
+from jax._src import distributed
+
 from megascale_jax.training import compile_cache
 
 SMALL = ["model.layers=2", "model.d_model=64", "model.seq_len=64", "train.global_batch=8", "optim.warmup=1",
@@ -147,7 +150,9 @@ def test_load_or_compile_loads_without_tracing_and_keys_on_what_the_program_is_m
         monkeypatch.setattr(compile_cache, "_source_digest", lambda: "an edited package")
         get({"a": 1}, x)
         assert len(traced) == 4
-    assert len(glob.glob(str(tmp_path / "compile_cache" / "process-0" / "f-*"))) == 4
+    # Kept: the two programs compiled here; the other two keys' programs JAX's cache served (the
+    # same program text), which are never kept (see the test below).
+    assert len(glob.glob(str(tmp_path / "compile_cache" / "process-0" / "f-*"))) == 2
 
 
 def test_an_unreadable_stored_executable_is_one_warning_and_a_recompilation(tmp_path, capsys):
@@ -163,8 +168,9 @@ def test_an_unreadable_stored_executable_is_one_warning_and_a_recompilation(tmp_
     np.testing.assert_allclose(again(x), np.sin(np.asarray(x)), rtol=1e-6)
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(err) == 1 and "discarded, compiling afresh" in err[0], err
-    with open(entry, "rb") as f:  # written anew: the next restart loads it
-        assert f.read() != garbage
+    # Removed, so no restart warns again. Not written anew here: JAX served this compilation from
+    # memory, and only executables seen compiled are kept (see the test of JAX's cache below).
+    assert not os.path.exists(entry)
 
 
 def test_without_the_cache_load_or_compile_just_compiles():
@@ -244,3 +250,103 @@ def test_a_full_disk_while_keeping_an_entry_is_one_warning_and_training_goes_on(
     err = [line for line in capsys.readouterr().err.splitlines() if line]
     assert len(err) == 1 and "cannot keep m" in err[0] and "No space left" in err[0], err
     assert os.listdir(tmp_path / "compile_cache" / "process-0") == []
+
+
+def test_an_executable_jaxs_cache_served_is_neither_kept_nor_handed_over(tmp_path):
+    """XLA:CPU cannot serialize a deserialized executable whole (it runs into "Function ... not
+    found"), so a program JAX's cache serves is not written to the store: the next request compiles
+    it (through JAX's cache) rather than loading a broken copy."""
+    x = jax.random.normal(jax.random.key(4), (6, 6))
+    with compile_cache.use(str(tmp_path)) as counts:
+        jax.jit(lambda x: jnp.sin(x) @ x).lower(x).compile()  # in JAX's cache, not in the store
+        served = compile_cache.load_or_compile("k", lambda: jax.jit(lambda x: jnp.sin(x) @ x).lower(x), {}, (x,))
+        assert counts.hits == 1  # JAX's
+    assert glob.glob(str(tmp_path / "compile_cache" / "process-0" / "k-*")) == []
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(served(x), np.sin(x64) @ x64, rtol=1e-5, atol=1e-5)
+
+
+class KeyValueStore:
+    """The coordination service's key-value store as compile_cache uses it, in one process."""
+
+    def __init__(self):
+        self.values = {}
+
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.values
+        self.values[key] = value
+
+    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+        return self.values[key]  # process 0 (earlier in this test) has set it: a missing key is the bug
+
+
+def as_process(monkeypatch, index: int) -> None:
+    """What compile_cache sees of a CPU job of two processes, in this one."""
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    monkeypatch.setattr(compile_cache, "_asked", collections.Counter())  # a process's own count
+
+
+def test_process_0_compiles_once_and_hands_every_program_to_the_others(tmp_path, monkeypatch):
+    """In a CPU job of several processes process 0 compiles each program and publishes it in the
+    n-th slot of its name (hit or miss, so nobody waits for a slot never filled); process 1 loads
+    it for its own devices without tracing and keeps its copy; a different program in the slot (or
+    none to hand over) makes process 1 compile its own."""
+    store = KeyValueStore()
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
+    x = jax.device_put(jax.random.normal(jax.random.key(5), (8, 4)), NamedSharding(mesh, P("dp")))
+    traced = []
+
+    def f(x):
+        traced.append(1)
+        return jnp.tanh(x) @ x.T
+
+    def get(config):
+        return compile_cache.load_or_compile("f", lambda: jax.jit(lambda x: f(x)).lower(x), config, (x,))
+
+    as_process(monkeypatch, 0)
+    with compile_cache.use(str(tmp_path)):
+        get({"a": 1})
+        get({"a": 2})
+        compile_cache.compile(jax.jit(jnp.cos).lower(x), "g")
+    assert sorted(store.values) == [f"megascale_jax/compile_cache/{name}" for name in ("f/1", "f/2", "g/1")]
+
+    as_process(monkeypatch, 1)
+    with compile_cache.use(str(tmp_path)) as counts:
+        loaded = get({"a": 1})
+        assert traced == [1, 1] and counts.from_process_0 == 1  # process 0's two traces, none here
+        get({"a": 3})  # not the program process 0 put in slot 2: compiled here
+        assert len(traced) == 3 and counts.from_process_0 == 1
+        cosine = compile_cache.compile(jax.jit(jnp.cos).lower(x), "g")
+        assert counts.from_process_0 == 2
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(loaded(x), np.tanh(x64) @ x64.T, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(cosine(x), np.cos(x64), rtol=1e-6)
+    kept = glob.glob(str(tmp_path / "compile_cache" / "process-1" / "*"))
+    assert len(kept) == 2  # its copies of f and g, for its restarts (JAX's cache served {"a": 3})
+
+    as_process(monkeypatch, 1)  # a restart of process 1: its own copy, no slot read
+    store.values.clear()
+    with compile_cache.use(str(tmp_path)) as counts:
+        np.testing.assert_allclose(get({"a": 1})(x), np.tanh(x64) @ x64.T, rtol=1e-5, atol=1e-6)
+        assert len(traced) == 3 and counts.hits == 1
+
+
+def test_an_empty_slot_makes_the_others_compile_their_own(tmp_path, monkeypatch):
+    """Process 0 had nothing to hand over (JAX's cache served it, or JAX cannot serialize it)."""
+    store = KeyValueStore()
+    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    x = jax.random.normal(jax.random.key(6), (5,))
+    as_process(monkeypatch, 0)
+    with compile_cache.use(str(tmp_path)):
+        jax.jit(jnp.exp).lower(x).compile()  # JAX's cache serves the next one
+        compile_cache.load_or_compile("e", lambda: jax.jit(jnp.exp).lower(x), {}, (x,))
+    [(slot, payload)] = store.values.items()
+    assert payload.endswith(b"\n")  # the key, and no executable
+    as_process(monkeypatch, 1)
+    with compile_cache.use(str(tmp_path / "other")) as counts:  # process 1 without JAX's entry
+        compiled = compile_cache.load_or_compile("e", lambda: jax.jit(jnp.exp).lower(x), {}, (x,))
+        assert counts.from_process_0 == 0
+    np.testing.assert_allclose(compiled(x), np.exp(np.asarray(x)), rtol=1e-6)
