@@ -108,9 +108,12 @@ def _barriers_through_coordination_service() -> None:
     every device (`sync_global_devices`): ~12 ms each on this 2-core machine's gloo, in the same
     collectives as the train step, and with no timeout. Its documented alternative waits at a
     barrier of the job's coordination service (`jax.distributed`): ~7 ms each, with a timeout.
-    An absl flag of orbax's; this program parses no absl flags, so it is set, not parsed."""
-    flag = absl_flags.FLAGS["experimental_orbax_use_distributed_barrier"]
-    flag.value, flag.present = True, 1
+    An absl flag of orbax's; this program parses no absl flags, so it is set, not parsed. An orbax
+    without the flag keeps its own barriers."""
+    name = "experimental_orbax_use_distributed_barrier"
+    if name in absl_flags.FLAGS:
+        flag = absl_flags.FLAGS[name]
+        flag.value, flag.present = True, 1
 
 
 class CorruptCheckpoint(Exception):

@@ -31,9 +31,8 @@ In a CPU job of several processes every process keeps its own copies of what tra
 up front (the initialisation, the train step, evaluation and the checkpoints' checksums) in
 `RUN_DIR/compile_cache/process-<i>/`, through `jax.experimental.serialize_executable`
 (`compile`, `load_or_compile`), and process 0 compiles each of them once for all: it hands each
-to the others through the job's coordination service (see `_slot`). Four processes on this
-2-core machine compiled tiny_cpu's programs in ~35 s each at the same time; with one compiling,
-the job starts in ~12 s. What they would compile implicitly is kept out of the restart's path:
+to the others through the job's coordination service (see `_slot`). What they would compile
+implicitly is kept out of the restart's path:
 build_trainer traces rather than runs the optimizer's init (train.staged), and the restore
 verifies with the precompiled checksums.
 
@@ -315,8 +314,9 @@ def _deserialize(entry: bytes | None, unpack: Callable[[bytes], tuple], devices,
 # ------------------------------------------------------- one compilation for every process
 
 # In a CPU job of several processes every process compiles the same program, and on one machine
-# they share its cores: 4 processes on 2 cores took ~35 s to compile tiny_cpu's programs where one
-# process alone takes ~11 s. So process 0 compiles (or loads) each program and hands it to the
+# they share its cores: the ETTR drill's 4 processes on this 2-core machine compiled for 47-51 s,
+# all at once; with process 0 compiling alone, 16-17 s (bench/results/startup_cpu*.json). So
+# process 0 compiles (or loads) each program and hands it to the
 # others through the job's coordination service (`jax.distributed`'s key-value store), under the
 # n-th slot of its name; the others, on a miss of their own store, wait for that slot and load it
 # for their own devices, if it is the same program (same key; otherwise they compile it

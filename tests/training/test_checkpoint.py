@@ -150,6 +150,24 @@ def test_checksums_are_kept_in_meta_one_per_array(tmp_path):
     assert meta["checksums"] == expected
 
 
+def test_orbax_waits_at_the_coordination_service_not_in_a_collective(tmp_path, monkeypatch):
+    """orbax reads its barrier choice from an absl flag this program never parses: a Checkpointer
+    sets it so that orbax's own read sees it (unset, orbax's barrier is an all-gather compiled
+    over every device, ~12 ms each, ~8 per save, in the train step's collectives)."""
+    from absl import flags
+    from orbax.checkpoint._src.multihost import multihost
+
+    monkeypatch.setattr(flags.FLAGS["experimental_orbax_use_distributed_barrier"], "present", 0)
+    monkeypatch.setattr(flags.FLAGS["experimental_orbax_use_distributed_barrier"], "value", False)
+    try:
+        before = multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value
+    except flags.UnparsedFlagAccessError:  # what orbax meets unparsed: it falls back to its default
+        before = None
+    assert not before
+    checkpoint.Checkpointer(tiny_cfg(), str(tmp_path), warn=print).close()
+    assert multihost.EXPERIMENTAL_ORBAX_USE_DISTRIBUTED_BARRIER.value is True
+
+
 def test_a_checkpoint_with_the_older_checksums_item_restores_and_is_verified(tmp_path):
     """Written as before 2026-11-24 (checksums as an orbax item, none in meta): it restores, and a
     flipped bit in it is still caught (the previous checkpoint is restored instead)."""
