@@ -82,7 +82,7 @@ import flax
 import jax
 import jaxlib
 import optax
-from jax._src import distributed  # the job's coordination client (orbax reaches it the same way)
+import orbax.checkpoint as ocp
 from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
@@ -125,6 +125,12 @@ _share: dict = {}  # client: while `use` serves a CPU job of several processes (
 # name -> how many programs of that name this process has compiled or loaded. Never reset: every
 # process of a job asks for the same programs in the same order, so the n-th is the same program.
 _asked: collections.Counter = collections.Counter()
+
+
+def coordination_client():
+    """The job's `jax.distributed` client (its key-value store); JAX has no public accessor, and
+    orbax's is public."""
+    return ocp.multihost.get_jax_distributed_client()
 
 
 def readable_by_every_process(platform: str, processes: int) -> bool:
@@ -190,7 +196,7 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
         logger.warning(f"warning: compilation cache {own} cannot be made ({e.strerror or e}); "
                        "this process keeps no executables of its own")
     if _store and not readable_by_every_process(jax.default_backend(), jax.process_count()):
-        _share.update(client=distributed.global_state.client)
+        _share.update(client=coordination_client())
     try:
         yield counts
     finally:

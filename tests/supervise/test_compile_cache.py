@@ -22,8 +22,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import cli
-from jax._src import distributed
-
 from megascale_jax.training import compile_cache
 
 SMALL = ["model.layers=2", "model.d_model=64", "model.seq_len=64", "train.global_batch=8", "optim.warmup=1",
@@ -292,7 +290,7 @@ def test_process_0_compiles_once_and_hands_every_program_to_the_others(tmp_path,
     it for its own devices without tracing and keeps its copy; a different program in the slot (or
     none to hand over) makes process 1 compile its own."""
     store = KeyValueStore()
-    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
     x = jax.device_put(jax.random.normal(jax.random.key(5), (8, 4)), NamedSharding(mesh, P("dp")))
@@ -336,7 +334,7 @@ def test_process_0_compiles_once_and_hands_every_program_to_the_others(tmp_path,
 def test_an_empty_slot_makes_the_others_compile_their_own(tmp_path, monkeypatch):
     """Process 0 had nothing to hand over (JAX's cache served it, or JAX cannot serialize it)."""
     store = KeyValueStore()
-    monkeypatch.setattr(distributed.global_state, "client", store)
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
     x = jax.random.normal(jax.random.key(6), (5,))
     as_process(monkeypatch, 0)
