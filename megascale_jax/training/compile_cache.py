@@ -97,7 +97,8 @@ ENTRIES = "*-cache"  # JAX's file name of an entry: <module>-<key>-cache
 
 
 # The largest executable process 0 hands the others through the coordination service; a larger
-# one each process compiles itself (the service holds it in memory; 64 MB takes ~1 s to pass).
+# one each process compiles itself (the service holds every entry in memory). tiny_cpu's train
+# step is ~1.4 MB.
 SHARE_MAX_BYTES = 64 << 20
 SHARE_TIMEOUT_MS = 30 * 60 * 1000  # how long the others wait for process 0 to compile one
 
@@ -219,8 +220,7 @@ def compile(lowered: jax.stages.Lowered, name: str) -> jax.stages.Compiled:
     key = hashlib.sha256("\n".join([
         lowered.as_text(), jax.__version__, jaxlib.__version__, os.environ.get("XLA_FLAGS", ""),
         str([d.id for d in jax.devices()])]).encode()).hexdigest()
-    return _through_store(name, key, _slot(name), lowered.compile, lambda entry: (entry, lowered.in_tree,
-                          lowered.out_tree), lambda serialized: serialized[0], _devices(lowered))
+    return _through_store(name, key, _slot(name), lowered.compile, _devices(lowered))
 
 
 def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: dict, args: tuple
@@ -234,7 +234,7 @@ def load_or_compile(name: str, lower: Callable[[], jax.stages.Lowered], config: 
     # backend, and a program for fewer aborts the process in XLA).
     devices = jax.tree.leaves(args)[0].sharding._device_assignment
     return _through_store(name, _program_key(name, config, args), _slot(name) if _share else None,
-                          lambda: lower().compile(), pickle.loads, pickle.dumps, devices)
+                          lambda: lower().compile(), devices)
 
 
 def _devices(lowered: jax.stages.Lowered):
@@ -249,15 +249,14 @@ def _devices(lowered: jax.stages.Lowered):
 
 
 def _through_store(name: str, key: str, slot: str | None, compile_here: Callable[[], jax.stages.Compiled],
-                   unpack: Callable[[bytes], tuple], pack: Callable[[tuple], bytes], devices
-                   ) -> jax.stages.Compiled:
-    """This process's entry of the program `key` (`unpack` reads one, `pack` writes one); else
-    process 0's, handed over under `slot` (None: not shared); else compiled here and kept. Process
-    0 hands over what it loads or compiles under `slot`, an empty entry when it has none."""
+                   devices) -> jax.stages.Compiled:
+    """This process's entry of the program `key` (a pickled `serialize_executable.serialize`);
+    else process 0's, handed over under `slot` (None: not shared); else compiled here and kept.
+    Process 0 hands over what it loads or compiles under `slot`, an empty entry when it has none."""
     counts, first = _store["counts"], jax.process_index() == 0
     path = os.path.join(_store["directory"], f"{name}-{_own_key(key)}")
     entry = _read(path)
-    if (compiled := _deserialize(entry, unpack, devices, path)) is not None:
+    if (compiled := _deserialize(entry, devices, path)) is not None:
         counts.requests += 1
         counts.hits += 1
         if slot and first:
@@ -266,7 +265,7 @@ def _through_store(name: str, key: str, slot: str | None, compile_here: Callable
     if entry is not None:  # unreadable (warned): gone, so that no later restart warns again
         with contextlib.suppress(OSError):
             os.remove(path)
-    if slot and not first and (compiled := _from_process_0(slot, key, unpack, devices, path, name)) is not None:
+    if slot and not first and (compiled := _from_process_0(slot, key, devices, path, name)) is not None:
         counts.requests += 1  # a miss of this process's store, loaded rather than compiled
         counts.from_process_0 += 1
         return compiled
@@ -277,7 +276,7 @@ def _through_store(name: str, key: str, slot: str | None, compile_here: Callable
     # seen compiled here (JAX's cache asked, and missed) is kept and handed over; not one JAX's
     # cache served, nor one JAX served from memory (whose origin is unknown).
     fresh = counts.requests > requests and counts.hits == hits
-    entry = _serialized(compiled, name, pack) if fresh else None
+    entry = _serialized(compiled, name) if fresh else None
     if slot and first:
         _publish(slot, key, entry)
     if entry is not None:
@@ -285,11 +284,11 @@ def _through_store(name: str, key: str, slot: str | None, compile_here: Callable
     return compiled
 
 
-def _serialized(compiled: jax.stages.Compiled, name: str, pack: Callable[[tuple], bytes]) -> bytes | None:
-    """`pack((serialized, in_tree, out_tree))`, or None (one warning) when JAX cannot serialize the
-    executable (a host callback): never fatal, the executable is compiled again where needed."""
+def _serialized(compiled: jax.stages.Compiled, name: str) -> bytes | None:
+    """The entry of `compiled`, or None (one warning) when JAX cannot serialize the executable (a
+    host callback): never fatal, the executable is compiled again where needed."""
     try:
-        return pack(serialize_executable.serialize(compiled))
+        return pickle.dumps(serialize_executable.serialize(compiled))
     except Exception as e:  # noqa: BLE001
         logger.warning(f"warning: compilation cache cannot keep {name}, a restart compiles it: {cli.one_line(e)}")
         return None
@@ -303,14 +302,13 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def _deserialize(entry: bytes | None, unpack: Callable[[bytes], tuple], devices, where: str
-                 ) -> jax.stages.Compiled | None:
-    """The executable in `entry` (`unpack` turns it into (serialized, in_tree, out_tree)), or None
-    when there is none; an unreadable one is one warning and None."""
+def _deserialize(entry: bytes | None, devices, where: str) -> jax.stages.Compiled | None:
+    """The executable in `entry`, or None when there is none; an unreadable one is one warning and
+    None."""
     if entry is None:
         return None
     try:
-        serialized, in_tree, out_tree = unpack(entry)
+        serialized, in_tree, out_tree = pickle.loads(entry)
         return serialize_executable.deserialize_and_load(serialized, in_tree, out_tree, execution_devices=devices)
     except Exception as e:  # noqa: BLE001 — an unreadable entry is compiled afresh, never fatal
         logger.warning(f"warning: compilation cache {where} discarded, compiling afresh: {cli.one_line(e)}")
@@ -351,7 +349,7 @@ def _publish(slot: str, key: str, entry: bytes | None) -> None:
         logger.warning(f"warning: compilation cache cannot hand {slot} to the other processes: {cli.one_line(e)}")
 
 
-def _from_process_0(slot: str, key: str, unpack, devices, path: str, name: str) -> jax.stages.Compiled | None:
+def _from_process_0(slot: str, key: str, devices, path: str, name: str) -> jax.stages.Compiled | None:
     """Processes other than 0: process 0's executable for `slot` when it is this program, loaded
     and kept as this process's own entry at `path`; else None (compile it here)."""
     try:
@@ -363,7 +361,7 @@ def _from_process_0(slot: str, key: str, unpack, devices, path: str, name: str) 
     theirs, _, entry = payload.partition(b"\n")
     if theirs.decode() != key or not entry:
         return None
-    if (compiled := _deserialize(entry, unpack, devices, f"{slot} from process 0")) is not None:
+    if (compiled := _deserialize(entry, devices, f"{slot} from process 0")) is not None:
         _keep(path, entry, name)
     return compiled
 

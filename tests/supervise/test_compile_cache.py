@@ -119,16 +119,27 @@ def test_who_can_read_process_0s_entries():
     assert not compile_cache.readable_by_every_process("cpu", 2)
 
 
-def test_load_or_compile_loads_without_tracing_and_keys_on_what_the_program_is_made_from(tmp_path, monkeypatch):
-    """The second request for the same config and arguments traces nothing and computes what jit
-    does; another config, other argument shardings or an edited package source compile afresh."""
+def dp_input(seed: int):
+    """A mesh of two devices and a seeded (8, 4) input sharded over it."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
-    x = jax.device_put(jax.random.normal(jax.random.key(1), (8, 4)), NamedSharding(mesh, P("dp")))
+    return mesh, jax.device_put(jax.random.normal(jax.random.key(seed), (8, 4)), NamedSharding(mesh, P("dp")))
+
+
+def counted_program():
+    """tanh(x) @ x.T, and the list that grows by one each time it is traced."""
     traced = []
 
     def f(x):
         traced.append(1)
         return jnp.tanh(x) @ x.T
+    return traced, f
+
+
+def test_load_or_compile_loads_without_tracing_and_keys_on_what_the_program_is_made_from(tmp_path, monkeypatch):
+    """The second request for the same config and arguments traces nothing and computes what jit
+    does; another config, other argument shardings or an edited package source compile afresh."""
+    mesh, x = dp_input(1)
+    traced, f = counted_program()
 
     def get(config, arg):
         return compile_cache.load_or_compile(
@@ -292,13 +303,8 @@ def test_process_0_compiles_once_and_hands_every_program_to_the_others(tmp_path,
     store = KeyValueStore()
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("dp",))
-    x = jax.device_put(jax.random.normal(jax.random.key(5), (8, 4)), NamedSharding(mesh, P("dp")))
-    traced = []
-
-    def f(x):
-        traced.append(1)
-        return jnp.tanh(x) @ x.T
+    _, x = dp_input(5)
+    traced, f = counted_program()
 
     def get(config):
         return compile_cache.load_or_compile("f", lambda: jax.jit(lambda x: f(x)).lower(x), config, (x,))
