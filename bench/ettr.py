@@ -6,7 +6,8 @@
 
 1. Calibrate: a short fault-free launch measures the step time (or `--step-s` gives it), which
    sets `train.steps` so the drilled run lasts about `--minutes`, and `checkpoint.every` so a
-   checkpoint comes every <= `--checkpoint-s` seconds of training.
+   checkpoint comes every <= `--checkpoint-s` seconds of training (and, with `--snapshot-s`, a
+   memory snapshot every <= that many: `checkpoint.memory_every`, training/snapshot.py).
 2. Reference: the same job without faults (skip with `--no-reference`): its ETTR is what start-up,
    compilation and checkpoints cost alone, and its final loss is the one to reproduce.
 3. Drilled: `python -m megascale_jax.launch --nprocs N --spares K` with a fault every U(a, b)
@@ -185,9 +186,15 @@ def per_kind(rows: list[dict]) -> dict:
     return table
 
 
+def job_overrides(steps: int, checkpoint_every: int, snapshot_every: int) -> list[str]:
+    return [f"train.steps={steps}", f"checkpoint.every={checkpoint_every}", "checkpoint.keep=3"] + \
+        ([f"checkpoint.memory_every={snapshot_every}"] if snapshot_every else [])
+
+
 def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict], step_s: float) -> dict:
     """Where the wall time that was not productive went, in seconds and as a share of the wall:
-    start-up (launch to the first step), checkpoint blocking (every save, rank 0's), recovery
+    start-up (launch to the first step), checkpoint blocking (every save, rank 0's), memory
+    snapshot blocking (rank 0's), recovery
     (each drill's fault to training resumed: detection, diagnostics, restart, restore,
     compilation), the same for faults no drill caused (`undrilled_faults`),
     redone steps (steps lost x the median step) and the rest (the slow steps of a straggler
@@ -197,8 +204,11 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     started = next((e for e in events if e["kind"] == "started"), None)
     saves_path = os.path.join(run_dir, "checkpoints.jsonl")
     saves = read_jsonl(saves_path) if os.path.exists(saves_path) else []
+    snapshots_path = os.path.join(run_dir, "snapshots.jsonl")
     parts = {"startup_s": started["time"] - start if started else None,
              "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
+             "snapshot_blocking_s": sum(s["block_s"] for s in read_jsonl(snapshots_path))
+             if os.path.exists(snapshots_path) else 0.0,
              "recovery_s": sum(r.get("resumed_s") or 0.0 for r in rows),
              "undrilled_faults_s": sum(f["resumed_s"] or 0.0 for f in undrilled_faults(events)),
              "redone_steps_s": sum(r.get("steps_lost") or 0 for r in rows) * step_s}
@@ -239,7 +249,7 @@ def reference_for(path: str) -> None:
     """The fault-free run of a result written with --no-reference, added to that result."""
     with open(path) as f:
         result = json.load(f)
-    job = [f"train.steps={result['steps']}", f"checkpoint.every={result['checkpoint_every_steps']}", "checkpoint.keep=3"]
+    job = job_overrides(result["steps"], result["checkpoint_every_steps"], result.get("snapshot_every_steps", 0))
     result.update(compare(result, run_reference(result["nprocs"], job, tempfile.mkdtemp(prefix="bench-ettr-ref-"))))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
@@ -281,6 +291,8 @@ def main():
     parser.add_argument("--spares", type=int, default=2)
     parser.add_argument("--fault-every", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN_S", "MAX_S"))
     parser.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
+    parser.add_argument("--snapshot-s", type=float, default=0.0,
+                        help="seconds of training between memory snapshots (0 = none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--step-s", type=float, metavar="SECONDS",
                         help="the step time to plan with, instead of calibrating (a short launch on a busy "
@@ -307,8 +319,10 @@ def main():
         step_s = statistics.median(r["step_time_s"] for r in productive(os.path.join(work, "calibrate"))[1][5:])
     steps = max(20, int(args.minutes * 60 * 0.85 / step_s))  # ~15% of the wall goes to faults and start-up
     every = max(1, int(args.checkpoint_s / step_s))
-    job = [f"train.steps={steps}", f"checkpoint.every={every}", "checkpoint.keep=3"]
-    print(f"step {step_s:.3f}s -> {steps} steps, a checkpoint every {every} steps ({every * step_s:.0f}s)", flush=True)
+    snapshot_every = max(1, int(args.snapshot_s / step_s)) if args.snapshot_s else 0
+    job = job_overrides(steps, every, snapshot_every)
+    print(f"step {step_s:.3f}s -> {steps} steps, a checkpoint every {every} steps ({every * step_s:.0f}s)"
+          + (f", a memory snapshot every {snapshot_every}" if snapshot_every else ""), flush=True)
 
     # 2. fault-free reference
     reference = None if args.no_reference else run_reference(args.nprocs, job, work)
@@ -338,6 +352,7 @@ def main():
         "seed": args.seed, "steps": steps, "step_s_planned": step_s,
         "step_s_planned_from": "calibration" if args.step_s is None else "--step-s",
         "step_s_median": step_s_median, "checkpoint_every_steps": every,
+        "snapshot_every_steps": snapshot_every,
         "config": MODEL + job, "drills": drills,
         "wall_s": wall, "productive_s": busy, "ettr": busy / wall,
         # Stricter: every step charged at the median step, so the steps a straggler, a NaN replay or

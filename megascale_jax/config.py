@@ -184,6 +184,11 @@ class CheckpointConfig:
     keep: int = 3  # newest committed checkpoints kept
     async_: bool = True
     single_replica_restore: bool = False  # one dp replica reads, the others receive by broadcast
+    # Every N steps each process copies its shards to a file in RAM (training/snapshot.py): a
+    # restart resumes from the newest snapshot every process holds, if newer than the newest
+    # checkpoint. Survives the process, not the machine. Costs 3x this process's state in RAM.
+    memory_every: int = 0  # 0 = off
+    memory_dir: Optional[str] = None  # default: /dev/shm/megascale_jax-<user>/<hash of the run directory>
 
 
 @dataclass(frozen=True)
@@ -448,6 +453,7 @@ def validate(cfg: Config, planning: bool = False) -> None:
     c = cfg.checkpoint
     require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0 = never save)")
     require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
+    require(c.memory_every >= 0, f"checkpoint.memory_every={c.memory_every} must be >= 0 (0 = no memory snapshots)")
     sv, ob = cfg.supervisor, cfg.observe
     require(sv.heartbeat_s > 0, f"supervisor.heartbeat_s={sv.heartbeat_s} must be > 0")
     require(sv.stall_steps > 1, f"supervisor.stall_steps={sv.stall_steps} must be > 1 (a multiple of the recent step time)")

@@ -4,7 +4,8 @@ What a run directory holds (every module asks here, none joins its own paths): `
 `metrics.jsonl` (one record per step), `checkpoints/` (or `checkpoint.dir`), `checkpoints.jsonl`
 (one record per save), `events.jsonl` (the supervisor's and the straggler check's events),
 `timings/`, `tensorboard/`, `profiles/`, `logs/`, `redis/`, `report/`, `compile_cache/`,
-`.lock`. JSON-lines files are appended whole lines at a time and read tolerantly: a last line cut
+`snapshots.jsonl` (one record per memory snapshot), `.lock`. The memory snapshots themselves live
+in RAM, outside it (`snapshot_dir`). JSON-lines files are appended whole lines at a time and read tolerantly: a last line cut
 by a kill is skipped.
 
 Two runs on one directory would interleave their metrics, timings, checkpoints.jsonl and
@@ -25,10 +26,13 @@ from __future__ import annotations
 
 import datetime
 import fcntl
+import getpass
+import hashlib
 import json
 import os
 import socket
 import sys
+import tempfile
 import time
 
 from megascale_jax.config import Config
@@ -104,6 +108,32 @@ def report_dir(run_dir: str) -> str:
 
 def checkpoint_dir(cfg: Config, run_dir: str) -> str:
     return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+
+
+def snapshot_dir(cfg: Config, run_dir: str) -> str:
+    """Where this run's memory snapshots go (training/snapshot.py): `checkpoint.memory_dir`, or a
+    directory in RAM (/dev/shm, else the temporary directory) named by the run directory's path."""
+    if cfg.checkpoint.memory_dir:
+        return os.path.abspath(cfg.checkpoint.memory_dir)
+    ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+    run = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
+    return os.path.join(ram, f"megascale_jax-{getpass.getuser()}", run)
+
+
+def snapshot_steps(directory: str, processes: int | None = None) -> list[int]:
+    """Steps with a memory snapshot directory, oldest first; with `processes`, only those where
+    each of that many processes has its file (whether the files are good is the restore's
+    question)."""
+    steps = committed_steps(directory)
+    if processes is None:
+        return steps
+    return [s for s in steps if all(os.path.exists(os.path.join(directory, str(s), f"process_{p}-of-{processes}.npz"))
+                                    for p in range(processes))]
+
+
+def snapshots_path(run_dir: str) -> str:
+    """snapshots.jsonl: the blocking seconds of each memory snapshot."""
+    return os.path.join(run_dir, "snapshots.jsonl")
 
 
 def committed_steps(directory: str) -> list[int]:

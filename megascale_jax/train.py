@@ -33,7 +33,7 @@ from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.training import checkpoint, compile_cache, data, tokenizer
+from megascale_jax.training import checkpoint, compile_cache, data, snapshot, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged, itstime
@@ -258,18 +258,26 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                                   jax.eval_shape(trainer.start_from, trainer.abstract_params),
                                   trainer.state_shardings)
     clock.lap("shapes")
-    restored, to_canonical = None, trainer.to_canonical
+    snapshots = snapshot.Snapshots(cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=logger.warning) \
+        if cfg.checkpoint.memory_every else None
+    restored, to_canonical, from_snapshot = None, trainer.to_canonical, False
     if ckpt:
         ckpt.compile(abstract_state)  # before the restore, whose verification runs it
         if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
             to_canonical = compile_cache.compile(trainer.to_canonical.lower(abstract_state), "to_canonical")
         clock.lap("checkpoint_compile")
+    if snapshots:  # newer than the newest checkpoint, or not used
+        committed = run_dirs.committed_steps(ckpt.directory) if ckpt else []
+        restored = snapshots.restore(abstract_state, newer_than=committed[-1] if committed else 0)
+        from_snapshot = restored is not None
+        clock.lap("snapshot_restore")
+    if ckpt and not restored:
         restored = ckpt.restore_latest(abstract_state)
         clock.lap("restore")
     start = restored[1]["step"] if restored else 0  # steps done so far
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
-    if restored:
-        state = trainer.to_stored(restored[0])
+    if restored:  # a snapshot holds the stored (pipeline-ordered) state, a checkpoint the canonical
+        state = restored[0] if from_snapshot else trainer.to_stored(restored[0])
     elif cfg.model.init_from:  # a new run from a Hugging Face model's weights, placed on this mesh
         weights = hf_import.load_params(cfg, trainer.abstract_params)
         state = trainer.start_from(jax.tree.map(
@@ -294,7 +302,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     eval_loss = compile_cache.load_or_compile(
         "eval_loss", lambda: trainer.eval_loss.lower(state.params, first), config, (state.params, first))
     clock.lap("eval_loss")
-    resumed = f"resumed from checkpoint step {start}; " if restored else ""
+    resumed = f"resumed from {'memory snapshot' if from_snapshot else 'checkpoint'} step {start}; " if restored else ""
     log(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
         f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
         f"{resumed}initialised and compiled in {time.perf_counter() - t0:.1f}s")
@@ -381,6 +389,20 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     if ckpt:
         hooks.add("checkpoint", cfg.checkpoint.every, save)
 
+    def snapshot_to_memory(step: int, state) -> None:
+        if step == saved_step:
+            return  # just checkpointed
+        recorder.flush()  # never a snapshot of a step whose loss was not seen finite
+        wall = time.time()
+        block_s = snapshots.save(step, state, data_position + step - start)
+        watch.phase(step, "snapshot", wall, block_s)
+        if is_main:
+            run_dirs.append_jsonl(run_dirs.snapshots_path(run_dir), [{"step": step, "block_s": round(block_s, 4)}])
+        recorder.restart_clock()  # like a save's blocking: not the next step's time
+
+    if snapshots:
+        hooks.add("memory snapshot", cfg.checkpoint.memory_every, snapshot_to_memory, at_last=False)
+
     stop = StopRequest(mesh)  # SIGINT/SIGTERM: finish the step in flight, checkpoint it, exit
     watch.state("training", start)
     recorder.restart_clock()
@@ -421,6 +443,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                             save(step, state)
                         log_saves(ckpt.poll(wait=True))  # until committed: the message promises it
                         saved = step in run_dirs.committed_steps(ckpt.directory)
+                    if saved and snapshots:
+                        snapshots.remove_all()
                     raise Interrupted(step, stop_signal, saved)
                 if ckpt:
                     log_saves(ckpt.poll())
@@ -434,6 +458,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         batches.close()
         if ckpt:
             log_saves(ckpt.close())
+    if snapshots:
+        snapshots.remove_all()  # the final state is in the last checkpoint, or nowhere by request
     watch.state("done", cfg.train.steps)
     log(run_summary(records, start, time.perf_counter() - t0))
     return records
@@ -530,10 +556,11 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
         if os.path.exists(run_dirs.metrics_path(run_dir)):
             # A run directory with checkpoints is resumed (train() restores the newest good one).
             steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
-            if not steps:
+            held = cfg.checkpoint.memory_every and run_dirs.snapshot_steps(run_dirs.snapshot_dir(cfg, run_dir))
+            if not (steps or held):
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
                                   "to resume from; pass a new --run-dir")
-            if steps[-1] >= cfg.train.steps:
+            if steps and steps[-1] >= cfg.train.steps:
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a finished run (checkpoint at step "
                                   f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
                                   "it or pass a new --run-dir")

@@ -49,6 +49,8 @@ def run(tmp_path):
     saves = [{"step": s, "block_s": 0.5, "total_s": 1.0} for s in (28, 56, 84, 112)]
     steps = [{"step": s, "step_time_s": 2.0, "loss": 1.0} for s in range(1, 151)]
     write_run(tmp_path, events, saves, steps)
+    with open(tmp_path / "snapshots.jsonl", "w") as f:  # memory snapshots every 7 steps, 0.25 s each
+        f.writelines(json.dumps({"step": s, "block_s": 0.25}) + "\n" for s in range(7, 151, 7))
     return tmp_path, events
 
 
@@ -73,7 +75,8 @@ def test_the_budget_names_where_the_unproductive_wall_went(run):
     b = ettr.budget(str(run_dir), T, 400.0, busy, ettr.consequences(events), step_s=2.0)
     # 40 s to the first step; 4 saves x 0.5 s; 12 + 29.5 s of recovery; 2 steps redone x 2 s
     assert (b["startup_s"], b["checkpoint_blocking_s"], b["recovery_s"], b["redone_steps_s"]) == (40.0, 2.0, 41.5, 4.0)
-    assert b["other_s"] == pytest.approx(400 - 300 - 40 - 2 - 41.5 - 4)
+    assert b["snapshot_blocking_s"] == 21 * 0.25
+    assert b["other_s"] == pytest.approx(400 - 300 - 40 - 2 - 21 * 0.25 - 41.5 - 4)
     assert b["share_of_wall"]["productive"] == 0.75 and b["share_of_wall"]["startup"] == 0.1
     assert sum(b["share_of_wall"].values()) == pytest.approx(1.0)
     assert (b["checkpoints"], b["checkpoint_block_s_median"]) == (4, 0.5)
@@ -84,7 +87,8 @@ def test_a_run_without_a_started_event_or_checkpoints_still_has_a_budget(tmp_pat
     write_run(tmp_path, [{"time": T + 10, "kind": "done"}], [], [{"step": 1, "step_time_s": 1.0, "loss": 1.0}])
     b = ettr.budget(str(tmp_path), T, 10.0, 1.0, [], step_s=1.0)
     assert b["startup_s"] is None and b["share_of_wall"]["startup"] is None
-    assert (b["checkpoint_blocking_s"], b["checkpoints"], b["other_s"], b["recovery_before_relaunch_s"]) == (0.0, 0, 9.0, 0.0)
+    assert (b["checkpoint_blocking_s"], b["snapshot_blocking_s"], b["checkpoints"], b["other_s"],
+            b["recovery_before_relaunch_s"]) == (0.0, 0.0, 0, 9.0, 0.0)
 
 
 def test_a_fault_no_drill_caused_is_costed_apart(tmp_path):

@@ -390,14 +390,15 @@ class Supervisor:
             if faulty and (why_not := self._evict(faulty)):
                 return self._give_up(why_not, restarts)
             restarts += 1
-            resume_step = self._prepare_restart(restarts)
+            resume_step, source = self._prepare_restart(restarts)
             if resume_step >= self.job.cfg.train.steps:
                 self.events.log("done", f"the final checkpoint (step {resume_step}) was committed before the "
                                 "fault; nothing to redo", restarts=restarts)
                 return 0
             lost = max(0, last_step - resume_step)
-            self.events.log("restart", f"restart {restarts}/{sv.max_restarts} from checkpoint step {resume_step} "
+            self.events.log("restart", f"restart {restarts}/{sv.max_restarts} from {source} step {resume_step} "
                             f"({lost} steps lost)", cause=fault.cause, rank=fault.rank, resume_step=resume_step,
+                            resume_from=source,
                             steps_lost=lost, restarts=restarts)
 
     # ------------------------------------------------------------------ one attempt
@@ -514,15 +515,15 @@ class Supervisor:
         return fault
 
     def _print_progress(self, monitor: HeartbeatMonitor) -> None:
-        """Rank 0's progress on the console: where an attempt starts (the checkpoint it resumed
-        from), then step, loss and tokens/s every `train.log_every` steps (the heartbeat seen when
+        """Rank 0's progress on the console: where an attempt starts (the step it resumed from:
+        a checkpoint's or a memory snapshot's), then step, loss and tokens/s every `train.log_every` steps (the heartbeat seen when
         a multiple is passed; the workers' own logs stay in logs/)."""
         record = monitor.records.get(0, {})
         step, every = record.get("step", 0), max(1, self.job.cfg.train.log_every)
         if self.progress_printed is None:  # this attempt's start, once rank 0 restored or initialised
             if record.get("state") in ("compiling", "training"):
                 if step:
-                    rank0.info(f"resumed from checkpoint step {step}")
+                    rank0.info(f"resumed from step {step}")
                 self.progress_printed = step
             return
         if "loss" not in record or step // every <= self.progress_printed // every:
@@ -684,16 +685,23 @@ class Supervisor:
         self.shape = shape
         return ""
 
-    def _prepare_restart(self, restarts: int) -> int:
-        """The step the next attempt resumes from (newest committed checkpoint, else 0)."""
-        steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(self.job.cfg, self.job.run_dir))
+    def _prepare_restart(self, restarts: int) -> tuple[int, str]:
+        """The step the next attempt resumes from and what from: the newest of the committed
+        checkpoints and of the memory snapshots every process of the next attempt holds on this
+        host (training/snapshot.py; the workers may still reject one and fall back), else 0."""
+        cfg = self.job.cfg
+        steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
+        held = run_dirs.snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
+            if cfg.checkpoint.memory_every else []
+        if held and (not steps or held[-1] > steps[-1]):
+            return held[-1], "memory snapshot"
         if steps:
-            return steps[-1]
+            return steps[-1], "checkpoint"
         # A worker refuses a run directory with metrics but no checkpoint: set them aside, kept.
         metrics = run_dirs.metrics_path(self.job.run_dir)
         if os.path.exists(metrics):
             os.replace(metrics, f"{metrics}.before-restart-{restarts}")
-        return 0
+        return 0, "nothing saved:"
 
     def _give_up(self, reason: str, restarts: int) -> int:
         self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))

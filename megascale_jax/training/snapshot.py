@@ -1,0 +1,205 @@
+"""In-memory snapshots between checkpoints: a restart redoes the steps since the last snapshot,
+not since the last checkpoint.
+
+Why: in the ETTR drill (bench/results/ettr_cpu.json, 2026-11-23) the steps redone after each
+restart were 2.5% of the wall and checkpoint blocking 1.8%. An orbax save blocks ~0.2 s whatever
+the state's size (barriers, directories, a thread); saving more often trades one for the other.
+A snapshot costs one device->host copy of this process's shards: every `checkpoint.memory_every`
+steps each process copies its own shards of the state (each distinct index once, replicas on its
+devices skipped) and a background thread writes them to one file in RAM (`/dev/shm`, a tmpfs),
+written to `.tmp` and renamed. The file outlives the process (kill -9, a hang the supervisor
+killed, a crash) but not the machine: a lost machine, or a spare on another host, finds no file
+and every process falls back to the newest checkpoint. Recovery from the data-parallel peers'
+copies is not built yet.
+
+Layout: `<root>/<step>/process_<i>-of-<n>.npz`, `<root>` = `checkpoint.memory_dir` or
+/dev/shm/megascale_jax-<user>/<hash of the run directory> (run_dir.snapshot_dir). Each file
+is a zip (numpy's .npz, each member with its CRC-32) of the shards as raw bytes and a JSON
+`meta`: step, data position, the config, each shard's leaf path, index and dtype. The newest three steps are kept per process: a process can
+be one snapshot ahead of a peer whose write is still in flight, so the newest step every process
+holds is at worst the third newest of the fastest.
+
+Restore (`restore`, before the checkpoint's): each process lists the steps whose file it holds,
+newer than the newest committed checkpoint; the processes agree through the coordination
+service's key-value store on the newest step all of them hold; each reads its own file, checks
+the CRCs (the zip's) and that it was written with this exact config (a changed config, or a shrunk mesh,
+uses the checkpoint), and places its shards with `make_array_from_callback` (no collective). A
+second round agrees that every process succeeded; otherwise all fall back to the checkpoint, and
+a process whose file was bad removes it. The state is the stored (pipeline-ordered) one, not the
+canonical: it is only ever restored into the same config.
+
+A finished (or interrupted and checkpointed) run removes its snapshots: RAM is not kept past the
+run. A crashed run's snapshots stay until the run resumes, which overwrites them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import zipfile
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megascale_jax import cli
+from megascale_jax.config import Config
+from megascale_jax.run_dir import snapshot_steps
+from megascale_jax.training import compile_cache
+
+KEEP = 3
+AGREE_TIMEOUT_MS = 30 * 60 * 1000  # peers reach the restore within their start-up skew
+_rounds = [0]  # agreements this process has run: keys stay distinct within one coordination service
+
+
+class Snapshots:
+    def __init__(self, cfg: Config, root: str, warn: Callable[[str], None]):
+        self.cfg, self.root, self.warn = cfg, root, warn
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        self._writer: threading.Thread | None = None
+        self._error: str | None = None
+
+    def _file(self, step: int) -> str:
+        return os.path.join(self.root, str(step), f"process_{self.process}-of-{self.processes}.npz")
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step: int, state, next_index: int) -> float:
+        """Copy this process's shards of `state` (after step `step`) to host memory and hand them
+        to the writer; returns the seconds it blocked (the previous write, the copy)."""
+        start = time.perf_counter()
+        self.wait()
+        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        shards, entries = [], []
+        for path, leaf in leaves:
+            seen = set()
+            for shard in leaf.addressable_shards:
+                index = _index(shard.index, leaf.shape)
+                if index in seen:
+                    continue
+                seen.add(index)
+                # A copy: the next step donates the state's buffers, which a view would alias.
+                data = np.array(shard.data, copy=True)
+                shards.append(data)
+                entries.append({"leaf": jax.tree_util.keystr(path), "index": index, "dtype": str(data.dtype)})
+        meta = {"step": step, "next_index": next_index, "config": self.cfg.to_dict(), "shards": entries}
+        self._writer = threading.Thread(target=self._write, args=(step, shards, meta), daemon=True,
+                                        name="snapshot-writer")
+        self._writer.start()
+        return time.perf_counter() - start
+
+    def _write(self, step: int, shards: list[np.ndarray], meta: dict) -> None:
+        path = self._file(step)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            arrays = {f"shard_{i}": _raw(data) for i, data in enumerate(shards)}
+            with open(path + ".tmp", "wb") as f:  # a zip: each member's CRC-32 is checked on reading
+                np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+            os.replace(path + ".tmp", path)
+            self._remove_older_than(sorted(self._own_steps())[-KEEP:][0])
+        except OSError as e:  # RAM disk full or not writable: training goes on, on checkpoints
+            self._error = f"memory snapshot at step {step} not written ({path}): {cli.one_line(e)}"
+
+    def wait(self) -> None:
+        """Until the write in flight is on disk; a failed write is one warning."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._error:
+            self.warn(f"warning: {self._error}; training continues on checkpoints")
+            self._error = None
+
+    def _own_steps(self) -> list[int]:
+        return [s for s in snapshot_steps(self.root) if os.path.exists(self._file(s))]
+
+    def _remove_older_than(self, step: int | None) -> None:
+        """This process's files (and leftover .tmp) of steps before `step` (all with None); a step
+        directory goes when its last file does."""
+        for s in snapshot_steps(self.root):
+            if step is not None and s >= step:
+                continue
+            for name in (self._file(s), self._file(s) + ".tmp"):
+                try:
+                    os.remove(name)
+                except FileNotFoundError:
+                    pass
+            try:
+                os.rmdir(os.path.dirname(self._file(s)))
+            except OSError:
+                pass  # a peer's file is still there
+
+    def remove_all(self) -> None:
+        """The run is over (or safely checkpointed): give the RAM back."""
+        self.wait()
+        self._remove_older_than(None)
+        for directory in (self.root, os.path.dirname(self.root)):  # by the last process out
+            try:
+                os.rmdir(directory)
+            except OSError:
+                return
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, abstract_state, newer_than: int) -> tuple[Any, dict] | None:
+        """(state, {"step", "data_state"}) of the newest snapshot every process holds, newer
+        than step `newer_than`; None when there is none or it fails anywhere."""
+        mine = [s for s in self._own_steps() if s > newer_than]
+        held = self._agree(json.dumps(mine))
+        common = set(mine).intersection(*[set(json.loads(h)) for h in held])
+        if not common:
+            return None
+        step = max(common)
+        try:
+            state, meta = self._load(step, abstract_state)
+            problem = ""
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
+            problem = f"memory snapshot at step {step} ({self._file(step)}) unusable: {cli.one_line(e)}"
+        verdicts = self._agree(problem)
+        if any(verdicts):
+            if problem:
+                self.warn(f"warning: {problem}; removed, resuming from the newest checkpoint")
+                os.remove(self._file(step))
+            return None
+        return state, {"step": step, "data_state": {"next_index": meta["next_index"]}}
+
+    def _load(self, step: int, abstract_state):
+        with np.load(self._file(step), allow_pickle=False) as f:
+            meta = json.loads(str(f["meta"]))
+            if meta["config"] != self.cfg.to_dict():
+                raise ValueError("written with another config")
+            shards: dict[tuple[str, str], np.ndarray] = {}
+            for i, entry in enumerate(meta["shards"]):
+                shards[entry["leaf"], entry["index"]] = f[f"shard_{i}"].view(jnp.dtype(entry["dtype"]))
+
+        def place(path, abstract):
+            leaf = jax.tree_util.keystr(path)
+
+            def shard(index):
+                return shards[leaf, _index(index, abstract.shape)].reshape(
+                    [len(range(*s.indices(n))) for s, n in zip(index, abstract.shape)])
+            return jax.make_array_from_callback(abstract.shape, abstract.sharding, shard)
+
+        return jax.tree_util.tree_map_with_path(place, abstract_state), meta
+
+    def _agree(self, mine: str) -> list[str]:
+        """Every process's `mine`, in process order (the key-value store of jax.distributed)."""
+        if self.processes == 1:
+            return [mine]
+        _rounds[0] += 1
+        client = compile_cache.coordination_client()
+        prefix = f"megascale_jax/snapshot/{_rounds[0]}"
+        client.key_value_set(f"{prefix}/{self.process}", mine)
+        return [client.blocking_key_value_get(f"{prefix}/{p}", AGREE_TIMEOUT_MS) for p in range(self.processes)]
+
+
+def _index(index: tuple, shape: tuple) -> str:
+    """A shard's index as 'start:stop,...' (slice(None) and slice(0, n) are the same shard)."""
+    return ",".join("%d:%d" % s.indices(n)[:2] for s, n in zip(index, shape))
+
+
+def _raw(data: np.ndarray) -> np.ndarray:
+    """The bytes of `data` as unsigned integers of its width: npz keeps no bfloat16."""
+    return np.ascontiguousarray(data).view(np.dtype(f"uint{8 * data.dtype.itemsize}"))

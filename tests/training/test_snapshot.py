@@ -1,0 +1,209 @@
+"""Memory snapshots (training/snapshot.py): each process's shards in a RAM file every few steps.
+
+* In-process: save then restore is bitwise and keeps every leaf's sharding and dtype (bf16, int,
+  sharded over dp and tp, replicated); the newest three steps are kept; a flipped byte, another
+  config or a snapshot not newer than the checkpoint is not used; the processes agree on the
+  newest step all of them hold, and fall back together when one cannot read its file.
+* Real processes: a run SIGKILLed right after its step-13 snapshot resumes from it (not from the
+  step-10 checkpoint) and its steps equal an uninterrupted run without snapshots bitwise; the
+  finished run leaves no snapshot in RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import load_config
+from megascale_jax.parallel.mesh import make_mesh
+from megascale_jax.training import compile_cache, snapshot
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32",
+        "train.global_batch=8", "train.steps=20", "train.eval_every=0", "checkpoint.every=5", "checkpoint.keep=5",
+        "mesh.dp=4", "mesh.tp=2"]
+
+
+def cfg_with(*extra):
+    return load_config(None, ["mesh.dp=4", "mesh.tp=2", "checkpoint.memory_every=1", *extra])
+
+
+def random_state(mesh, seed: int) -> dict:
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return {"w": jax.device_put(jax.random.normal(keys[0], (64, 32)), NamedSharding(mesh, P("dp", "tp"))),
+            "b": jax.device_put(jax.random.normal(keys[1], (32,)).astype(jnp.bfloat16), NamedSharding(mesh, P())),
+            "m": jax.device_put(jax.random.normal(keys[2], (16, 8)), NamedSharding(mesh, P(None, "tp"))),
+            "step": jax.device_put(jnp.int32(seed), NamedSharding(mesh, P()))}
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def host_copy(tree) -> dict:
+    return {k: np.asarray(jax.device_get(v)) for k, v in tree.items()}
+
+
+def saved(root: Path, steps, *extra) -> tuple:
+    """(snapshots, mesh, {step: host copy of its state}) after snapshotting random_state(step)."""
+    cfg = cfg_with(*extra)
+    mesh = make_mesh(cfg.mesh)
+    snaps = snapshot.Snapshots(cfg, str(root), warn=print)
+    states = {}
+    for step in steps:
+        state = random_state(mesh, step)
+        states[step] = host_copy(state)
+        snaps.save(step, state, next_index=100 + step)
+    snaps.wait()
+    return snaps, mesh, states
+
+
+def test_restore_is_bitwise_with_the_same_shardings_and_keeps_the_newest_three(tmp_path):
+    snaps, mesh, states = saved(tmp_path, [1, 2, 3, 4, 5])
+    assert run_dirs.snapshot_steps(str(tmp_path)) == [3, 4, 5]
+    assert run_dirs.snapshot_steps(str(tmp_path), processes=1) == [3, 4, 5]
+    like = abstract(random_state(mesh, 0))
+    state, meta = snaps.restore(like, newer_than=2)
+    assert meta == {"step": 5, "data_state": {"next_index": 105}}
+    for name, want in states[5].items():
+        assert state[name].sharding == like[name].sharding and state[name].dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(state[name]), want)
+    assert snaps.restore(like, newer_than=5) is None  # the checkpoint is as new: it is used
+    snaps.remove_all()
+    assert not tmp_path.exists()
+
+
+def test_a_flipped_byte_is_one_warning_and_the_file_goes(tmp_path, capsys):
+    snaps, mesh, _ = saved(tmp_path, [4])
+    path = tmp_path / "4" / "process_0-of-1.npz"
+    data = bytearray(path.read_bytes())
+    with np.load(path) as f:  # a byte inside the first shard's data, found by its value
+        raw = f["shard_0"].tobytes()
+    at = bytes(data).index(raw[:64]) + 7
+    data[at] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert snaps.restore(abstract(random_state(mesh, 0)), newer_than=0) is None
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(lines) == 1 and "Bad CRC-32 for file 'shard_0.npy'" in lines[0] and "memory snapshot at step 4" in lines[0], lines
+    assert not path.exists()
+
+
+def test_a_snapshot_of_another_config_is_not_used(tmp_path, capsys):
+    saved(tmp_path, [4])
+    other = snapshot.Snapshots(cfg_with("optim.lr=0.5"), str(tmp_path), warn=print)
+    mesh = make_mesh(cfg_with().mesh)
+    assert other.restore(abstract(random_state(mesh, 0)), newer_than=0) is None
+    assert "written with another config" in capsys.readouterr().out
+
+
+class KeyValueStore:
+    """The coordination service's key-value store as snapshot uses it, in one process; the other
+    process's answers are set beforehand."""
+
+    def __init__(self, values: dict):
+        self.values = dict(values)
+
+    def key_value_set(self, key, value):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("peer_fails", [False, True])
+def test_processes_agree_on_the_newest_step_all_hold(tmp_path, monkeypatch, peer_fails):
+    """This process holds 3-5, its peer 2-4 (one write behind): both use 4. When the peer cannot
+    read its file, both fall back to the checkpoint."""
+    snaps, mesh, states = saved(tmp_path, [1, 2, 3, 4, 5])
+    snaps.processes = 2  # as process 0 of 2; its files are still named ...-of-1, as written
+    monkeypatch.setattr(snaps, "_file", lambda step: str(tmp_path / str(step) / "process_0-of-1.npz"))
+    rounds = snapshot._rounds[0]
+    peer = {f"megascale_jax/snapshot/{rounds + 1}/1": json.dumps([2, 3, 4]),
+            f"megascale_jax/snapshot/{rounds + 2}/1": "unreadable" if peer_fails else ""}
+    store = KeyValueStore(peer)
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
+    restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
+    assert store.values[f"megascale_jax/snapshot/{rounds + 1}/0"] == json.dumps([3, 4, 5])
+    if peer_fails:
+        assert restored is None
+        assert (tmp_path / "4" / "process_0-of-1.npz").exists()  # its own file was good: kept
+    else:
+        assert restored[1]["step"] == 4
+        np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
+
+
+def test_memory_every_must_not_be_negative():
+    from megascale_jax.config import ConfigError
+    with pytest.raises(ConfigError, match="checkpoint.memory_every=-1 must be >= 0"):
+        cfg_with("checkpoint.memory_every=-1")
+
+
+# ============================================================================ real processes
+
+# Runs the CLI, SIGKILLing itself once the snapshot of step KILL_STEP is written.
+KILL_AFTER_SNAPSHOT = textwrap.dedent("""
+    import os, signal, sys
+    from megascale_jax import train
+    from megascale_jax.training import snapshot
+    save = snapshot.Snapshots.save
+    def save_then_die(self, step, state, next_index):
+        blocked = save(self, step, state, next_index)
+        if step == int(os.environ["KILL_STEP"]):
+            self.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return blocked
+    snapshot.Snapshots.save = save_then_die
+    sys.exit(train.main(sys.argv[1:]))
+""")
+
+
+def run_cli(run_dir: Path, overrides: list[str], driver: str | None = None, env: dict | None = None):
+    entry = ["-c", driver] if driver else ["-m", "megascale_jax.train"]
+    return subprocess.run([sys.executable, *entry, "--run-dir", str(run_dir), *overrides], cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+                          capture_output=True, text=True, timeout=300)
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_from_its_newest_snapshot_bitwise(tmp_path):
+    reference = tmp_path / "reference"
+    done = run_cli(reference, TINY)  # no snapshots
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    with_snapshots = [*TINY, "checkpoint.memory_every=2"]
+    killed = run_cli(run_dir, with_snapshots, driver=KILL_AFTER_SNAPSHOT, env={"KILL_STEP": "14"})
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    cfg = load_config(None, with_snapshots)
+    ram = Path(run_dirs.snapshot_dir(cfg, str(run_dir)))
+    assert str(ram).startswith("/dev/shm/") or not os.path.isdir("/dev/shm")
+    assert run_dirs.snapshot_steps(str(ram), processes=1) == [8, 12, 14]  # 10: the checkpoint's step
+    # Step 10's checkpoint may still be in its background write when the kill comes: either way
+    # the snapshot of step 14 is the newer.
+    assert run_dirs.committed_steps(str(run_dir / "checkpoints")) in ([5], [5, 10])
+    blocks = [json.loads(line) for line in (run_dir / "snapshots.jsonl").read_text().splitlines()]
+    assert [b["step"] for b in blocks] == [2, 4, 6, 8, 12]  # 14: killed before its line and all(b["block_s"] >= 0 for b in blocks)
+
+    resumed = run_cli(run_dir, with_snapshots)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from memory snapshot step 14" in resumed.stdout + resumed.stderr
+    got, want = records(run_dir), records(reference)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    for g, w in zip(got, want):
+        assert (g["loss"], g["grad_norm"], g["lr"]) == (w["loss"], w["grad_norm"], w["lr"]), (g, w)
+    assert not ram.exists()  # a finished run gives the RAM back
