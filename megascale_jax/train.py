@@ -275,6 +275,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         restored = ckpt.restore_latest(abstract_state)
         clock.lap("restore")
     start = restored[1]["step"] if restored else 0  # steps done so far
+    if snapshots:
+        snapshots.discard_after(start)
     data_position = restored[1]["data_state"]["next_index"] if restored else 0
     if restored:  # a snapshot holds the stored (pipeline-ordered) state, a checkpoint the canonical
         state = restored[0] if from_snapshot else trainer.to_stored(restored[0])

@@ -28,7 +28,8 @@ second round agrees that every process succeeded; otherwise all fall back to the
 a process whose file was bad removes it. The state is the stored (pipeline-ordered) one, not the
 canonical: it is only ever restored into the same config.
 
-A finished (or interrupted and checkpointed) run removes its snapshots: RAM is not kept past the
+Whatever it resumes from, a run first removes its snapshots past that step: they belong to a
+timeline whose metrics it dropped. A finished (or interrupted and checkpointed) run removes its snapshots: RAM is not kept past the
 run. A crashed run's snapshots stay until the run resumes, which overwrites them.
 """
 
@@ -99,7 +100,8 @@ class Snapshots:
             with open(path + ".tmp", "wb") as f:  # a zip: each member's CRC-32 is checked on reading
                 np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
             os.replace(path + ".tmp", path)
-            self._remove_older_than(sorted(self._own_steps())[-KEEP:][0])
+            oldest_kept = sorted(self._own_steps())[-KEEP:][0]
+            self._remove(lambda s: s < oldest_kept)
         except OSError as e:  # RAM disk full or not writable: training goes on, on checkpoints
             self._error = f"memory snapshot at step {step} not written ({path}): {cli.one_line(e)}"
 
@@ -115,11 +117,11 @@ class Snapshots:
     def _own_steps(self) -> list[int]:
         return [s for s in snapshot_steps(self.root) if os.path.exists(self._file(s))]
 
-    def _remove_older_than(self, step: int | None) -> None:
-        """This process's files (and leftover .tmp) of steps before `step` (all with None); a step
-        directory goes when its last file does."""
+    def _remove(self, which: Callable[[int], bool]) -> None:
+        """This process's files (and leftover .tmp) of the steps `which` picks; a step directory
+        goes when its last file does."""
         for s in snapshot_steps(self.root):
-            if step is not None and s >= step:
+            if not which(s):
                 continue
             for name in (self._file(s), self._file(s) + ".tmp"):
                 try:
@@ -131,10 +133,15 @@ class Snapshots:
             except OSError:
                 pass  # a peer's file is still there
 
+    def discard_after(self, step: int) -> None:
+        """Training resumes from `step`: a snapshot past it is of a timeline this run no longer
+        continues (its metrics after `step` were dropped), and must never be resumed from."""
+        self._remove(lambda s: s > step)
+
     def remove_all(self) -> None:
         """The run is over (or safely checkpointed): give the RAM back."""
         self.wait()
-        self._remove_older_than(None)
+        self._remove(lambda s: True)
         for directory in (self.root, os.path.dirname(self.root)):  # by the last process out
             try:
                 os.rmdir(directory)

@@ -323,10 +323,12 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
 
 @pytest.fixture(scope="module")
 def spared(tmp_path_factory):
-    """One spare; rank 1 corrupts step 3's batch once, then rank 1's slot breaks at step 9."""
+    """One spare; rank 1 corrupts step 3's batch once, then rank 1's slot breaks at step 9. Memory
+    snapshots every 3 steps and no checkpoint before step 10: the restart resumes from a snapshot."""
     run_dir = tmp_path_factory.mktemp("spared")
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
-                                               "--drill", "nan:1@3", "--drill", "faulty:1@9", *JOB])
+                                               "--drill", "nan:1@3", "--drill", "faulty:1@9", *JOB,
+                                               "checkpoint.every=10", "checkpoint.memory_every=3"])
     assert done.returncode == 0, done.stdout + done.stderr
     return run_dir, events(run_dir)
 
@@ -357,6 +359,9 @@ def test_a_faulty_rank_is_excluded_and_a_spare_takes_its_place(spared, reference
     promoted, rest = after(rest, "spare_promoted")
     assert (evict["rank"], evict["slot"], promoted["rank"], promoted["slot"]) == (1, 1, 1, 2)
     assert promoted["spares_left"] == 0
+    # The spare, as rank 1, reads the snapshot the evicted rank 1 wrote; both processes agree on it.
+    restart, rest = after(rest, "restart")
+    assert restart["resume_from"] == "memory snapshot" and restart["resume_step"] in (6, 9), restart
     after(rest, "resumed")
     with open(os.path.join(run_dir, "excluded_hosts.txt")) as f:
         assert f.read().splitlines() == [evict["host"]]

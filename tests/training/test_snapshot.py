@@ -80,6 +80,8 @@ def test_restore_is_bitwise_with_the_same_shardings_and_keeps_the_newest_three(t
         assert state[name].sharding == like[name].sharding and state[name].dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(state[name]), want)
     assert snaps.restore(like, newer_than=5) is None  # the checkpoint is as new: it is used
+    snaps.discard_after(4)  # resumed from step 4 (e.g. a checkpoint): step 5 is another timeline's
+    assert run_dirs.snapshot_steps(str(tmp_path)) == [3, 4]
     snaps.remove_all()
     assert not tmp_path.exists()
 
