@@ -5,8 +5,8 @@ What a run directory holds (every module asks here, none joins its own paths): `
 (one record per save), `events.jsonl` (the supervisor's and the straggler check's events),
 `timings/`, `tensorboard/`, `profiles/`, `logs/`, `redis/`, `report/`, `compile_cache/`,
 `snapshots.jsonl` (one record per memory snapshot), `.lock`. The memory snapshots themselves live
-in RAM, outside it (`snapshot_dir`). JSON-lines files are appended whole lines at a time and read tolerantly: a last line cut
-by a kill is skipped.
+in RAM, outside it (`snapshot_dir`). JSON-lines files are appended whole lines at a time and read
+tolerantly: a last line cut by a kill is skipped.
 
 Two runs on one directory would interleave their metrics, timings, checkpoints.jsonl and
 TensorBoard files and trim each other's records on resume, so the second is refused before it

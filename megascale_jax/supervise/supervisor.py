@@ -396,7 +396,7 @@ class Supervisor:
                                 "fault; nothing to redo", restarts=restarts)
                 return 0
             lost = max(0, last_step - resume_step)
-            self.events.log("restart", f"restart {restarts}/{sv.max_restarts} from {source} step {resume_step} "
+            self.events.log("restart", f"restart {restarts}/{sv.max_restarts} from {source or 'the start:'} step {resume_step} "
                             f"({lost} steps lost)", cause=fault.cause, rank=fault.rank, resume_step=resume_step,
                             resume_from=source,
                             steps_lost=lost, restarts=restarts)
@@ -515,9 +515,9 @@ class Supervisor:
         return fault
 
     def _print_progress(self, monitor: HeartbeatMonitor) -> None:
-        """Rank 0's progress on the console: where an attempt starts (the step it resumed from:
-        a checkpoint's or a memory snapshot's), then step, loss and tokens/s every `train.log_every` steps (the heartbeat seen when
-        a multiple is passed; the workers' own logs stay in logs/)."""
+        """Rank 0's progress on the console: where an attempt starts (the step it resumed from: a
+        checkpoint's or a memory snapshot's), then step, loss and tokens/s every `train.log_every`
+        steps (the heartbeat seen when a multiple is passed; the workers' own logs stay in logs/)."""
         record = monitor.records.get(0, {})
         step, every = record.get("step", 0), max(1, self.job.cfg.train.log_every)
         if self.progress_printed is None:  # this attempt's start, once rank 0 restored or initialised
@@ -685,10 +685,11 @@ class Supervisor:
         self.shape = shape
         return ""
 
-    def _prepare_restart(self, restarts: int) -> tuple[int, str]:
-        """The step the next attempt resumes from and what from: the newest of the committed
-        checkpoints and of the memory snapshots every process of the next attempt holds on this
-        host (training/snapshot.py; the workers may still reject one and fall back), else 0."""
+    def _prepare_restart(self, restarts: int) -> tuple[int, str | None]:
+        """The step the next attempt resumes from and what from ("checkpoint", "memory snapshot",
+        None for step 0): the newest of the committed checkpoints and of the memory snapshots
+        every process of the next attempt holds on this host (training/snapshot.py; the workers
+        may still reject one and fall back)."""
         cfg = self.job.cfg
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
         held = run_dirs.snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
@@ -701,7 +702,7 @@ class Supervisor:
         metrics = run_dirs.metrics_path(self.job.run_dir)
         if os.path.exists(metrics):
             os.replace(metrics, f"{metrics}.before-restart-{restarts}")
-        return 0, "nothing saved:"
+        return 0, None
 
     def _give_up(self, reason: str, restarts: int) -> int:
         self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))

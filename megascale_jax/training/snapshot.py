@@ -13,24 +13,25 @@ and every process falls back to the newest checkpoint. Recovery from the data-pa
 copies is not built yet.
 
 Layout: `<root>/<step>/process_<i>-of-<n>.npz`, `<root>` = `checkpoint.memory_dir` or
-/dev/shm/megascale_jax-<user>/<hash of the run directory> (run_dir.snapshot_dir). Each file
-is a zip (numpy's .npz, each member with its CRC-32) of the shards as raw bytes and a JSON
-`meta`: step, data position, the config, each shard's leaf path, index and dtype. The newest three steps are kept per process: a process can
-be one snapshot ahead of a peer whose write is still in flight, so the newest step every process
-holds is at worst the third newest of the fastest.
+/dev/shm/megascale_jax-<user>/<hash of the run directory> (run_dir.snapshot_dir). Each file is a
+zip (numpy's .npz, each member with its CRC-32) of the shards as raw bytes and a JSON `meta`:
+step, data position, the config, each shard's leaf path, index and dtype. The newest three steps
+are kept per process: a process can be one snapshot ahead of a peer whose write is still in
+flight, so the newest step every process holds is at worst the third newest of the fastest.
 
 Restore (`restore`, before the checkpoint's): each process lists the steps whose file it holds,
 newer than the newest committed checkpoint; the processes agree through the coordination
 service's key-value store on the newest step all of them hold; each reads its own file, checks
-the CRCs (the zip's) and that it was written with this exact config (a changed config, or a shrunk mesh,
-uses the checkpoint), and places its shards with `make_array_from_callback` (no collective). A
-second round agrees that every process succeeded; otherwise all fall back to the checkpoint, and
-a process whose file was bad removes it. The state is the stored (pipeline-ordered) one, not the
-canonical: it is only ever restored into the same config.
+the CRCs (the zip's) and that it was written with this exact config (a changed config, or a
+shrunk mesh, uses the checkpoint), and places its shards with `make_array_from_callback` (no
+collective). A second round agrees that every process succeeded; otherwise all fall back to the
+checkpoint, and a process whose file was bad removes it. The state is the stored
+(pipeline-ordered) one, not the canonical: it is only ever restored into the same config.
 
 Whatever it resumes from, a run first removes its snapshots past that step: they belong to a
-timeline whose metrics it dropped. A finished (or interrupted and checkpointed) run removes its snapshots: RAM is not kept past the
-run. A crashed run's snapshots stay until the run resumes, which overwrites them.
+timeline whose metrics it dropped. A finished (or interrupted and checkpointed) run removes its
+snapshots: RAM is not kept past the run. A crashed run's snapshots stay until the run resumes,
+which overwrites them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ _rounds = [0]  # agreements this process has run: keys stay distinct within one 
 
 
 class Snapshots:
+    """One process's memory snapshots of a run: `save` on the loop's cadence, `restore` at start."""
+
     def __init__(self, cfg: Config, root: str, warn: Callable[[str], None]):
         self.cfg, self.root, self.warn = cfg, root, warn
         self.process, self.processes = jax.process_index(), jax.process_count()
