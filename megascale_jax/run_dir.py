@@ -161,6 +161,14 @@ def append_lines(path: str, lines: list[str]) -> None:
             f.write("".join(line + "\n" for line in lines))
 
 
+def read_lines(path: str) -> list[str]:
+    """The non-empty lines of a text file such as excluded_hosts.txt, stripped ([] if there is none)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line.strip() for line in f if line.strip()]
+
+
 def read_jsonl(path: str) -> list[dict]:
     """The records of a JSON-lines file ([] if there is none); a line that does not parse (the
     last one, cut by a kill) is skipped, as training skips it on resume."""

@@ -378,7 +378,7 @@ def test_logging_tags_ranks_only_in_multi_process_jobs_and_splits_streams(capsys
 
 
 @pytest.mark.parametrize("argv", [["--no-such-option"]])
-@pytest.mark.parametrize("command", ["train", "launch", "report", "diagnose", "flops", "pipeline_schedule"])
+@pytest.mark.parametrize("command", ["train", "launch", "report", "diagnose", "preflight", "flops", "pipeline_schedule"])
 def test_every_cli_rejects_a_bad_command_line_with_exit_2(command, argv):
     r = subprocess.run([sys.executable, "-m", f"megascale_jax.{command}", *argv], capture_output=True, text=True,
                        timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})

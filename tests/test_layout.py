@@ -15,10 +15,11 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megascale_jax"
-ENTRY_POINTS = ("train", "launch", "report", "diagnose", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf", "sample")
+ENTRY_POINTS = ("train", "launch", "report", "diagnose", "preflight", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf", "sample")
 # What the driver (launch and supervisor) runs in its own process, which must outlive workers
 # whose jax crashed: the straggler statistic and hang analysis read the run's files there too.
-DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.supervise.launch",
+DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.preflight", "megascale_jax.supervise.preflight",
+          "megascale_jax.supervise.launch",
           "megascale_jax.supervise.supervisor", "megascale_jax.supervise.workers",
           "megascale_jax.supervise.redis_server", "megascale_jax.supervise.diagnose",
           "megascale_jax.supervise.drills", "megascale_jax.supervise.placement",

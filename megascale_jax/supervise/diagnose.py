@@ -12,7 +12,8 @@ peers, not only by itself; a rank that reports nothing, fails its self-test or i
 rank and axis; exit code 1 when a rank is faulty.
 
 On a cluster the scheduler starts the workers (`--worker`, one per node, as in
-configs/cluster/sbatch.sh) and `--collect JOB` reads their results from Redis afterwards. With
+configs/cluster/sbatch.sh) and `--collect JOB` reads their results from Redis afterwards (on
+Kubernetes `python -m megascale_jax.preflight` runs them before training instead). With
 `--excluded-hosts FILE` (RUN_DIR/excluded_hosts.txt) the faulty ranks' hosts are appended to FILE,
 which the cluster recipes hand to the scheduler; `--hosts` names each rank's host (the node list)
 so that a rank that never reported is still named. When no rank reported at all, nothing is
@@ -212,7 +213,7 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
         # A rank that fails leaves its peers blocked in a collective: give them `grace_s`, not the full timeout.
         first_failure = None
         while len(group.exit_codes()) < nprocs and time.time() - start < timeout_s:
-            if _all_reported(client, job, nprocs):
+            if all_reported(client, job, nprocs):
                 break  # their exits (jax's distributed shutdown) would add ~0.8 s; stop() kills them
             if first_failure is None and any(group.exit_codes().values()):
                 first_failure = time.time()
@@ -225,7 +226,7 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
     return collect(redis_url, job, nprocs, exits, start)
 
 
-def _all_reported(client: redis.Redis, job: str, nprocs: int) -> bool:
+def all_reported(client: redis.Redis, job: str, nprocs: int) -> bool:
     try:
         return client.exists(*[rendezvous.key(job, "diag", r) for r in range(nprocs)]) == nprocs
     except redis.RedisError:

@@ -108,12 +108,102 @@ def test_diagnostics_that_could_not_run_exclude_no_node(tmp_path):
     assert calls == ["requeue 42"]
 
 
-def test_the_jobset_keeps_pods_off_labelled_nodes():
+def jobset_documents() -> dict:
     with open(os.path.join(REPO, "configs/cluster/jobset.yaml")) as f:
-        jobset = yaml.safe_load(f)
-    pod = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        return {d["kind"]: d for d in yaml.safe_load_all(f)}
+
+
+def test_the_jobset_keeps_pods_off_the_nodes_its_pods_label():
+    """The label the pods' pre-flight sets is the one their node affinity avoids, and the pods'
+    ServiceAccount may set it."""
+    docs = jobset_documents()
+    pod = docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     assert {"key": "megascale-jax/excluded", "operator": "DoesNotExist"} in terms[0]["matchExpressions"]
+    with open(os.path.join(REPO, "configs/cluster/jobset_worker.sh")) as f:
+        assert "kubectl label node --overwrite {host} megascale-jax/excluded=true" in f.read()
+    container = pod["containers"][0]
+    assert container["command"][:2] == ["bash", "configs/cluster/jobset_worker.sh"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    assert env["NUM_PROCESSES"]["value"] == str(docs["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"])
+    assert pod["serviceAccountName"] == docs["ServiceAccount"]["metadata"]["name"]
+    binding = docs["ClusterRoleBinding"]
+    assert binding["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    assert binding["roleRef"]["name"] == docs["ClusterRole"]["metadata"]["name"]
+    assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in docs["ClusterRole"]["rules"]
+
+
+def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, overrides=()):
+    """Run configs/cluster/jobset_worker.sh as the JobSet's pods on NODES, all at once, with a fake
+    `kubectl` (its calls recorded) and a `python` whose training only says it started; returns
+    (exit code per pod, kubectl calls, output per pod, excluded_hosts.txt's lines)."""
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    run_dir.mkdir()
+    calls = tmp_path / "kubectl.calls"
+    fake(bin_dir, "kubectl", f'echo "$@" >> {calls}\n')
+    fake(bin_dir, "python", f'case "$*" in *megascale_jax.train*) echo "training as rank $JOB_COMPLETION_INDEX"; '
+                            f'exit 0 ;; esac\nexec {sys.executable} "$@"\n')
+    if excluded is not None:
+        (run_dir / "excluded_hosts.txt").write_text("".join(h + "\n" for h in excluded))
+    pods = []
+    for index, node in enumerate(NODES):
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
+               "NUM_PROCESSES": str(len(NODES)), "JOB_COMPLETION_INDEX": str(index), "NODE_NAME": node,
+               "JOBSET_NAME": "js", "JOBSET_RESTART_ATTEMPT": "0", "JAX_PLATFORMS": "cpu",
+               "MEGASCALE_DIAG_FAULT": "1"}  # node 1's device computes wrong values in every collective
+        pods.append(subprocess.Popen(["bash", os.path.join(REPO, "configs/cluster/jobset_worker.sh"),
+                                      "configs/tiny_cpu.yaml", *overrides], env=env, cwd=REPO, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [pod.communicate(timeout=300)[0] for pod in pods]
+    excluded_path = run_dir / "excluded_hosts.txt"
+    return ([pod.returncode for pod in pods], calls.read_text().splitlines() if calls.exists() else [], outs,
+            excluded_path.read_text().splitlines() if excluded_path.exists() else None)
+
+
+SMALL = ["mesh.dp=2", "mesh.tp=1", "model.layers=2", "model.d_model=64"]
+
+
+def test_jobset_pods_exclude_the_faulty_node_before_training(tmp_path):
+    """The Kubernetes side of eviction: every pod runs the checks before training; the node with
+    corrupt collectives is listed and labelled, its pod exits 3 (the JobSet restarts off it) and
+    the healthy pod goes on to train."""
+    from megascale_jax.supervise.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    try:
+        codes, calls, outs, excluded = jobset_pods(tmp_path, server.url, overrides=SMALL)
+    finally:
+        server.stop()
+    assert codes == [0, 3], outs
+    assert "training as rank 0" in outs[0] and "training" not in outs[1], outs
+    assert "faulty hosts: node1" in outs[0] and "node1 is faulty" in outs[1], outs
+    assert excluded == ["node1"]
+    assert set(calls) == {"label node --overwrite node1 megascale-jax/excluded=true"}, calls
+
+
+def test_a_pod_on_a_listed_node_leaves_without_checks(tmp_path):
+    """A node already in excluded_hosts.txt (found faulty by an earlier attempt, or on SLURM) is
+    labelled again and its pod exits 3 at once; the other pod cannot assemble the checks and
+    exits 1 without blaming anyone (the JobSet restarts the set)."""
+    codes, calls, outs, excluded = jobset_pods(tmp_path, "redis://127.0.0.1:1", excluded=["node1"], overrides=SMALL)
+    assert codes == [1, 3], outs
+    assert "node1 is listed" in outs[1], outs
+    assert outs[0].strip().splitlines()[-1].startswith("error: preflight cannot use Redis"), outs[0]
+    assert excluded == ["node1"] and calls == ["label node --overwrite node1 megascale-jax/excluded=true"]
+
+
+def test_preflight_refuses_bad_input_in_one_line(run_main, tmp_path):
+    from megascale_jax.supervise.preflight import main
+
+    base = ["--redis", "redis://127.0.0.1:1", "--job", "j", "--num-processes", "2", "--host", "n",
+            "--excluded-hosts", str(tmp_path / "x.txt")]
+    code, out, err = run_main(main, [*base, "--process-id", "2"], REPO)
+    assert code == 2 and err.count("\n") == 1 and "--process-id=2 must be in [0, --num-processes=2)" in err
+    code, out, err = run_main(main, [*base, "--process-id", "0", "mesh.dp=banana"], REPO)
+    assert code == 2 and err.count("\n") == 1 and "mesh.dp" in err, err
+    assert not (tmp_path / "x.txt").exists()
 
 
 def test_collect_refuses_bad_input_in_one_line(run_main):
@@ -124,3 +214,41 @@ def test_collect_refuses_bad_input_in_one_line(run_main):
     code, out, err = run_main(main, ["--collect", "job", "--nprocs", "2", "--redis", "redis://r:1",
                                      "--hosts", "a,b,c"], REPO)
     assert code == 2 and err.count("\n") == 1 and "--hosts names 3 host(s) for --nprocs=2" in err
+
+
+def test_preflight_names_a_peer_that_hangs_in_its_checks(tmp_path, monkeypatch, run_main):
+    """A worker that hangs after it registered its host (a GPU stuck in a collective) never
+    reports: after --wait-s the others name its host, from the registration, and go on; this
+    worker's own checks process is stopped, not left behind."""
+    import json
+
+    from megascale_jax.cluster import rendezvous
+    from megascale_jax.supervise import preflight
+    from megascale_jax.supervise.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis(str(tmp_path / "redis"))
+    started = []
+
+    def checks_that_report_then_linger(args):
+        result = {"rank": 0, "host": "pod-0", "pid": 1, "axes": {},
+                  "self_test": {"ok": True, "seconds": 0.1, "gflops": 1.0}}
+        rendezvous.connect(args.redis).set(rendezvous.key(args.job, "diag", 0), json.dumps(result))
+        started.append(subprocess.Popen(["sleep", "60"], start_new_session=True))
+        return started[-1]
+
+    monkeypatch.setattr(preflight, "run_checks", checks_that_report_then_linger)
+    try:
+        rendezvous.connect(server.url).set(preflight.host_key("j", 1), "node1")  # rank 1 registered, then hung
+        excluded = tmp_path / "excluded_hosts.txt"
+        code, out, err = run_main(preflight.main, ["--redis", server.url, "--job", "j", "--num-processes", "2",
+                                                   "--process-id", "0", "--host", "node0", "--wait-s", "0.5",
+                                                   "--excluded-hosts", str(excluded),
+                                                   "--exclude-command", f"bash -c 'echo {{host}} >> {tmp_path}/calls'"],
+                                  REPO)
+    finally:
+        server.stop()
+    assert code == 0, (out, err)
+    assert "rank 1: no result" in out and "faulty hosts: node1" in out, out
+    assert excluded.read_text().splitlines() == ["node1"]
+    assert (tmp_path / "calls").read_text().splitlines() == ["node1"]
+    assert started[0].poll() is not None  # killed
