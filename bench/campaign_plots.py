@@ -61,9 +61,12 @@ def ladder_figure(ladder: dict, torch_peer: dict | None):
 
 def checkpoints_figure(section: dict):
     rows = [r for r in section["sizes"] if "total_s" in r]
+    series = {key: [r[key] for r in rows] for key in ("block_s", "total_s", "restore_s")}
+    background = {r["state_gb"]: r for r in section.get("background_sizes", []) if "total_s" in r}
+    if all(r["state_gb"] in background for r in rows):
+        series["block_s, background host copy"] = [background[r["state_gb"]]["block_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4), layout="constrained")
-    bars(ax, [f"{r['state_gb']:.2f} GB" for r in rows],
-         {key: [r[key] for r in rows] for key in ("block_s", "total_s", "restore_s")})
+    bars(ax, [f"{r['state_gb']:.2f} GB" for r in rows], series)
     ax.set_ylabel("seconds")
     ax.set_title("checkpoint: blocking vs total save, restore")
     return fig

@@ -49,14 +49,16 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
 
 
 def checkpoints(section: dict) -> None:
-    print(f"checkpoints (median of {section['repeats']})")
-    print(f"{'state GB':>9}{'block s':>10}{'total s':>10}{'block/total':>13}{'restore s':>11}")
-    for r in section["sizes"]:
-        if "total_s" not in r:
-            print(f"{r['state_gb']:>9.2f}  {outcome(r)}")
-            continue
-        print(f"{r['state_gb']:>9.2f}{r['block_s']:>10.3f}{r['total_s']:>10.3f}{r['block_fraction']:>13.1%}"
-              f"{r['restore_s']:>11.3f}")
+    print(f"checkpoints (median of {section['repeats']}; background: checkpoint.background_host_copy=true, "
+          "blocking = dispatch + the device copy)")
+    print(f"{'host copy':<12}{'state GB':>9}{'block s':>10}{'total s':>10}{'block/total':>13}{'restore s':>11}")
+    for mode, key in (("in save()", "sizes"), ("background", "background_sizes")):
+        for r in section.get(key, []):  # results before 2026-11-24 have no background_sizes
+            if "total_s" not in r:
+                print(f"{mode:<12}{r['state_gb']:>9.2f}  {outcome(r)}")
+                continue
+            print(f"{mode:<12}{r['state_gb']:>9.2f}{r['block_s']:>10.3f}{r['total_s']:>10.3f}"
+                  f"{r['block_fraction']:>13.1%}{r['restore_s']:>11.3f}")
 
 
 def profiled(section: dict) -> None:

@@ -184,6 +184,10 @@ class CheckpointConfig:
     keep: int = 3  # newest committed checkpoints kept
     async_: bool = True
     single_replica_restore: bool = False  # one dp replica reads, the others receive by broadcast
+    # Stage 1 becomes a copy of the state on the device (a memory-bandwidth copy: milliseconds),
+    # and the device->host copy runs on a thread while training goes on. Costs the state's size
+    # in device memory until the host holds it (on an H200 the host copy of 16 GB blocked 4.1 s).
+    background_host_copy: bool = False
     # Every N steps each process copies its shards to a file in RAM (training/snapshot.py): a
     # restart resumes from the newest snapshot every process holds, if newer than the newest
     # checkpoint. Survives the process, not the machine. Costs 3x this process's state in RAM.

@@ -161,6 +161,18 @@ def append_lines(path: str, lines: list[str]) -> None:
             f.write("".join(line + "\n" for line in lines))
 
 
+def append_new_lines(path: str, lines: list[str]) -> list[str]:
+    """Append the `lines` the file does not hold yet, under an exclusive lock, so that processes
+    appending the same line at once write it once; returns the lines appended."""
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close
+        f.seek(0)
+        held = {line.strip() for line in f}
+        new = [line for line in dict.fromkeys(lines) if line not in held]
+        f.write("".join(line + "\n" for line in new))
+    return new
+
+
 def read_lines(path: str) -> list[str]:
     """The non-empty lines of a text file such as excluded_hosts.txt, stripped ([] if there is none)."""
     if not os.path.exists(path):

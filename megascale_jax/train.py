@@ -260,6 +260,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     clock.lap("shapes")
     snapshots = snapshot.Snapshots(cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=logger.warning) \
         if cfg.checkpoint.memory_every else None
+    if snapshots:
+        snapshots.compile(abstract_state)
     restored, to_canonical, from_snapshot = None, trainer.to_canonical, False
     if ckpt:
         ckpt.compile(abstract_state)  # before the restore, whose verification runs it
@@ -299,7 +301,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     train_step = compile_cache.load_or_compile(
         "train_step", lambda: trainer.train_step.lower(state, first), config, (state, first))
     clock.lap("train_step")
-    check_compiled_memory(cfg, train_step)
+    check_compiled_memory(cfg, train_step, state)
     profiler = device_profile.StepProfiler(train_step, run_dirs.profiles_dir(run_dir, jax.process_index()))
     eval_loss = compile_cache.load_or_compile(
         "eval_loss", lambda: trainer.eval_loss.lower(state.params, first), config, (state.params, first))
@@ -510,7 +512,7 @@ def check_memory(cfg: Config) -> None:
         flops.check_fits(cfg, limit, 1, f"one {device.device_kind}")
 
 
-def check_compiled_memory(cfg: Config, compiled) -> None:
+def check_compiled_memory(cfg: Config, compiled, state) -> None:
     """XLA's own buffer assignment for the compiled step against the accelerator's memory: the
     pre-flight check that is exact where `check_memory`'s estimate is not (on an H200 the step
     peaked at 1.3-1.7x the estimate, and steps the estimate passed died of RESOURCE_EXHAUSTED).
@@ -519,7 +521,9 @@ def check_compiled_memory(cfg: Config, compiled) -> None:
     if device.platform == "cpu" or not cfg.train.memory_check:
         return
     limit = (device.memory_stats() or {}).get("bytes_limit")
-    flops.check_compiled_fits(compiled.memory_analysis(), limit, f"one {device.device_kind}")
+    copy = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards
+               if s.device == device) if cfg.checkpoint.background_host_copy else 0
+    flops.check_compiled_fits(compiled.memory_analysis(), limit, f"one {device.device_kind}", copy)
 
 
 def parse_args(argv):

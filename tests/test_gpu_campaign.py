@@ -159,6 +159,10 @@ def test_dry_run_checkpoints_profile_and_pngs(runs):
     result = json.loads(path.read_text())
     sizes = result["sections"]["checkpoints"]["sizes"]
     assert len(sizes) == 2 and all(0 < s["block_s"] <= s["total_s"] and s["restore_s"] > 0 for s in sizes)
+    background = result["sections"]["checkpoints"]["background_sizes"]
+    assert [s["state_gb"] for s in background] == [s["state_gb"] for s in sizes]
+    assert all(s["background_host_copy"] and s["device_copy_s"] >= 0 and "error" not in s for s in background)
+    assert all(s["block_s"] == s["host_block_s"] + s["device_copy_s"] <= s["total_s"] for s in background)
     profiled = result["sections"]["profiled_steps"]
     assert profiled["profiled_steps"] == [2, 4, 6] and profiled["devices"] == [0]
     assert all(s > 0 for s in profiled["device_compute_s"][0]) and len(profiled["device_collective_s"][0]) == 3

@@ -97,3 +97,19 @@ def test_jsonl_appends_whole_lines_and_reads_past_a_torn_one(tmp_path):
     before = open(path).read().splitlines(keepends=True)
     run_dir.keep_records_up_to(path, 2)
     assert open(path).read().splitlines(keepends=True) == before[:2]
+
+
+def test_append_new_lines_writes_each_line_once_across_processes(tmp_path):
+    """Pods that find the same faulty node at once (preflight) list it once."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "excluded_hosts.txt"
+    path.write_text("node7\n")
+    code = ("import sys; from megascale_jax import run_dir; "
+            "print(run_dir.append_new_lines(sys.argv[1], ['node1', 'node7', 'node2', 'node1']))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+             for _ in range(6)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert sorted(path.read_text().splitlines()) == ["node1", "node2", "node7"]
+    assert sorted(outs) == ["['node1', 'node2']"] + ["[]"] * 5  # exactly one process appended them

@@ -7,7 +7,8 @@
 # (JOB_COMPLETION_INDEX), the set's name and restart attempt, and the node it runs on (NODE_NAME).
 # 1. `python -m megascale_jax.preflight` runs the device and collective checks on all pods
 #    together. A node found faulty (or already listed in RUN_DIR/excluded_hosts.txt) is appended
-#    to that file and labelled megascale-jax/excluded=true, which the pods' node affinity avoids;
+#    to that file (an `evict` event in RUN_DIR/events.jsonl) and labelled
+#    megascale-jax/excluded=true, which the pods' node affinity avoids;
 #    the pod on it exits 3, so the JobSet restarts the whole set, off that node. Checks that could
 #    not run (Redis, the rendezvous) exclude nobody and exit 1: the set restarts as it was.
 # 2. Training resumes from the newest checkpoint on the shared volume.
@@ -19,7 +20,7 @@ JOB="$JOBSET_NAME-$JOBSET_RESTART_ATTEMPT"
 timeout "${PREFLIGHT_TIMEOUT_S:-900}" python -m megascale_jax.preflight --config "$CONFIG" "$@" \
   --redis "$REDIS_URL" --job "$JOB-preflight" \
   --num-processes "$NUM_PROCESSES" --process-id "$JOB_COMPLETION_INDEX" \
-  --host "$NODE_NAME" --excluded-hosts "$RUN_DIR/excluded_hosts.txt" \
+  --host "$NODE_NAME" --run-dir "$RUN_DIR" \
   --exclude-command "kubectl label node --overwrite {host} megascale-jax/excluded=true"
 
 exec python -m megascale_jax.train --config "$CONFIG" "$@" --run-dir "$RUN_DIR" \

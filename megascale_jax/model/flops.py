@@ -184,16 +184,19 @@ def compiled_bytes(analysis) -> int:
             + analysis.temp_size_in_bytes + analysis.generated_code_size_in_bytes)
 
 
-def check_compiled_fits(analysis, limit_bytes: Optional[float], where: str) -> None:
-    """Refuse (ConfigError, one line) a compiled step that needs more than `limit_bytes`."""
+def check_compiled_fits(analysis, limit_bytes: Optional[float], where: str, checkpoint_copy_bytes: int = 0) -> None:
+    """Refuse (ConfigError, one line) a compiled step that needs more than `limit_bytes`, with
+    `checkpoint_copy_bytes` held beside it (checkpoint.background_host_copy's copy of the state)."""
     if analysis is None or limit_bytes is None:
         return
-    needed = compiled_bytes(analysis)
+    needed = compiled_bytes(analysis) + checkpoint_copy_bytes
     if needed <= limit_bytes:
         return
+    copy = (f" and {format_bytes(checkpoint_copy_bytes)} for the checkpoint's copy of the state "
+            "(checkpoint.background_host_copy=false frees it)") if checkpoint_copy_bytes else ""
     raise ConfigError(
         f"the compiled train step needs {format_bytes(needed)} per device (XLA's buffer assignment: "
-        f"{format_bytes(analysis.temp_size_in_bytes)} of temporaries), more than the {format_bytes(limit_bytes)} "
+        f"{format_bytes(analysis.temp_size_in_bytes)} of temporaries{copy}), more than the {format_bytes(limit_bytes)} "
         f"of {where}; lower train.global_batch, raise parallel.microbatches, use model.attention=cudnn, or "
         "shard over more devices")
 

@@ -1,5 +1,5 @@
 """`python -m megascale_jax.preflight --redis URL --job JOB --num-processes N --process-id I
---host NODE --excluded-hosts FILE [--exclude-command CMD] [--config YAML] [overrides]`
+--host NODE --run-dir DIR [--exclude-command CMD] [--config YAML] [overrides]`
 
 Diagnostics before training, for a job whose workers a scheduler starts with no driver process
 to run them after a fault (a Kubernetes JobSet restarts its pods itself: configs/cluster/
@@ -8,14 +8,16 @@ jobset_worker.sh). Each worker, before it trains:
 2. runs the diagnostics' checks as one of the job's N workers (`diagnose --worker`, in a child
    process: a hung peer must not hold this one in jax's shutdown barrier);
 3. waits until all N have reported, at most --wait-s;
-4. reads the report every worker reads, appends the faulty hosts FILE does not list yet, and runs
-   --exclude-command for each of them (`{host}` replaced; e.g. `kubectl label node --overwrite
+4. reads the report every worker reads, appends the faulty hosts RUN_DIR/excluded_hosts.txt does
+   not list yet (with an `evict` event each in RUN_DIR/events.jsonl), and runs --exclude-command
+   for each faulty host (`{host}` replaced; e.g. `kubectl label node --overwrite
    {host} megascale-jax/excluded=true`, which the JobSet's node affinity then avoids). Every
    worker that got this far does this, so the command must be idempotent: the faulty worker
    itself excludes its host before it exits, so its host is excluded before the scheduler
    restarts the job, whoever else is killed first;
 5. exits 3 when its own host is faulty (the pod fails; the scheduler restarts the job elsewhere),
-   0 when it is healthy. A host FILE already lists exits 3 at once, without the checks.
+   0 when it is healthy. A host excluded_hosts.txt already lists exits 3 at once, without the
+   checks.
 
 Exit 1 when the checks could not run here (the rendezvous timed out, Redis is down): nobody is
 blamed for that. Exit 2 for bad input.
@@ -37,6 +39,7 @@ from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import rendezvous
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise import diagnose
+from megascale_jax.supervise.supervisor import EventLog
 
 FAULTY_EXIT = 3
 
@@ -74,11 +77,13 @@ def wait_for_reports(client: redis.Redis, args, checks: subprocess.Popen) -> Non
         time.sleep(0.2)
 
 
-def exclude(hosts: list[str], args) -> None:
-    """Append the hosts FILE lacks, and run the exclude command for every one of `hosts`."""
-    listed = set(run_dirs.read_lines(args.excluded_hosts))
-    run_dirs.append_lines(args.excluded_hosts, [h for h in hosts if h not in listed])
-    for host in hosts:
+def exclude(found: dict[str, str], args) -> None:
+    """`found`: faulty host -> why. Append the hosts excluded_hosts.txt lacks, with an event each,
+    and run the exclude command for every one of them (it may have failed before)."""
+    for host in run_dirs.append_new_lines(run_dirs.excluded_hosts_path(args.run_dir), list(found)):
+        EventLog(args.run_dir).log("evict", f"{host} excluded for the rest of the job (pre-flight diagnostics): "
+                                            f"{found[host]}", host=host, reason=found[host], source="preflight")
+    for host in found:
         if not args.exclude_command:
             continue
         command = [part.replace("{host}", host) for part in shlex.split(args.exclude_command)]
@@ -100,7 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--num-processes", type=int, required=True)
     parser.add_argument("--process-id", type=int, required=True, help="this worker's rank (the pod's index)")
     parser.add_argument("--host", required=True, help="the node this worker runs on, as the scheduler names it")
-    parser.add_argument("--excluded-hosts", metavar="FILE", required=True, help="RUN_DIR/excluded_hosts.txt")
+    parser.add_argument("--run-dir", required=True, help="the training's run directory (shared by all workers): "
+                                                          "excluded_hosts.txt and events.jsonl")
     parser.add_argument("--exclude-command", default=None, help="run for each faulty host, {host} replaced")
     parser.add_argument("--wait-s", type=float, default=120.0,
                         help="how long to wait for the other workers' results after this one's")
@@ -113,9 +119,10 @@ def main(argv=None) -> int:
         load_config(args.config, args.overrides)  # before the checks: a typo is the user's, not the node's
     except ConfigError as e:
         return cli.user_error(e)
-    if args.host in run_dirs.read_lines(args.excluded_hosts):
-        print(f"preflight: {args.host} is listed in {args.excluded_hosts}: not training on it", flush=True)
-        exclude([args.host], args)
+    excluded_path = run_dirs.excluded_hosts_path(args.run_dir)
+    if args.host in run_dirs.read_lines(excluded_path):
+        print(f"preflight: {args.host} is listed in {excluded_path}: not training on it", flush=True)
+        exclude({args.host: "listed before"}, args)
         return FAULTY_EXIT
     checks = None
     try:
@@ -134,10 +141,10 @@ def main(argv=None) -> int:
         if checks is not None:
             stop(checks)
     print(report.table(), flush=True)
-    faulty = diagnose.faulty_hosts(report, hosts)
+    faulty = {hosts[rank]: f"rank {rank}: {why}" for rank, why in report.faulty().items() if hosts[rank]}
     print(f"preflight: faulty hosts: {', '.join(faulty) or 'none'}", flush=True)
     exclude(faulty, args)
     if args.host in faulty:
-        print(f"preflight: {args.host} is faulty; excluded (appended to {args.excluded_hosts})", flush=True)
+        print(f"preflight: {args.host} is faulty; excluded (listed in {excluded_path})", flush=True)
         return FAULTY_EXIT
     return 0

@@ -4,6 +4,9 @@ An orbax `CheckpointManager` does both stages: `save()` returns once the state i
 host memory, a background thread serialises it into `<dir>/<step>.orbax-checkpoint-tmp` and
 renames that to `<dir>/<step>` on commit, so a process killed mid-write leaves only a tmp
 directory, which resume ignores. Old checkpoints are deleted only after the new one commits.
+With `checkpoint.background_host_copy` the blocking stage is a copy of the state on the device
+instead (the next step donates the state's buffers, so orbax cannot read them later), and a
+thread of ours runs orbax's `save()`, host copy included, while training goes on.
 
 Each checkpoint is an ordinary orbax composite with three items:
 * `state`     — the TrainState (step, params, opt_state), restorable into any mesh's shardings;
@@ -87,6 +90,12 @@ def checksums(tree):
     return jax.tree.map(one, tree)
 
 
+@jax.jit
+def device_copy(tree):
+    """The state in fresh device buffers (no donation: the inputs stay valid)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
 def _write_arrays_whole() -> None:
     """Replica-parallel saving slices replicated arrays across their replicas with one small
     compiled op per shape: ~10 s of compilation inside the first blocking save, for no gain
@@ -134,7 +143,8 @@ class Checkpointer:
         self._lock = threading.Lock()
         self._commit_times: dict[int, float] = {}  # step -> time the background write finished
         self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
-        self._checksums = checksums
+        self._saver: threading.Thread | None = None  # with background_host_copy: runs orbax's save()
+        self._checksums, self._device_copy = checksums, device_copy
         c = cfg.checkpoint
         try:
             os.makedirs(directory, exist_ok=True)
@@ -155,9 +165,12 @@ class Checkpointer:
         save's blocking time holds a compilation; through the run's compilation cache, so that a
         restart loads it (in every process: see compile_cache.compile)."""
         self._checksums = compile_cache.compile(checksums.lower(abstract_state), "checkpoint_checksums")
+        if self.cfg.checkpoint.background_host_copy:
+            self._device_copy = compile_cache.compile(device_copy.lower(abstract_state), "checkpoint_device_copy")
 
     def save(self, step: int, state, data_state: dict) -> list[dict]:
-        """Stage 1: blocks for the device->host copy (and for the previous save, if still writing).
+        """Stage 1: blocks for the device->host copy (and for the previous save, if still writing);
+        with `checkpoint.background_host_copy`, for a copy on the device only.
 
         `data_state` is the data iterator's state after step `step`'s batch. Returns the records
         of earlier saves that finished meanwhile (see `poll`)."""
@@ -165,14 +178,21 @@ class Checkpointer:
         finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
         waited = time.perf_counter()
         meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
-                "config": self.cfg.to_dict(), "checksums": _flat(jax.device_get(self._checksums(state)))}
+                "config": self.cfg.to_dict()}
+        if self.cfg.checkpoint.background_host_copy:
+            sums, copy = self._checksums(state), self._device_copy(state)  # dispatched, not waited for
+            end = time.perf_counter()
+            self._pending = {"step": step, "start": start, "block_s": end - start, "dispatched": end,
+                             "block_parts_s": {"previous_save": round(waited - start, 4),
+                                               "dispatch": round(end - waited, 4)}}
+            self._saver = threading.Thread(target=self._save_in_background, args=(step, copy, sums, meta, data_state),
+                                           name=f"checkpoint-{step}", daemon=True)
+            self._saver.start()
+            return finished
+        meta["checksums"] = _flat(jax.device_get(self._checksums(state)))
         summed = time.perf_counter()
-        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                  data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
-                                  meta=ocp.args.JsonSave(meta))
         try:
-            # force: the cadence (incl. the last step) is the loop's checkpoint hook's.
-            self.manager.save(step, args=args, force=True)
+            self._orbax_save(step, state, meta, data_state)
         except Exception as e:  # e.g. the directory cannot be written
             self.warn(f"warning: checkpoint at step {step} not saved: {cli.one_line(e)}; training continues, "
                       f"last good checkpoint: step {self._last_committed()}")
@@ -184,6 +204,28 @@ class Checkpointer:
         self._pending = {"step": step, "start": start, "block_s": end - start,
                          "block_parts_s": {k: round(v, 4) for k, v in parts.items()}}
         return finished
+
+    def _orbax_save(self, step: int, state, meta: dict, data_state: dict) -> None:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                  data=grain.checkpoint.CheckpointSave(_IteratorState(data_state)),
+                                  meta=ocp.args.JsonSave(meta))
+        # force: the cadence (incl. the last step) is the loop's checkpoint hook's.
+        self.manager.save(step, args=args, force=True)
+
+    def _save_in_background(self, step: int, copy, sums, meta: dict, data_state: dict) -> None:
+        """The blocking stage's work, on a thread: orbax reads `copy`, which nothing donates.
+        Records `background_parts_s`: until the device copy was ready (an upper bound on its device
+        time: it includes finishing the step that produced the state), and orbax's save()."""
+        pending = self._pending
+        try:
+            jax.block_until_ready(copy)
+            copied = time.perf_counter()
+            meta["checksums"] = _flat(jax.device_get(sums))
+            self._orbax_save(step, copy, meta, data_state)
+            pending["background_parts_s"] = {"device_copy": round(copied - pending["dispatched"], 4),
+                                             "host_copy": round(time.perf_counter() - copied, 4)}
+        except Exception as e:  # noqa: BLE001 — reported by poll(), like a failed background write
+            pending["error"] = cli.one_line(e)
 
     def _on_commit(self) -> None:
         # Runs on orbax's background thread once the write is finalised (just before the rename).
@@ -197,6 +239,17 @@ class Checkpointer:
         pending = self._pending
         if pending is None:
             return []
+        if self._saver is not None:
+            if self._saver.is_alive() and not wait:
+                return []
+            self._saver.join()
+            self._saver = None
+        if "error" in pending:  # orbax's save() raised on the background thread: nothing was written
+            self._pending = None
+            self.warn(f"warning: checkpoint at step {pending['step']} not saved: {pending['error']}; training "
+                      f"continues, last good checkpoint: step {self._last_committed()}")
+            return [{"step": pending["step"], "block_s": pending["block_s"], "block_parts_s": pending["block_parts_s"],
+                     "error": pending["error"]}]
         if wait:
             try:
                 self.manager.wait_until_finished()
@@ -207,6 +260,8 @@ class Checkpointer:
         self._pending = None
         step = pending["step"]
         record = {"step": step, "block_s": pending["block_s"], "block_parts_s": pending["block_parts_s"]}
+        if "background_parts_s" in pending:
+            record["background_parts_s"] = pending["background_parts_s"]
         # orbax logs a background write error but does not always re-raise it, so success is
         # judged by the commit itself: the rename to <dir>/<step>.
         error = "not committed (orbax logged the cause above)"

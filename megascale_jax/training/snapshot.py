@@ -7,7 +7,8 @@ the state's size (barriers, directories, a thread); saving more often trades one
 A snapshot costs one device->host copy of this process's shards: every `checkpoint.memory_every`
 steps each process copies its own shards of the state (each distinct index once, replicas on its
 devices skipped) and a background thread writes them to one file in RAM (`/dev/shm`, a tmpfs),
-written to `.tmp` and renamed. The file outlives the process (kill -9, a hang the supervisor
+written to `.tmp` and renamed. With `checkpoint.background_host_copy` the blocking copy is one on
+the device (checkpoint.device_copy) and the host copy runs on the writer thread too. The file outlives the process (kill -9, a hang the supervisor
 killed, a crash) but not the machine: a lost machine, or a spare on another host, finds no file
 and every process falls back to the newest checkpoint. Recovery from the data-parallel peers'
 copies is not built yet.
@@ -50,7 +51,7 @@ import numpy as np
 from megascale_jax import cli
 from megascale_jax.config import Config
 from megascale_jax.run_dir import snapshot_steps
-from megascale_jax.training import compile_cache
+from megascale_jax.training import checkpoint, compile_cache
 
 KEEP = 3
 AGREE_TIMEOUT_MS = 30 * 60 * 1000  # peers reach the restore within their start-up skew
@@ -65,6 +66,14 @@ class Snapshots:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._writer: threading.Thread | None = None
         self._error: str | None = None
+        self._device_copy = checkpoint.device_copy
+
+    def compile(self, abstract_state) -> None:
+        """With background_host_copy: the device copy compiled now (through the run's cache), so
+        that the first snapshot's blocking holds no compilation."""
+        if self.cfg.checkpoint.background_host_copy:
+            self._device_copy = compile_cache.compile(checkpoint.device_copy.lower(abstract_state),
+                                                      "snapshot_device_copy")
 
     def _file(self, step: int) -> str:
         return os.path.join(self.root, str(step), f"process_{self.process}-of-{self.processes}.npz")
@@ -73,12 +82,24 @@ class Snapshots:
 
     def save(self, step: int, state, next_index: int) -> float:
         """Copy this process's shards of `state` (after step `step`) to host memory and hand them
-        to the writer; returns the seconds it blocked (the previous write, the copy)."""
+        to the writer; returns the seconds it blocked (the previous write, the copy). With
+        background_host_copy the copy is on the device and the writer copies it to the host."""
         start = time.perf_counter()
         self.wait()
-        leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+        if self.cfg.checkpoint.background_host_copy:
+            copy = self._device_copy(state)  # dispatched: the next step may donate `state`, not `copy`
+            work = lambda: self._write(step, *self._host_copy(step, copy, next_index))  # noqa: E731
+        else:
+            shards, meta = self._host_copy(step, state, next_index)
+            work = lambda: self._write(step, shards, meta)  # noqa: E731
+        self._writer = threading.Thread(target=work, daemon=True, name="snapshot-writer")
+        self._writer.start()
+        return time.perf_counter() - start
+
+    def _host_copy(self, step: int, state, next_index: int) -> tuple[list[np.ndarray], dict]:
+        """This process's distinct shards of `state` in host memory, and the file's meta."""
         shards, entries = [], []
-        for path, leaf in leaves:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
             seen = set()
             for shard in leaf.addressable_shards:
                 index = _index(shard.index, leaf.shape)
@@ -89,11 +110,7 @@ class Snapshots:
                 data = np.array(shard.data, copy=True)
                 shards.append(data)
                 entries.append({"leaf": jax.tree_util.keystr(path), "index": index, "dtype": str(data.dtype)})
-        meta = {"step": step, "next_index": next_index, "config": self.cfg.to_dict(), "shards": entries}
-        self._writer = threading.Thread(target=self._write, args=(step, shards, meta), daemon=True,
-                                        name="snapshot-writer")
-        self._writer.start()
-        return time.perf_counter() - start
+        return shards, {"step": step, "next_index": next_index, "config": self.cfg.to_dict(), "shards": entries}
 
     def _write(self, step: int, shards: list[np.ndarray], meta: dict) -> None:
         path = self._file(step)

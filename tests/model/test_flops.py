@@ -251,6 +251,12 @@ def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
     message = str(e.value)
     assert "\n" not in message and flops.format_bytes(needed) in message and "a test device" in message
     assert "train.global_batch" in message
+    # The checkpoint's copy of the state (checkpoint.background_host_copy) is held beside the step.
+    flops.check_compiled_fits(analysis, needed + x.nbytes, "a test device", checkpoint_copy_bytes=x.nbytes)
+    with pytest.raises(ConfigError) as e:
+        flops.check_compiled_fits(analysis, needed + x.nbytes - 1, "a test device", checkpoint_copy_bytes=x.nbytes)
+    assert "\n" not in str(e.value) and "checkpoint.background_host_copy=false" in str(e.value)
+    assert flops.format_bytes(needed + x.nbytes) in str(e.value)
 
 
 def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():

@@ -7,6 +7,8 @@ import sys
 
 import yaml
 
+from megascale_jax import run_dir as run_dirs
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -181,6 +183,9 @@ def test_jobset_pods_exclude_the_faulty_node_before_training(tmp_path):
     assert "faulty hosts: node1" in outs[0] and "node1 is faulty" in outs[1], outs
     assert excluded == ["node1"]
     assert set(calls) == {"label node --overwrite node1 megascale-jax/excluded=true"}, calls
+    events = run_dirs.read_jsonl(str(tmp_path / "run" / "events.jsonl"))
+    assert [(e["kind"], e["host"], e["source"]) for e in events] == [("evict", "node1", "preflight")], events
+    assert events[0]["reason"] == "rank 1: wrong values in collectives over dp (seen by rank 0)"
 
 
 def test_a_pod_on_a_listed_node_leaves_without_checks(tmp_path):
@@ -198,12 +203,12 @@ def test_preflight_refuses_bad_input_in_one_line(run_main, tmp_path):
     from megascale_jax.supervise.preflight import main
 
     base = ["--redis", "redis://127.0.0.1:1", "--job", "j", "--num-processes", "2", "--host", "n",
-            "--excluded-hosts", str(tmp_path / "x.txt")]
+            "--run-dir", str(tmp_path)]
     code, out, err = run_main(main, [*base, "--process-id", "2"], REPO)
     assert code == 2 and err.count("\n") == 1 and "--process-id=2 must be in [0, --num-processes=2)" in err
     code, out, err = run_main(main, [*base, "--process-id", "0", "mesh.dp=banana"], REPO)
     assert code == 2 and err.count("\n") == 1 and "mesh.dp" in err, err
-    assert not (tmp_path / "x.txt").exists()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_collect_refuses_bad_input_in_one_line(run_main):
@@ -242,7 +247,7 @@ def test_preflight_names_a_peer_that_hangs_in_its_checks(tmp_path, monkeypatch, 
         excluded = tmp_path / "excluded_hosts.txt"
         code, out, err = run_main(preflight.main, ["--redis", server.url, "--job", "j", "--num-processes", "2",
                                                    "--process-id", "0", "--host", "node0", "--wait-s", "0.5",
-                                                   "--excluded-hosts", str(excluded),
+                                                   "--run-dir", str(tmp_path),
                                                    "--exclude-command", f"bash -c 'echo {{host}} >> {tmp_path}/calls'"],
                                   REPO)
     finally:

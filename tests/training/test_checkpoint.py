@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -377,6 +378,67 @@ def test_prefetch_hides_a_slow_source(monkeypatch):
     assert time.perf_counter() - t >= 0.05  # the source really is slow
 
 
+def test_background_host_copy_saves_the_state_as_it_was_while_training_donates_it(tmp_path, monkeypatch):
+    """checkpoint.background_host_copy: save() returns after a copy on the device; orbax's save()
+    (the host copy) runs on our thread while the caller keeps updating the state with donated
+    buffers. The checkpoint holds the state as it was at save(), bitwise, with NumPy's checksums.
+    (Without the device copy orbax would read buffers the updates deleted.)"""
+    cfg = tiny_cfg("checkpoint.background_host_copy=true")
+    mesh = make_mesh(cfg.mesh)
+    state = tiny_state(mesh, 7)
+    want = {k: np.asarray(v).copy() for k, v in state.items()}
+    threads = []
+    save = ocp.CheckpointManager.save
+
+    def save_slowly(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        time.sleep(0.5)  # the updates below all run while this save has not read the state yet
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save_slowly)
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
+    ckpt.compile(abstract(state))
+    assert ckpt.save(7, state, {"next_index": 7}) == []
+    update = jax.jit(lambda t: jax.tree.map(lambda x: x * 3 + 1, t), donate_argnums=0)
+    saved = state["w"]
+    for _ in range(3):
+        state = update(state)
+    jax.block_until_ready(state)
+    assert saved.is_deleted()  # donated: its buffer is the first update's now
+    assert ckpt.poll() == []  # still saving: nothing to report yet
+    records = ckpt.close()
+    assert threads == ["checkpoint-7"]
+    assert [r["step"] for r in records] == [7] and "error" not in records[0], records
+    assert records[0]["background_parts_s"]["host_copy"] >= 0.5 > records[0]["block_s"], records
+    assert abs(sum(records[0]["block_parts_s"].values()) - records[0]["block_s"]) < 1e-3, records
+    restored, data_state = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print).restore_latest(abstract(state))
+    for k in want:
+        np.testing.assert_array_equal(np.asarray(restored[k]), want[k])
+    meta = json.loads((tmp_path / "7" / "meta" / "metadata").read_text())
+    assert meta["checksums"] == {f"['{k}']": _numpy_checksum(v) for k, v in want.items()}
+
+
+def test_a_background_save_that_fails_warns_once_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+    cfg = tiny_cfg("checkpoint.background_host_copy=true")
+    mesh = make_mesh(cfg.mesh)
+    warned = []
+    ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=warned.append)
+    ckpt.save(5, tiny_state(mesh, 5), {"next_index": 5})
+    assert [r["step"] for r in ckpt.poll(wait=True)] == [5]
+
+    def no_space(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", no_space)
+    ckpt.save(10, tiny_state(mesh, 10), {"next_index": 10})
+    records = ckpt.poll(wait=True)
+    assert [r["step"] for r in records] == [10] and "No space left on device" in records[0]["error"], records
+    assert len(warned) == 1 and "checkpoint at step 10 not saved" in warned[0], warned
+    assert "last good checkpoint: step 5" in warned[0]
+    assert ckpt.poll(wait=True) == [] and ckpt.close() == []
+    assert run_dirs.committed_steps(str(tmp_path)) == [5]
+
+
 # ============================================================================ real processes
 
 
@@ -429,6 +491,32 @@ def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
     assert all(s["block_parts_s"]["orbax"] >= held for s in saves), saves  # attributed to orbax's part
     after_save = records(run_dir)[5]
     assert after_save["step"] == 6 and after_save["step_time_s"] < held, after_save
+
+
+@pytest.mark.xdist_group("checkpoint-reference")
+def test_a_run_with_background_host_copies_trains_and_saves_what_the_reference_does(reference, tmp_path):
+    """The CLI with checkpoint.background_host_copy=true: the same losses as the reference, bitwise,
+    and checkpoints with the same checksums (so the same arrays); the host copy ran on the thread."""
+    run_dir = tmp_path / "background"
+    result = run_cli(run_dir, [*TINY, *DP8, "checkpoint.background_host_copy=true", "checkpoint.memory_every=3"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    # Memory snapshots take the same path (a device copy, the host copy on their writer thread):
+    # every 3rd step but the checkpoints' (15).
+    snapshots = run_dirs.read_jsonl(run_dirs.snapshots_path(str(run_dir)))
+    assert [s["step"] for s in snapshots] == [3, 6, 9, 12, 18], snapshots
+    assert [(r["loss"], r["grad_norm"]) for r in records(run_dir)] == \
+        [(r["loss"], r["grad_norm"]) for r in records(reference)]
+    saves = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in saves] == [5, 10, 15, 20] and all("error" not in s for s in saves), saves
+    assert all(set(s["block_parts_s"]) == {"previous_save", "dispatch"} for s in saves), saves
+    assert all(set(s["background_parts_s"]) == {"device_copy", "host_copy"} for s in saves), saves
+    assert all(s["background_parts_s"]["host_copy"] > 0 for s in saves), saves
+
+    def sums(directory, step):
+        return json.loads((directory / "checkpoints" / str(step) / "meta" / "metadata").read_text())["checksums"]
+
+    for step in (5, 10, 15, 20):
+        assert sums(run_dir, step) == sums(reference, step), step
 
 
 @pytest.mark.slow

@@ -16,6 +16,8 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -84,6 +86,40 @@ def test_restore_is_bitwise_with_the_same_shardings_and_keeps_the_newest_three(t
     assert run_dirs.snapshot_steps(str(tmp_path)) == [3, 4]
     snaps.remove_all()
     assert not tmp_path.exists()
+
+
+def test_a_background_host_copy_snapshots_the_state_as_it_was_while_training_donates_it(tmp_path, monkeypatch):
+    """checkpoint.background_host_copy: save() blocks for a copy on the device only; the writer
+    thread copies it to the host while the caller's updates donate the state's buffers. The
+    snapshot restores to the state as it was at save(), bitwise."""
+    cfg = cfg_with("checkpoint.background_host_copy=true")
+    mesh = make_mesh(cfg.mesh)
+    snaps = snapshot.Snapshots(cfg, str(tmp_path), warn=print)
+    state = random_state(mesh, 7)
+    snaps.compile(abstract(state))
+    want = host_copy(state)
+    threads = []
+    host_copy_of = snapshot.Snapshots._host_copy
+
+    def host_copy_slowly(self, *args):
+        threads.append(threading.current_thread().name)
+        time.sleep(0.5)  # the updates below all run before this copy reads anything
+        return host_copy_of(self, *args)
+
+    monkeypatch.setattr(snapshot.Snapshots, "_host_copy", host_copy_slowly)
+    snaps.save(7, state, next_index=107)
+    update = jax.jit(lambda t: jax.tree.map(lambda x: x * 3 + 1, t), donate_argnums=0)
+    saved_w = state["w"]
+    for _ in range(3):
+        state = update(state)
+    jax.block_until_ready(state)
+    assert saved_w.is_deleted()  # donated
+    snaps.wait()
+    assert threads == ["snapshot-writer"]
+    restored, meta = snaps.restore(abstract(state), newer_than=0)
+    assert meta == {"step": 7, "data_state": {"next_index": 107}}
+    for name, value in want.items():
+        np.testing.assert_array_equal(np.asarray(jax.device_get(restored[name])), value)
 
 
 def test_a_flipped_byte_is_one_warning_and_the_file_goes(tmp_path, capsys):
