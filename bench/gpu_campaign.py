@@ -11,7 +11,8 @@ Sections (each in its own module, bench/campaign_<name>.py):
   mfu_ladder      MFU, tokens/s and peak memory as MegaScale's techniques are added one by one
                   to a 1.4B model on one device                                (campaign_ladder)
   torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)        (campaign_torch)
-  checkpoints     blocking vs total save, and restore, for 1/4/16 GB      (campaign_checkpoints)
+  checkpoints     blocking vs total save, and restore, for 1/4/16 GB, with the host copy in
+                  save() and on a thread (background_host_copy)          (campaign_checkpoints)
   profiled_steps  observe.profile_every on the device, report's device heat map (campaign_profile)
 
 The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it
@@ -57,7 +58,7 @@ from provenance import RESULTS, result_path  # bench/provenance.py
 SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
 # (on an H200, 2026-11-23: kernels 246 s, ladder 194 s without its first row and the later remat row,
-# torch 163 s, checkpoints 81 s, profiled 23 s).
+# torch 163 s, checkpoints 81 s before it measured background_host_copy too, profiled 23 s).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
