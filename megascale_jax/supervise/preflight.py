@@ -80,6 +80,7 @@ def wait_for_reports(client: redis.Redis, args, checks: subprocess.Popen) -> Non
 def exclude(found: dict[str, str], args) -> None:
     """`found`: faulty host -> why. Append the hosts excluded_hosts.txt lacks, with an event each,
     and run the exclude command for every one of them (it may have failed before)."""
+    os.makedirs(args.run_dir, exist_ok=True)  # a first attempt's checks run before training creates it
     for host in run_dirs.append_new_lines(run_dirs.excluded_hosts_path(args.run_dir), list(found)):
         EventLog(args.run_dir).log("evict", f"{host} excluded for the rest of the job (pre-flight diagnostics): "
                                             f"{found[host]}", host=host, reason=found[host], source="preflight")

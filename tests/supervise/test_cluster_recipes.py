@@ -140,14 +140,14 @@ def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, ove
     """Run configs/cluster/jobset_worker.sh as the JobSet's pods on NODES, all at once, with a fake
     `kubectl` (its calls recorded) and a `python` whose training only says it started; returns
     (exit code per pod, kubectl calls, output per pod, excluded_hosts.txt's lines)."""
-    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
+    bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"  # run_dir: created by the first write
     bin_dir.mkdir()
-    run_dir.mkdir()
     calls = tmp_path / "kubectl.calls"
     fake(bin_dir, "kubectl", f'echo "$@" >> {calls}\n')
     fake(bin_dir, "python", f'case "$*" in *megascale_jax.train*) echo "training as rank $JOB_COMPLETION_INDEX"; '
                             f'exit 0 ;; esac\nexec {sys.executable} "$@"\n')
     if excluded is not None:
+        run_dir.mkdir()
         (run_dir / "excluded_hosts.txt").write_text("".join(h + "\n" for h in excluded))
     pods = []
     for index, node in enumerate(NODES):
