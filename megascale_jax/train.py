@@ -258,16 +258,17 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
                                   jax.eval_shape(trainer.start_from, trainer.abstract_params),
                                   trainer.state_shardings)
     clock.lap("shapes")
-    snapshots = snapshot.Snapshots(cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=logger.warning) \
-        if cfg.checkpoint.memory_every else None
-    if snapshots:
-        snapshots.compile(abstract_state)
     restored, to_canonical, from_snapshot = None, trainer.to_canonical, False
     if ckpt:
         ckpt.compile(abstract_state)  # before the restore, whose verification runs it
         if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
             to_canonical = compile_cache.compile(trainer.to_canonical.lower(abstract_state), "to_canonical")
         clock.lap("checkpoint_compile")
+    # With background_host_copy, snapshots copy on the device with the checkpointer's compiled
+    # program (without checkpoints, the first snapshot compiles it).
+    snapshots = snapshot.Snapshots(cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=logger.warning,
+                                   device_copy=ckpt.device_copy if ckpt else checkpoint.device_copy) \
+        if cfg.checkpoint.memory_every else None
     if snapshots:  # newer than the newest checkpoint, or not used
         committed = run_dirs.committed_steps(ckpt.directory) if ckpt else []
         restored = snapshots.restore(abstract_state, newer_than=committed[-1] if committed else 0)

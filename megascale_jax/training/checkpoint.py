@@ -144,7 +144,8 @@ class Checkpointer:
         self._commit_times: dict[int, float] = {}  # step -> time the background write finished
         self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
         self._saver: threading.Thread | None = None  # with background_host_copy: runs orbax's save()
-        self._checksums, self._device_copy = checksums, device_copy
+        # With background_host_copy: the blocking copy, compiled in compile(); memory snapshots use it too.
+        self._checksums, self.device_copy = checksums, device_copy
         c = cfg.checkpoint
         try:
             os.makedirs(directory, exist_ok=True)
@@ -166,7 +167,7 @@ class Checkpointer:
         restart loads it (in every process: see compile_cache.compile)."""
         self._checksums = compile_cache.compile(checksums.lower(abstract_state), "checkpoint_checksums")
         if self.cfg.checkpoint.background_host_copy:
-            self._device_copy = compile_cache.compile(device_copy.lower(abstract_state), "checkpoint_device_copy")
+            self.device_copy = compile_cache.compile(device_copy.lower(abstract_state), "checkpoint_device_copy")
 
     def save(self, step: int, state, data_state: dict) -> list[dict]:
         """Stage 1: blocks for the device->host copy (and for the previous save, if still writing);
@@ -180,7 +181,7 @@ class Checkpointer:
         meta = {"step": step, "data_step": data_state["next_index"], "seed": self.cfg.train.seed,
                 "config": self.cfg.to_dict()}
         if self.cfg.checkpoint.background_host_copy:
-            sums, copy = self._checksums(state), self._device_copy(state)  # dispatched, not waited for
+            sums, copy = self._checksums(state), self.device_copy(state)  # dispatched, not waited for
             end = time.perf_counter()
             self._pending = {"step": step, "start": start, "block_s": end - start, "dispatched": end,
                              "block_parts_s": {"previous_save": round(waited - start, 4),
@@ -194,8 +195,7 @@ class Checkpointer:
         try:
             self._orbax_save(step, state, meta, data_state)
         except Exception as e:  # e.g. the directory cannot be written
-            self.warn(f"warning: checkpoint at step {step} not saved: {cli.one_line(e)}; training continues, "
-                      f"last good checkpoint: step {self._last_committed()}")
+            self._warn_not_saved(step, cli.one_line(e))
             return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": cli.one_line(e)}]
         end = time.perf_counter()
         # Where the blocking went: the previous save's write, the checksums (which also wait for
@@ -227,6 +227,10 @@ class Checkpointer:
         except Exception as e:  # noqa: BLE001 — reported by poll(), like a failed background write
             pending["error"] = cli.one_line(e)
 
+    def _warn_not_saved(self, step: int, error: str) -> None:
+        self.warn(f"warning: checkpoint at step {step} not saved: {error}; training continues, "
+                  f"last good checkpoint: step {self._last_committed()}")
+
     def _on_commit(self) -> None:
         # Runs on orbax's background thread once the write is finalised (just before the rename).
         with self._lock:
@@ -246,8 +250,7 @@ class Checkpointer:
             self._saver = None
         if "error" in pending:  # orbax's save() raised on the background thread: nothing was written
             self._pending = None
-            self.warn(f"warning: checkpoint at step {pending['step']} not saved: {pending['error']}; training "
-                      f"continues, last good checkpoint: step {self._last_committed()}")
+            self._warn_not_saved(pending["step"], pending["error"])
             return [{"step": pending["step"], "block_s": pending["block_s"], "block_parts_s": pending["block_parts_s"],
                      "error": pending["error"]}]
         if wait:

@@ -61,19 +61,14 @@ _rounds = [0]  # agreements this process has run: keys stay distinct within one 
 class Snapshots:
     """One process's memory snapshots of a run: `save` on the loop's cadence, `restore` at start."""
 
-    def __init__(self, cfg: Config, root: str, warn: Callable[[str], None]):
-        self.cfg, self.root, self.warn = cfg, root, warn
+    def __init__(self, cfg: Config, root: str, warn: Callable[[str], None],
+                 device_copy: Callable = checkpoint.device_copy):
+        """`device_copy`: with background_host_copy, the blocking copy on the device; the run
+        passes the checkpointer's, compiled once for both."""
+        self.cfg, self.root, self.warn, self._device_copy = cfg, root, warn, device_copy
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._writer: threading.Thread | None = None
         self._error: str | None = None
-        self._device_copy = checkpoint.device_copy
-
-    def compile(self, abstract_state) -> None:
-        """With background_host_copy: the device copy compiled now (through the run's cache), so
-        that the first snapshot's blocking holds no compilation."""
-        if self.cfg.checkpoint.background_host_copy:
-            self._device_copy = compile_cache.compile(checkpoint.device_copy.lower(abstract_state),
-                                                      "snapshot_device_copy")
 
     def _file(self, step: int) -> str:
         return os.path.join(self.root, str(step), f"process_{self.process}-of-{self.processes}.npz")
@@ -88,13 +83,15 @@ class Snapshots:
         self.wait()
         if self.cfg.checkpoint.background_host_copy:
             copy = self._device_copy(state)  # dispatched: the next step may donate `state`, not `copy`
-            work = lambda: self._write(step, *self._host_copy(step, copy, next_index))  # noqa: E731
+            target, args = self._copy_and_write, (step, copy, next_index)
         else:
-            shards, meta = self._host_copy(step, state, next_index)
-            work = lambda: self._write(step, shards, meta)  # noqa: E731
-        self._writer = threading.Thread(target=work, daemon=True, name="snapshot-writer")
+            target, args = self._write, (step, *self._host_copy(step, state, next_index))
+        self._writer = threading.Thread(target=target, args=args, daemon=True, name="snapshot-writer")
         self._writer.start()
         return time.perf_counter() - start
+
+    def _copy_and_write(self, step: int, copy, next_index: int) -> None:
+        self._write(step, *self._host_copy(step, copy, next_index))
 
     def _host_copy(self, step: int, state, next_index: int) -> tuple[list[np.ndarray], dict]:
         """This process's distinct shards of `state` in host memory, and the file's meta."""

@@ -96,7 +96,6 @@ def test_a_background_host_copy_snapshots_the_state_as_it_was_while_training_don
     mesh = make_mesh(cfg.mesh)
     snaps = snapshot.Snapshots(cfg, str(tmp_path), warn=print)
     state = random_state(mesh, 7)
-    snaps.compile(abstract(state))
     want = host_copy(state)
     threads = []
     host_copy_of = snapshot.Snapshots._host_copy
