@@ -3,11 +3,15 @@ for compile time rather than run time; and the one way tests run an entry point'
 process.
 
 Why the XLA flags. Compilation is most of the suite's time: tests/parallel/test_pipeline.py takes
-130 s on 2 workers cold and 22 s with every executable already in a persistent cache. XLA:CPU spends
+130 s on 2 workers cold and 22 s with every executable already in a persistent cache (a cache
+shared by both workers but empty at the start, as on a clean clone, saves nothing: 129 s, the
+programs tests compile are all different). XLA:CPU spends
 it in LLVM: `--xla_backend_optimization_level=0` (no LLVM optimisation of the generated code) and
 `--xla_cpu_use_fusion_emitters=false` (the older loop emitters, less IR per fusion) take one
 pipeline test from 24 s to 10 s and the whole suite from 18:44 to 9:40 (jaxlib 0.10.2, 2 cores).
-They change how fast the compiled code runs, not what it computes: the HLO passes (sharding,
+The code they make runs slower (tiny_cpu's step 2.8x), but the suite compiles far more than it
+runs: at `--xla_backend_optimization_level=1`, whose code runs at full speed, it took 11:55. They
+change how fast the compiled code runs, not what it computes: the HLO passes (sharding,
 fusion decisions, collectives) are the same, and every numerical test passes unchanged. The
 flags travel to the subprocesses tests start. An unknown flag aborts every process that reads it,
 so a child process tries them first; a jaxlib that no longer knows one runs the suite without them

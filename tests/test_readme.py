@@ -63,23 +63,64 @@ def scratch_checkout(dest: Path) -> Path:
     return dest
 
 
+def chains(commands: list[str]) -> list[list[str]]:
+    """The commands in groups that can run apart, README order kept inside each: a command joins
+    the group of every earlier command it shares a path with that the checkout does not hold (what
+    an earlier command wrote: `--out tok` then `data.path=tok/tokens.bin`, `--run-dir runs/bpe`
+    then `sample runs/bpe`). A path is an argument with a `/` (or its value after `=`) or the value
+    of `--out`; under `runs/` it is the run directory, elsewhere its first component."""
+    groups: list[tuple[set[str], list[str]]] = []
+    for command in commands:
+        argv = shlex.split(command)
+        paths = {word.split("=", 1)[-1] for word in argv if "/" in word}
+        paths |= {value for option, value in zip(argv, argv[1:]) if option == "--out"}
+        keys = {"/".join(p.split("/")[:2]) if p.startswith("runs/") else p.split("/")[0]
+                for p in paths if not (REPO / p.split("/")[0]).exists()}
+        joined = [g for g in groups if g[0] & keys]
+        for g in joined:
+            groups.remove(g)
+        groups.append((keys.union(*(g[0] for g in joined)),
+                       sorted([c for g in joined for c in g[1]] + [command], key=commands.index)))
+    return sorted((g[1] for g in groups), key=lambda chain: commands.index(chain[0]))
+
+
+def test_readme_chains_keep_each_command_after_the_ones_it_reads():
+    """The grouping the README test runs apart: what reads an earlier command's output is in that
+    command's group, after it; independent commands are apart."""
+    groups = chains(readme_commands((REPO / "README.md").read_text()))
+
+    def where(fragment: str) -> tuple[int, int]:  # (group, position in it) of the command holding `fragment`
+        return next((g, i) for g, chain in enumerate(groups) for i, c in enumerate(chain) if fragment in c)
+
+    for first, *then in [("megascale_jax.tokenize", "data.path=tok/tokens.bin", "sample runs/bpe"),
+                         ("--run-dir runs/llama", "export_hf runs/llama hf/llama", "model.init_from=hf/llama"),
+                         ("--run-dir runs/supervised", "report runs/supervised")]:
+        places = [where(first), *map(where, then)]
+        assert len({g for g, _ in places}) == 1 and [i for _, i in places] == sorted(i for _, i in places), places
+    assert where("--run-dir runs/exp1")[0] != where("--run-dir runs/bpe")[0] and len(groups) > 4
+
+
+# What a chain's run directories must hold afterwards, where a user would look (relative to the checkout).
+EXPECTED_FILES = {"runs/exp1": ["metrics.jsonl"],
+                  "runs/supervised": ["report/summary.txt", "redis/redis.log"]}
+CHAINS = chains(readme_commands((REPO / "README.md").read_text()))
+
+
 @pytest.mark.slow
-def test_readme_commands_run_as_written(tmp_path):
+@pytest.mark.parametrize("chain", CHAINS, ids=[f"{i}-{c[0].split()[2].split('.')[1]}" for i, c in enumerate(CHAINS)])
+def test_readme_commands_run_as_written(tmp_path, chain):
     checkout = scratch_checkout(tmp_path / "checkout")
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
-    failures = []
-    for command in readme_commands((REPO / "README.md").read_text()):
+    env.pop("XLA_FLAGS", None)  # neither the suite's compile-time flags (conftest) nor any other
+    for command in chain:
         argv = shlex.split(command)
         argv[0] = sys.executable
         if argv[2] in ("megascale_jax.train", "megascale_jax.launch"):
             argv.append(SHORT_STEPS)
         done = subprocess.run(argv, cwd=checkout, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-        if done.returncode != 0:
-            tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
-            failures.append(f"`{command}` exited {done.returncode}:\n{tail}")
-    assert not failures, "\n\n".join(failures)
-    # The commands wrote where a user would look: relative run directories inside the checkout.
-    assert (checkout / "runs" / "exp1" / "metrics.jsonl").is_file()
-    assert (checkout / "runs" / "supervised" / "report" / "summary.txt").is_file()
-    assert (checkout / "runs" / "supervised" / "redis" / "redis.log").is_file()
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        assert done.returncode == 0, f"`{command}` exited {done.returncode}:\n{tail}"
+    for run_dir, files in EXPECTED_FILES.items():
+        if any(f"--run-dir {run_dir}" in c for c in chain):
+            for name in files:
+                assert (checkout / run_dir / name).is_file(), f"{run_dir}/{name} missing after {chain}"
