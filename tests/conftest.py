@@ -1,6 +1,12 @@
 """Every test process simulates 8 XLA CPU devices, set before the JAX backend starts, and compiles
-for compile time rather than run time; and the one way tests run an entry point's `main` in this
-process.
+for compile time rather than run time; no test module leaves a process behind; and the one way
+tests run an entry point's `main` in this process.
+
+Processes left behind. Every process a test starts inherits `MEGASCALE_TEST_OWNER` (this pytest
+process's pid) in its environment, also one that started a session of its own or was orphaned when
+its parent died (a launcher's workers, an embedded Redis), which a walk of the process tree would
+miss. At the end of each test module, such processes that were not there at its start get 10 s to
+exit; those still alive are killed and the module errors, naming them.
 
 Why the XLA flags. Compilation is most of the suite's time: tests/parallel/test_pipeline.py takes
 130 s on 2 workers cold and 22 s with every executable already in a persistent cache (a cache
@@ -25,6 +31,8 @@ import os
 import subprocess
 import sys
 
+import psutil
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 
@@ -44,6 +52,49 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+OWNER = "MEGASCALE_TEST_OWNER"
+os.environ[OWNER] = str(os.getpid())
+
+
+def started_here() -> dict[int, str]:
+    """pid -> command line of every live process started from this pytest process, at any depth."""
+    found = {}
+    for process in psutil.process_iter():
+        try:
+            if (process.pid != os.getpid() and process.status() != psutil.STATUS_ZOMBIE
+                    and process.environ().get(OWNER) == os.environ[OWNER]):
+                found[process.pid] = " ".join(process.cmdline())[:200]
+        except psutil.Error:  # it exited meanwhile, or is not ours to read
+            pass
+    return found
+
+
+def end_left_behind(before: set[int], grace_s: float = 10.0) -> dict[int, str]:
+    """Processes started here since `before` that are still alive after `grace_s`: killed, and
+    returned (pid -> command line)."""
+    left = {pid: command for pid, command in started_here().items() if pid not in before}
+    processes = []
+    for pid in left:
+        with contextlib.suppress(psutil.Error):
+            processes.append(psutil.Process(pid))
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
+    return {p.pid: left[p.pid] for p in alive}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_left_behind():
+    before = set(started_here())
+    yield
+    left = end_left_behind(before)
+    if left:
+        pytest.fail(f"{len(left)} process(es) left running by this module, now killed: "
+                    + "; ".join(f"pid {pid}: {command}" for pid, command in left.items()), pytrace=False)
 
 
 def pytest_report_header(config):

@@ -3,7 +3,6 @@ section records one line and the others still run, `--only` runs what it names a
 existing result, and user mistakes are one line and exit 2. No GPU number is checked here: the
 dry run proves the campaign's plumbing; what it measures on a GPU is the GPU session's to read."""
 
-import concurrent.futures
 import json
 import math
 import os
@@ -44,38 +43,37 @@ def one_line(text) -> bool:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Side by side (two cores): the full dry run; and a run whose first section fails on purpose,
-    followed by `--only` reruns of that section into the same file (refused, then with
-    --overwrite). name -> (completed process, result path, listing of bench/results before)."""
+def full(tmp_path_factory):
+    """The full dry run: (completed process, result path, listing of bench/results before, what it
+    left in its TMPDIR)."""
     tmp = tmp_path_factory.mktemp("campaign")
     before = sorted(os.listdir(RESULTS))
-    full, partial = tmp / "full" / "result.json", tmp / "partial" / "result.json"
-    full_tmpdir = tmp / "full_tmpdir"
-    full_tmpdir.mkdir()
+    path, tmpdir = tmp / "full" / "result.json", tmp / "full_tmpdir"
+    tmpdir.mkdir()
+    done = campaign("--dry-run", "--out", str(path), tmpdir=tmpdir)
+    return done, path, before, os.listdir(tmpdir)
 
-    def fail_then_rerun():
-        # The failing and rerun section is the cheapest one (checkpoints, a few seconds), so the
-        # kernels, the slowest, run once in this module (in the full run).
-        failed = campaign("--dry-run", "--only", "checkpoints,profiled_steps", "--fail-section", "checkpoints",
-                          "--out", str(partial))
-        after_failure = partial.read_text()
-        refused = campaign("--dry-run", "--only", "checkpoints", "--out", str(partial))
-        unchanged = partial.read_text() == after_failure
-        rerun = campaign("--dry-run", "--only", "checkpoints", "--overwrite", "--out", str(partial))
-        return failed, json.loads(after_failure), refused, unchanged, rerun
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        full_run = pool.submit(campaign, "--dry-run", "--out", str(full), tmpdir=full_tmpdir)
-        partial_runs = pool.submit(fail_then_rerun)
-        return {"full": (full_run.result(), full), "partial": (*partial_runs.result(), partial),
-                "results_before": before, "left_in_tmpdir": os.listdir(full_tmpdir)}
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    """A run whose first section fails on purpose, then `--only` reruns of that section into the
+    same file (refused, then with --overwrite). Its own xdist group, so that it runs beside the
+    full dry run on the other worker. The failing and rerun section is the cheapest one
+    (checkpoints, a few seconds); the kernels, the slowest, run once (in the full run)."""
+    path = tmp_path_factory.mktemp("campaign") / "partial" / "result.json"
+    failed = campaign("--dry-run", "--only", "checkpoints,profiled_steps", "--fail-section", "checkpoints",
+                      "--out", str(path))
+    after_failure = path.read_text()
+    refused = campaign("--dry-run", "--only", "checkpoints", "--out", str(path))
+    unchanged = path.read_text() == after_failure
+    rerun = campaign("--dry-run", "--only", "checkpoints", "--overwrite", "--out", str(path))
+    return failed, json.loads(after_failure), refused, unchanged, rerun, path
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
-def test_dry_run_runs_every_section_and_records_provenance(runs):
-    done, path = runs["full"]
+def test_dry_run_runs_every_section_and_records_provenance(full):
+    done, path, results_before, left_in_tmpdir = full
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(path.read_text())
     assert list(result["sections"]) == SECTIONS
@@ -92,16 +90,16 @@ def test_dry_run_runs_every_section_and_records_provenance(runs):
     assert result["jax"] == jax.__version__ and result["jaxlib"] == jaxlib.__version__
     assert "torch" in result and "driver" in result
     assert result["command"] == f"python bench/gpu_campaign.py --dry-run --out {path}"
-    assert sorted(os.listdir(RESULTS)) == runs["results_before"]  # a dry run never writes there
-    assert runs["left_in_tmpdir"] == []  # run directories, checkpoints and section results are removed
+    assert sorted(os.listdir(RESULTS)) == results_before  # a dry run never writes there
+    assert left_in_tmpdir == []  # run directories, checkpoints and section results are removed
     for name in SECTIONS:  # the summary table names every section with its status
         assert any(line.split()[:2] == [name, result["sections"][name]["status"]] for line in done.stdout.splitlines())
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
-def test_dry_run_ladder_rows(runs):
-    _, path = runs["full"]
+def test_dry_run_ladder_rows(full):
+    path = full[1]
     ladder = json.loads(path.read_text())["sections"]["mfu_ladder"]
     rows = ladder["rows"]
     assert [r["name"] for r in rows] == LADDER_ROWS
@@ -128,8 +126,8 @@ def test_dry_run_ladder_rows(runs):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
-def test_dry_run_kernels_have_every_contender_with_finite_times(runs):
-    _, path = runs["full"]
+def test_dry_run_kernels_have_every_contender_with_finite_times(full):
+    path = full[1]
     kernels = json.loads(path.read_text())["sections"]["kernels"]
     windows = kernels["settings"]["windows"]
     rows = kernels["attention"]
@@ -154,8 +152,8 @@ def test_dry_run_kernels_have_every_contender_with_finite_times(runs):
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
-def test_dry_run_checkpoints_profile_and_pngs(runs):
-    _, path = runs["full"]
+def test_dry_run_checkpoints_profile_and_pngs(full):
+    path = full[1]
     result = json.loads(path.read_text())
     sizes = result["sections"]["checkpoints"]["sizes"]
     assert len(sizes) == 2 and all(0 < s["block_s"] <= s["total_s"] and s["restore_s"] > 0 for s in sizes)
@@ -175,9 +173,9 @@ def test_dry_run_checkpoints_profile_and_pngs(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("gpu-campaign")
-def test_a_failing_section_records_one_line_and_the_others_still_run(runs):
-    failed, result, *_ = runs["partial"]
+@pytest.mark.xdist_group("gpu-campaign-partial")
+def test_a_failing_section_records_one_line_and_the_others_still_run(partial):
+    failed, result, *_ = partial
     assert failed.returncode == 1  # a section failed: after everything was written
     assert list(result["sections"]) == ["checkpoints", "profiled_steps"]  # --only: nothing else ran
     checkpoints, profiled = result["sections"]["checkpoints"], result["sections"]["profiled_steps"]
@@ -188,9 +186,9 @@ def test_a_failing_section_records_one_line_and_the_others_still_run(runs):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("gpu-campaign")
-def test_only_reruns_one_section_into_an_existing_result(runs):
-    _, before, refused, unchanged, rerun, path = runs["partial"]
+@pytest.mark.xdist_group("gpu-campaign-partial")
+def test_only_reruns_one_section_into_an_existing_result(partial):
+    _, before, refused, unchanged, rerun, path = partial
     assert refused.returncode == 2 and unchanged  # an existing result needs --overwrite
     assert refused.stderr.strip().splitlines() == [
         f"{os.path.relpath(path)} exists; pass --overwrite to replace it, or --out PATH to write elsewhere"]

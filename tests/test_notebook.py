@@ -12,9 +12,10 @@ import os
 import re
 import sys
 
-import nbformat
 import pytest
-from nbclient import NotebookClient
+
+nbformat = pytest.importorskip("nbformat", reason="the dev extra (nbformat, nbclient) is not installed")
+NotebookClient = pytest.importorskip("nbclient", reason="the dev extra (nbformat, nbclient) is not installed").NotebookClient
 
 NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
 WALKTHROUGH = os.path.join(NOTEBOOKS, "cpu_mesh_walkthrough.ipynb")

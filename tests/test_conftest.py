@@ -1,0 +1,29 @@
+"""The suite's own guard (conftest.py): a process a test leaves running is found, also when it was
+orphaned, and ended."""
+
+import subprocess
+import time
+
+import psutil
+
+from conftest import end_left_behind, started_here
+
+
+def test_an_orphaned_process_is_found_and_ended():
+    before = set(started_here())
+    # The shell starts `sleep` in the background and exits: the sleep is reparented away from us.
+    subprocess.run(["sh", "-c", "sleep 300 & echo $! > /dev/null"], check=True)
+    deadline = time.time() + 10
+    while not (orphans := {p: c for p, c in started_here().items() if p not in before and "sleep 300" in c}):
+        assert time.time() < deadline, "the orphaned sleep was not found"
+        time.sleep(0.05)
+    (pid,) = orphans
+    assert psutil.Process(pid).ppid() != psutil.Process().pid
+    assert end_left_behind(before, grace_s=0.2) == orphans
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_process_that_exits_in_time_is_not_reported():
+    before = set(started_here())
+    subprocess.Popen(["sh", "-c", "sleep 0.2"])
+    assert end_left_behind(before, grace_s=5) == {}
