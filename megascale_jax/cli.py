@@ -18,6 +18,7 @@ jax-free: the driver uses it too.
 from __future__ import annotations
 
 import argparse
+import shlex
 import logging
 import sys
 
@@ -42,13 +43,25 @@ def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def interrupted(step: int | None) -> str:
+def resume_command(module: str, argv: list[str], run_dir: str | None, default_run_dir: str) -> str | None:
+    """The command that continues a run: None when the user named its `--run-dir` (their own
+    command does), else their command with the run directory chosen for them added, since the same
+    command would start a new `runs/<config>-<time>/`."""
+    if run_dir is not None:
+        return None
+    return shlex.join(["python", "-m", module, *argv, "--run-dir", default_run_dir])
+
+
+def interrupted(step: int | None, resume: str | None = None) -> str:
     """The last line of a run stopped by SIGINT/SIGTERM (`train` and `launch` both print it):
-    `step` is the checkpoint it saved, None when none was saved."""
+    `step` is the checkpoint it saved, None when none was saved; `resume` the command that
+    continues the run where it is not the same command (`resume_command`)."""
+    again = f"resume with: {resume}" if resume else "re-run the same command to resume"
     if step is None:
         return ("interrupted; no checkpoint saved (checkpoint.every=0, or the save failed: see above) — "
-                "a re-run starts from the newest older checkpoint, if any")
-    return f"interrupted at step {step}; checkpoint saved — re-run the same command to resume"
+                + (f"{again} (from the newest older checkpoint, if any)" if resume
+                   else "a re-run starts from the newest older checkpoint, if any"))
+    return f"interrupted at step {step}; checkpoint saved — {again}"
 
 
 class _TqdmHandler(logging.StreamHandler):

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import signal
 import sys
 import time
 from typing import Any, Callable
@@ -592,6 +593,14 @@ def warm_up() -> None:
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (training/interrupt.py) is in place
+        logger.warning("interrupted during start-up, before the first step; nothing new was saved")
+        return 128 + signal.SIGINT
+
+
+def _main(argv) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
@@ -636,7 +645,9 @@ def main(argv=None) -> int:
         return cli.user_error(e, code=1)
     except Interrupted as e:
         if jax.process_index() == 0:
-            logger.warning(cli.interrupted(e.step if e.saved else None))
+            resume = cli.resume_command("megascale_jax.train", sys.argv[1:] if argv is None else list(argv),
+                                        args.run_dir, run_dir)
+            logger.warning(cli.interrupted(e.step if e.saved else None, resume))
         return e.exit_code
     finally:
         if lock:

@@ -384,3 +384,34 @@ def test_every_cli_rejects_a_bad_command_line_with_exit_2(command, argv):
                        timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith(f"python -m megascale_jax.{command}: error: "), r.stderr
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_exit_130(run_main, monkeypatch, tmp_path, capsys):
+    """Before the loop installs its own handler (training/interrupt.py), Ctrl-C is a
+    KeyboardInterrupt wherever start-up is: one line and exit 130, no traceback, no run directory."""
+    from megascale_jax import train
+    from megascale_jax.training import data
+
+    def pressed(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data, "load_tokens", pressed)
+    code, out, err = run_main(train.main, ["--run-dir", "run", "train.steps=2"], tmp_path)
+    err += capsys.readouterr().err  # the logger's handler may hold the stderr of an earlier test
+    assert code == 130
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].endswith("interrupted during start-up, before the first step; "
+                                                 "nothing new was saved"), err
+    assert "Traceback" not in out + err and not (tmp_path / "run").exists()
+
+
+def test_the_resume_hint_adds_the_run_directory_only_where_the_user_named_none():
+    from megascale_jax import cli
+
+    argv = ["--nprocs", "2", "data.path=my corpus/*.txt"]
+    assert cli.resume_command("megascale_jax.launch", argv, None, "runs/tiny_cpu-20261125-0310") == (
+        "python -m megascale_jax.launch --nprocs 2 'data.path=my corpus/*.txt' --run-dir runs/tiny_cpu-20261125-0310")
+    assert cli.resume_command("megascale_jax.train", ["--run-dir", "runs/a"], "runs/a", "runs/a") is None
+    assert cli.interrupted(7, "python -m megascale_jax.train --run-dir runs/b") == (
+        "interrupted at step 7; checkpoint saved — resume with: python -m megascale_jax.train --run-dir runs/b")
+    assert cli.interrupted(7) == "interrupted at step 7; checkpoint saved — re-run the same command to resume"

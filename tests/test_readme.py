@@ -6,11 +6,15 @@ The only change allowed is a shorter `train.steps=` appended to commands that tr
 whose first line starts with `# on NVIDIA GPU hosts` are skipped (they need a GPU or a cluster).
 """
 
+import json
 import os
+import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,3 +134,46 @@ def test_readme_commands_run_as_written(tmp_path, chain):
         if any(f"--run-dir {run_dir}" in c for c in chain):
             for name in files:
                 assert (checkout / run_dir / name).is_file(), f"{run_dir}/{name} missing after {chain}"
+
+
+def _metrics_steps(runs: Path) -> list[int]:
+    return [json.loads(line)["step"] for f in runs.glob("*/metrics.jsonl") for line in f.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_first_command_prints_the_command_that_resumes_it(tmp_path):
+    """README's first command, Ctrl-C'd once it trains: its last line is the command that resumes
+    that run (the same command would start a new runs/tiny_cpu-<time>/); that command, as printed,
+    continues from the saved step, and Ctrl-C'd in turn says the same command resumes it."""
+    checkout = scratch_checkout(tmp_path / "checkout")
+    runs = checkout / "runs"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+    def interrupt(argv: list[str], past_step: int) -> tuple[str, str]:
+        """Runs the command until a step after `past_step` is in metrics.jsonl, then sends SIGINT:
+        (its last line of output, all of it)."""
+        with open(tmp_path / "out.txt", "w+") as out:
+            p = subprocess.Popen([sys.executable, *argv[1:]], cwd=checkout, env=env, stdout=out,
+                                 stderr=subprocess.STDOUT)
+            try:
+                deadline = time.time() + TIMEOUT_S
+                while not any(s > past_step for s in _metrics_steps(runs)):
+                    assert p.poll() is None and time.time() < deadline, (tmp_path / "out.txt").read_text()[-3000:]
+                    time.sleep(0.1)
+                p.send_signal(signal.SIGINT)
+                assert p.wait(timeout=TIMEOUT_S) == 130, (tmp_path / "out.txt").read_text()[-3000:]
+            finally:
+                p.kill()
+        text = (tmp_path / "out.txt").read_text()
+        return text.strip().splitlines()[-1], text
+
+    last, out = interrupt(["python", "-m", "megascale_jax.train"], past_step=0)
+    step = int(re.search(r"interrupted at step (\d+); checkpoint saved — resume with: ", last)[1])
+    command = last.split("resume with: ", 1)[1]
+    run_dir = re.fullmatch(r"python -m megascale_jax\.train --run-dir (runs/tiny_cpu-\S+)", command)[1]
+    assert (checkout / run_dir / "checkpoints" / str(step)).is_dir(), out[-3000:]
+
+    last, out = interrupt(shlex.split(command), past_step=step)
+    assert f"resumed from checkpoint step {step}" in out, out[-3000:]
+    assert re.search(r"interrupted at step \d+; checkpoint saved — re-run the same command to resume$", last), out
+    assert [p.name for p in runs.iterdir()] == [run_dir.split("/")[1]]  # one run directory, continued

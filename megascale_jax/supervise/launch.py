@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import uuid
 
 from megascale_jax import cli, run_dir as run_dirs
@@ -85,7 +86,9 @@ def main(argv=None) -> int:
     job = Job(cfg=cfg, run_dir=run_dir, nprocs=args.nprocs, worker_args=[*config_args, "--run-dir", run_dir, *overrides],
               job_id=args.job or f"{os.path.basename(os.path.abspath(run_dir))}-{uuid.uuid4().hex[:6]}", env=env,
               diagnose_args=None if args.no_diagnose else [*config_args, *overrides],
-              startup_timeout_s=args.startup_timeout, spares=args.spares)
+              startup_timeout_s=args.startup_timeout, spares=args.spares,
+              resume_command=cli.resume_command("megascale_jax.launch", sys.argv[1:] if argv is None else list(argv),
+                                                args.run_dir, run_dir))
     server = None
     try:
         server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))

@@ -302,6 +302,7 @@ class Job:
     startup_timeout_s: float = 300.0
     poll_s: float = 0.1
     spares: int = 0  # standby workers beyond nprocs (launch --spares)
+    resume_command: str | None = None  # what continues the run, where not the same command (cli.resume_command)
 
 
 class Supervisor:
@@ -540,7 +541,7 @@ class Supervisor:
         self.events.log("interrupted", f"stopped by {signal.Signals(self.stop_signal).name}; newest {where}"
                         + (f"; {', '.join(f'rank {r} {describe_exit(c)}' for r, c in odd.items())}" if odd else ""),
                         signal=self.stop_signal, step=steps[-1] if steps else None, restarts=restarts)
-        log.logger.info(interrupted(steps[-1] if steps else None))
+        log.logger.info(interrupted(steps[-1] if steps else None, self.job.resume_command))
         return 128 + self.stop_signal
 
     def _peer_exit(self, group: WorkerGroup, raised: Fault, alive_at: float) -> Fault | None:
