@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from megascale_jax import cli, run_dir as run_dirs
@@ -529,7 +530,11 @@ def check_compiled_memory(cfg: Config, compiled, state) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.train", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megascale_jax.train", description=__doc__.splitlines()[0],
+        epilog="Config keys: sections mesh, model, parallel, optim, train, data, checkpoint, supervisor, observe; "
+               "every key is documented in megascale_jax/config.py (and README.md, 'Configuring a run'). "
+               "--print-config shows them all with their resolved values.")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
     parser.add_argument("--coordinator", default=None, help="HOST:PORT of process 0, for multi-host runs")
@@ -543,6 +548,8 @@ def parse_args(argv):
                         help="job id shared by the workers of one launch (default: $MEGASCALE_JOB, else "
                              "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT, $JOBSET_NAME-$JOBSET_RESTART_ATTEMPT "
                              "or 'default')")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config (the YAML a run writes to RUN_DIR/config.yaml) and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
     return cli.parse(parser, argv)
 
@@ -604,6 +611,9 @@ def _main(argv) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:  # validated, nothing started
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
         if cfg.parallel.tp_overlap == "xla":  # must be set before the backend starts; ignored off-GPU
             os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_OVERLAP_FLAGS]).strip()
         try:

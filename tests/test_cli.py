@@ -415,3 +415,19 @@ def test_the_resume_hint_adds_the_run_directory_only_where_the_user_named_none()
     assert cli.interrupted(7, "python -m megascale_jax.train --run-dir runs/b") == (
         "interrupted at step 7; checkpoint saved — resume with: python -m megascale_jax.train --run-dir runs/b")
     assert cli.interrupted(7) == "interrupted at step 7; checkpoint saved — re-run the same command to resume"
+
+
+def test_print_config_prints_the_resolved_yaml_and_runs_nothing(run_main, tmp_path):
+    from megascale_jax import train
+
+    code, out, err = run_main(train.main, ["--print-config", "mesh.dp=2", "mesh.tp=4", "train.steps=7"], REPO)
+    assert code == 0, err
+    printed = yaml.safe_load(out)
+    default = yaml.safe_load((Path(REPO) / "configs" / "tiny_cpu.yaml").read_text())
+    assert (printed["mesh"]["dp"], printed["mesh"]["tp"], printed["train"]["steps"]) == (2, 4, 7)
+    assert printed["model"] == {**printed["model"], **default["model"]}  # the file's values, resolved
+    assert set(printed) == {"mesh", "model", "parallel", "optim", "train", "data", "checkpoint", "supervisor",
+                            "observe"}
+    code, out, err = run_main(train.main, ["--print-config", "--run-dir", str(tmp_path / "run"), "mesh.dpp=2"], REPO)
+    assert code == 2 and out == "" and err.strip().splitlines()[-1].endswith("unknown config key mesh.dpp; did you mean mesh.pp?")
+    assert not (tmp_path / "run").exists()
