@@ -33,7 +33,7 @@ from megascale_jax.model import flops
 from megascale_jax.model.transformer import Transformer, loss_fn
 from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel import layout, pipeline, sharding
-from megascale_jax.parallel.mesh import make_mesh, use_cpu_devices
+from megascale_jax.parallel.mesh import check_forced_cpu_devices, make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import checkpoint, compile_cache, data, snapshot, tokenizer
 from megascale_jax.training.interrupt import Interrupted, StopRequest
@@ -629,6 +629,8 @@ def _main(argv) -> int:
             rendezvous.start_distributed(coordinator, args.num_processes, process_id)
         cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
+        check_forced_cpu_devices(jax.default_backend(), cfg.mesh.cpu_devices_per_process(args.num_processes),
+                                 os.environ.get("XLA_FLAGS", ""))
         resuming = args.run_dir and run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, args.run_dir))
         if cfg.model.init_from and not resuming:  # a resumed run's weights are in its checkpoint
             hf_import.check(cfg)

@@ -431,3 +431,19 @@ def test_print_config_prints_the_resolved_yaml_and_runs_nothing(run_main, tmp_pa
     code, out, err = run_main(train.main, ["--print-config", "--run-dir", str(tmp_path / "run"), "mesh.dpp=2"], REPO)
     assert code == 2 and out == "" and err.strip().splitlines()[-1].endswith("unknown config key mesh.dpp; did you mean mesh.pp?")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_xla_flags_device_count_that_disagrees_with_the_mesh_is_one_line(run_main, monkeypatch, tmp_path):
+    from megascale_jax import train
+
+    flags = os.environ.get("XLA_FLAGS", "")
+    monkeypatch.setenv("XLA_FLAGS", f"{flags} --xla_force_host_platform_device_count=4")
+    code, _, err = run_main(train.main, ["--run-dir", "run", "train.steps=1"], tmp_path)  # the mesh: dp4 x tp2
+    assert code == 2 and err.strip().splitlines() == [
+        "error: XLA_FLAGS sets --xla_force_host_platform_device_count=4 but the mesh uses 8 CPU devices per "
+        "process; drop the flag (the mesh sets the count) or change mesh.dp/pp/tp or mesh.cpu_devices"], err
+    assert not (tmp_path / "run").exists()
+    from megascale_jax.parallel.mesh import check_forced_cpu_devices
+
+    check_forced_cpu_devices("cpu", 8, "--xla_force_host_platform_device_count=8")  # agrees
+    check_forced_cpu_devices("gpu", 8, "--xla_force_host_platform_device_count=4")  # not the devices trained on

@@ -8,11 +8,13 @@ reordering could split a tp group across hosts.
 
 from __future__ import annotations
 
+import re
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from megascale_jax.config import MeshConfig
+from megascale_jax.config import ConfigError, MeshConfig
 
 AXES = ("dp", "pp", "tp")
 
@@ -20,6 +22,17 @@ AXES = ("dp", "pp", "tp")
 def use_cpu_devices(count: int) -> None:
     """Ask XLA for `count` simulated CPU devices. Must run before the JAX backend starts."""
     jax.config.update("jax_num_cpu_devices", count)
+
+
+def check_forced_cpu_devices(backend: str, count: int, xla_flags: str) -> None:
+    """The mesh sets the number of simulated CPU devices (`jax_num_cpu_devices`), which wins over
+    XLA_FLAGS' `--xla_force_host_platform_device_count`: a count there that disagrees would be
+    ignored without a word, so it is a one-line error instead."""
+    forced = re.findall(r"--xla_force_host_platform_device_count=(\d+)", xla_flags)
+    if backend == "cpu" and forced and int(forced[-1]) != count:
+        raise ConfigError(f"XLA_FLAGS sets --xla_force_host_platform_device_count={forced[-1]} but the mesh "
+                          f"uses {count} CPU devices per process; drop the flag (the mesh sets the count) or "
+                          "change mesh.dp/pp/tp or mesh.cpu_devices")
 
 
 def mesh_devices(cfg: MeshConfig) -> list:
