@@ -20,6 +20,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import yaml
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -42,7 +43,7 @@ from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, Train
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.state import TrainState
 from megascale_jax.training.triage import NonFiniteTriage, release
-from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
+from megascale_jax.training.optim import current_learning_rate, layer_axes, learning_rate_schedule, make_optimizer
 
 logger = cli.get_logger("train")
 
@@ -554,6 +555,24 @@ def parse_args(argv):
     return cli.parse(parser, argv)
 
 
+def warn_if_the_schedule_changes(cfg: Config, run_dir: str, resume_step: int) -> None:
+    """The learning rate decays over `train.steps`: continuing a run with another value (raised to
+    train longer) bends the schedule from some step on. Said in one line, not done silently."""
+    try:
+        with open(run_dirs.config_path(run_dir)) as f:
+            before = int(yaml.safe_load(f)["train"]["steps"])
+    except (OSError, TypeError, KeyError, ValueError, yaml.YAMLError):
+        return  # no readable earlier config: nothing to compare with
+    counts = jnp.arange(resume_step, cfg.train.steps)  # the updates still to come: count n makes step n + 1
+    planned, now = (learning_rate_schedule(cfg.optim, total)(counts) for total in (before, cfg.train.steps))
+    differ = np.flatnonzero(~np.isclose(np.asarray(planned), np.asarray(now), rtol=1e-6, atol=0))
+    if before != cfg.train.steps and differ.size:  # not while both are still warming up
+        i = int(differ[0])
+        logger.warning(f"train.steps {before} -> {cfg.train.steps}: the learning-rate schedule decays over "
+                       f"train.steps, so it changes from step {resume_step + i + 1} on (lr {float(now[i]):.2e} "
+                       f"there, {float(planned[i]):.2e} as planned)")
+
+
 def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                     ) -> tuple[str, run_dirs.RunDirLock | None]:
     """The run directory, locked for this run (None: a launcher holds the lock for its workers),
@@ -579,6 +598,8 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a finished run (checkpoint at step "
                                   f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
                                   "it or pass a new --run-dir")
+            if steps:
+                warn_if_the_schedule_changes(cfg, run_dir, steps[-1])
         try:
             os.makedirs(run_dir, exist_ok=True)
             save_config(cfg, run_dirs.config_path(run_dir))

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -447,3 +448,37 @@ def test_an_xla_flags_device_count_that_disagrees_with_the_mesh_is_one_line(run_
 
     check_forced_cpu_devices("cpu", 8, "--xla_force_host_platform_device_count=8")  # agrees
     check_forced_cpu_devices("gpu", 8, "--xla_force_host_platform_device_count=4")  # not the devices trained on
+
+
+@pytest.mark.xdist_group("cli-long-runs")
+def test_a_finished_run_continues_with_more_steps(long_runs, tmp_path):
+    """5 -> 7 steps while the learning rate still warms up (optim.warmup=20): the schedule is the
+    same, so nothing is said about it; the run goes on from its checkpoint to step 7."""
+    _, finished = long_runs["smoke"]
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)
+    result = run_cli(run_dir, [s for s in SMOKE if not s.startswith("train.steps=")] + ["train.steps=7"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [line for line in message_lines(result.stderr) if "schedule" in line], result.stderr[-2000:]
+    assert [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()] == list(range(1, 8))
+
+
+def test_raising_train_steps_says_from_which_step_the_schedule_changes(tmp_path, capsys):
+    from megascale_jax import cli, train
+
+    cli.setup_logging()
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 100\n")
+    cfg = load_config(None, ["train.steps=200", "optim.warmup=20", "optim.lr=1e-3"])
+    train.warn_if_the_schedule_changes(cfg, str(tmp_path), 100)
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    match = re.search(r"train\.steps 100 -> 200: the learning-rate schedule decays over train\.steps, so it "
+                      r"changes from step 101 on \(lr (\S+) there, (\S+) as planned\)$", line)
+    assert match, line
+    # Cosine decay after 20 warm-up steps (optax's convention: decay_steps counts the warm-up):
+    # at count 100 the longer schedule is at 80/180 of its decay, the planned one at its end.
+    lr, min_lr = 1e-3, 1e-3 * cfg.optim.min_lr_ratio
+    expected = min_lr + (lr - min_lr) * 0.5 * (1 + np.cos(np.pi * 80 / 180))
+    assert float(match[1]) == pytest.approx(expected, rel=5e-3) and float(match[2]) == pytest.approx(min_lr, rel=5e-3)
+    cfg = load_config(None, ["train.steps=100"])
+    train.warn_if_the_schedule_changes(cfg, str(tmp_path), 100)  # the same steps: nothing to say
+    assert capsys.readouterr().err.strip() == ""
