@@ -656,10 +656,14 @@ def _main(argv) -> int:
         if cfg.model.init_from and not resuming:  # a resumed run's weights are in its checkpoint
             hf_import.check(cfg)
         check_memory(cfg)
-        tokens = data.load_tokens(cfg)
+        corpus = data.load_corpus(cfg)
         # Built here so that too little data is a one-line error before anything compiles.
-        train_batches = data.SequenceBatches.from_config(cfg, tokens, "train")
-        val_batches = data.SequenceBatches.from_config(cfg, tokens, "val")
+        train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
+        val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")
+        epochs = cfg.train.steps * cfg.train.global_batch / train_batches.n_train
+        logger.info(f"data: {corpus.description}; {train_batches.n_train:,} training sequences of "
+                    f"{cfg.model.seq_len} tokens; {cfg.train.steps:,} steps of {cfg.train.global_batch} "
+                    f"sequences are {epochs:.3g} epochs")
         run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)

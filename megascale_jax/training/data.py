@@ -17,11 +17,16 @@ Design:
 * `Prefetcher` is a grain pipeline that builds the next `data.prefetch` batches on a
   background thread while the step runs; its iterator state is checkpointed with the model.
 * User mistakes (missing/empty inputs, tokens >= vocab, too little data) raise `DataError`:
-  one line naming the key or file and the fix.
+  one line naming the key or file and the fix. A `files` glob is read as a user means it: each
+  file once however many symlinks lead to it, and files that are not text (a NUL byte or invalid
+  UTF-8 in the first KiB: compressed, binary) skipped with one warning that counts them — an
+  error if nothing is left. `Corpus.description` says what was read (files and bytes, or tokens).
 """
 
 from __future__ import annotations
 
+import codecs
+import dataclasses
 import glob
 import math
 import os
@@ -32,7 +37,10 @@ import grain
 import jax
 import numpy as np
 
+from megascale_jax import cli
 from megascale_jax.config import Config
+
+logger = cli.get_logger("data")
 
 _SCAN_CHUNK = 1 << 24  # tokens checked against the vocabulary at a time (bounded memory)
 
@@ -44,25 +52,69 @@ class DataError(ValueError):
 # ----------------------------------------------------------------------------- loading
 
 
+@dataclasses.dataclass(frozen=True)
+class Corpus:
+    tokens: np.ndarray  # 1-D, all of it (a read-only memmap for data.source=tokens)
+    description: str  # what was read: "12 files, 1,234,567 bytes" or "1,234,567 tokens"
+
+
 def load_tokens(cfg: Config) -> np.ndarray:
     """The whole corpus as a 1-D token array (a read-only memmap for `data.source=tokens`)."""
+    return load_corpus(cfg).tokens
+
+
+def load_corpus(cfg: Config) -> Corpus:
     d = cfg.data
     if d.source == "stdlib":
         stdlib = sysconfig.get_paths()["stdlib"]
         paths = sorted(glob.glob(os.path.join(stdlib, "*.py")))
         where = f"data.source=stdlib ({stdlib})"
         tokens = _read_bytes(paths, where)
+        description = f"{len(paths):,} files, {len(tokens):,} bytes"
     elif d.source == "files":
         if d.path is None:
             raise DataError("data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
-        paths = sorted(f for f in glob.glob(d.path, recursive=True) if os.path.isfile(f))
+        # Each file once: two symlinks (or a link and its target) to one file are one file.
+        paths = sorted(dict.fromkeys(os.path.realpath(f) for f in glob.glob(d.path, recursive=True) if os.path.isfile(f)))
         where = f"data.path={d.path!r}"
-        tokens = _read_bytes(paths, where)
+        tokens, used = _read_text_files(paths, where)
+        description = f"{used:,} files, {len(tokens):,} bytes"
     else:
         tokens = _map_token_file(d.path, d.token_dtype)
         where = f"data.path={d.path!r}"
+        description = f"{len(tokens):,} tokens"
     _check_vocab(tokens, cfg.model.vocab, where)
-    return tokens
+    return Corpus(tokens, description)
+
+
+def _is_text(head: bytes) -> bool:
+    """No NUL byte and valid UTF-8 (a character cut at the end of `head` allowed)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in head
+
+
+def _read_text_files(paths: list[str], where: str) -> tuple[np.ndarray, int]:
+    """`_read_bytes` of the files that are text, and how many those are; the others are skipped
+    with one warning, or refused with one line when nothing is left."""
+    if not paths:
+        raise DataError(f"{where} matches no files; pass a glob of readable text files")
+    text, skipped = [], []
+    for path in paths:
+        try:
+            with open(path, "rb") as f:
+                (text if _is_text(f.read(1024)) else skipped).append(path)
+        except OSError as e:
+            raise DataError(f"{where}: cannot read {path!r} ({e.strerror}); pass readable text files")
+    if not text:
+        raise DataError(f"{where}: none of the {len(paths):,} matched files is text (a NUL byte or invalid UTF-8 "
+                        f"in the first KiB, e.g. {skipped[0]!r}); pass a glob of text files")
+    if skipped:
+        logger.warning(f"{where}: skipped {len(skipped):,} of {len(paths):,} files that are not text (a NUL byte "
+                       f"or invalid UTF-8 in the first KiB), e.g. {skipped[0]!r}")
+    return _read_bytes(text, where), len(text)
 
 
 def _read_bytes(paths: list[str], where: str) -> np.ndarray:

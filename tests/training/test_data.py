@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax.training import data
 from megascale_jax.config import from_dict
-from megascale_jax.training.data import DataError, SequenceBatches, load_tokens, make_global_batch
+from megascale_jax.training.data import DataError, SequenceBatches, load_corpus, load_tokens, make_global_batch
 
 
 def _cfg(**sections):
@@ -43,7 +43,7 @@ def test_files_source_reads_glob_in_sorted_order(tmp_path):
     blobs = {}
     for name in rng.permutation(["b.txt", "a.txt", "sub/c.txt"]):
         (tmp_path / name).parent.mkdir(exist_ok=True)
-        blobs[name] = rng.integers(0, 256, size=rng.integers(50, 200), dtype=np.uint8).tobytes()
+        blobs[name] = "".join(rng.choice(list("abcxyz \n\téß→"), size=rng.integers(50, 200))).encode()
         (tmp_path / name).write_bytes(blobs[name])
     tokens = load_tokens(_cfg(data={"source": "files", "path": str(tmp_path / "**" / "*.txt")}))
     joined = b"\n".join(blobs[n] for n in ["a.txt", "b.txt", "sub/c.txt"])  # sorted full paths
@@ -218,3 +218,32 @@ def test_too_few_sequences_says_how_many_tokens_are_needed():
     b = _batches(np.append(short, 7), seq_len, "val", val_fraction=0.1, global_batch=batch)
     assert (b.n_train, b.n_val) == (batch, 1)
     assert issubclass(DataError, ValueError)
+
+
+def test_files_that_are_not_text_are_skipped_once_counted_and_symlinks_read_once(tmp_path, caplog):
+    """A glob over a mixed folder (as data.path='/usr/share/doc/**/*' once was): gzip and NUL-laden
+    files are skipped with one warning that counts them; a symlink to a file already matched is not
+    read twice; a character cut at the 1 KiB mark is still text."""
+    import gzip
+
+    rng = np.random.default_rng()
+    text = {"a.txt": "def f():\n    return 1\n" * int(rng.integers(5, 20)),
+            "long.md": "é" * 1000 + "tail\n"}  # 2,005 bytes: the 1 KiB mark falls inside a 2-byte character
+    for name, body in text.items():
+        (tmp_path / name).write_text(body, encoding="utf-8")
+    (tmp_path / "c.gz").write_bytes(gzip.compress(b"compressed text " * 50))
+    (tmp_path / "d.bin").write_bytes(b"header\0" + rng.bytes(100))
+    (tmp_path / "link_to_a.txt").symlink_to(tmp_path / "a.txt")
+    with caplog.at_level("WARNING"):
+        corpus = load_corpus(_cfg(data={"source": "files", "path": str(tmp_path / "*")}))
+    joined = b"\n".join(text[n].encode() for n in ["a.txt", "long.md"])
+    np.testing.assert_array_equal(corpus.tokens, np.frombuffer(joined, dtype=np.uint8))
+    assert corpus.description == f"2 files, {len(joined):,} bytes"
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "skipped 2 of 4 files that are not text" in warnings[0], warnings
+
+
+def test_a_glob_of_only_binary_files_is_one_line(tmp_path):
+    (tmp_path / "x.gz").write_bytes(b"\x1f\x8b\x08" + bytes(range(256)))
+    with pytest.raises(DataError, match=r"none of the 1 matched files is text .*; pass a glob of text files$"):
+        load_tokens(_cfg(data={"source": "files", "path": str(tmp_path / "*")}))
