@@ -9,6 +9,8 @@ Writes ``RUN_DIR/report/``:
 * ``parallel_view.txt`` / ``parallel_view.png`` — the (dp, pp, tp) mesh per step window, each
   device marked ok / slow / hung / waiting with its rank and host.
 * ``throughput.png`` — tokens/s and, where the device's peak is known, MFU over steps (from metrics.jsonl).
+* ``loss.png`` — the training loss over steps and the validation loss at the steps that evaluated
+  (from metrics.jsonl), faults and restarts marked.
 * ``device_heatmap.png`` / ``.csv`` — devices × profiled steps: compute and collective seconds
   (runs with ``observe.profile_every``); slow devices are named in the summary.
 * ``summary.txt`` — stragglers, hung ranks, clock offsets; also printed.
@@ -190,11 +192,28 @@ def throughput_figure(records: list[dict], events: list[dict] = ()) -> Figure:
     return fig
 
 
+def loss_figure(records: list[dict], events: list[dict] = ()) -> Figure:
+    fig, ax = plt.subplots(figsize=(8, 3), layout="constrained")
+    fig.suptitle("loss" + (" (faults and restarts marked)" if events else ""))
+    ax.plot([r["step"] for r in records], [r.get("loss", np.nan) for r in records], label="train loss")
+    evaluated = [r for r in records if r.get("val_loss") is not None]
+    if evaluated:
+        ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", label="validation loss")
+    ax.set_title("loss per step (nats per token)")
+    ax.set_ylabel("loss")
+    mark_events([ax], events)
+    ax.legend(loc="upper right", fontsize=7)
+    integer_steps(ax)
+    ax.set_xlabel("step")
+    return fig
+
+
 def write_throughput(run_dir: str, out: str, events: list[dict] = ()) -> bool:
     records = [r for r in read_jsonl(run_dirs.metrics_path(run_dir)) if "step" in r]
     if not records:
         return False
     save_figure(throughput_figure(records, events), out, "throughput.png")
+    save_figure(loss_figure(records, events), out, "loss.png")
     return True
 
 
@@ -449,7 +468,7 @@ def write_report(run_dir: str, threshold: float | None = None, window: int | Non
     section("trace.json", trace)
     section("parallel_view.txt", view_text)
     section("parallel_view.png", lambda: write_parallel_view_png(windows, statuses, mesh_grid(t), out))
-    section("throughput.png", throughput)
+    section("throughput.png and loss.png", throughput)
     summary = summary_text(run_dir, t, offsets, stragglers, states, threshold, window, events, problems)
     with open(os.path.join(out, "summary.txt"), "w") as f:
         f.write(summary)

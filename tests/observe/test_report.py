@@ -294,7 +294,7 @@ def test_a_killed_run_with_a_torn_metrics_line_is_reported_as_ended_not_hung(tmp
     _killed_run(tmp_path)
     summary = report.write_report(str(tmp_path), hang_after=1)
     for name in ("heatmap.png", "trace.json", "parallel_view.txt", "parallel_view.png", "throughput.png",
-                 "summary.txt"):
+                 "loss.png", "summary.txt"):
         assert os.path.getsize(tmp_path / "report" / name) > 0, name
     assert "ENDED WITHOUT FINISHING" in summary and "killed or crashed" in summary, summary
     assert "waiting" not in summary and "HUNG" not in summary and "not written" not in summary, summary
@@ -407,7 +407,7 @@ def test_every_picture_is_titled_labelled_keyed_and_has_no_empty_panel(tmp_path,
     _add_profiled_steps(tmp_path, 2, [2, 3])
     _write_metrics(tmp_path, 3, mfu=None)  # CPU: no peak FLOP/s, so no MFU
     figures = _report_figures(tmp_path, monkeypatch, window=1)
-    assert set(figures) == {"heatmap.png", "device_heatmap.png", "parallel_view.png", "throughput.png"}
+    assert set(figures) == {"heatmap.png", "device_heatmap.png", "parallel_view.png", "throughput.png", "loss.png"}
     for name, fig in figures.items():
         check_figure(name, fig)
         assert matplotlib.image.imread(tmp_path / "report" / name).std() > 0, name
@@ -432,6 +432,23 @@ def test_throughput_has_an_mfu_panel_where_mfu_is_known(tmp_path, monkeypatch):
     assert bottom.get_ylabel() == "MFU, %"
     np.testing.assert_allclose(bottom.lines[0].get_ydata(), 42.0)
     assert top.get_legend_handles_labels()[1] == ["tokens/s", "fault", "restart"]  # one entry per kind
+
+
+def test_loss_is_drawn_against_step_with_the_validation_loss_where_it_was_measured(tmp_path, monkeypatch):
+    rng = np.random.default_rng()
+    write_synthetic_run(tmp_path, [0.0, 0.0], lambda p, k: 0.0, steps=6)
+    losses = 5.0 - np.cumsum(rng.uniform(0.05, 0.2, size=6))
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for k, loss in enumerate(losses, start=1):
+            f.write(json.dumps({"step": k, "loss": float(loss), "tokens_per_s": 1000.0,
+                                **({"val_loss": float(loss) + 0.3} if k % 3 == 0 else {})}) + "\n")
+    (panel,) = check_figure("loss", _report_figures(tmp_path, monkeypatch)["loss.png"])
+    train, val = panel.lines
+    assert (train.get_label(), val.get_label()) == ("train loss", "validation loss")
+    np.testing.assert_array_equal(train.get_xdata(), np.arange(1, 7))
+    np.testing.assert_allclose(train.get_ydata(), losses)
+    np.testing.assert_array_equal(val.get_xdata(), [3, 6])
+    np.testing.assert_allclose(val.get_ydata(), losses[[2, 5]] + 0.3)
 
 
 def test_the_parallel_view_says_which_windows_it_shows(tmp_path, monkeypatch):
