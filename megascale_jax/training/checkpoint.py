@@ -476,15 +476,24 @@ def _describe_read_error(e: BaseException, step_dir: str) -> str:
     "opt_state.4.count/.zarray" in OCDBT database at local file ".../10/state/": Error reading
     Byte range [0, 29537) of local file ".../10/state/d/5f1...": Requested byte range ... is not
     valid [tensorstore_spec=...]` (several hundred characters): the user needs the array, the
-    innermost file (relative to the checkpoint) and the innermost reason."""
+    innermost file (relative to the checkpoint) and the innermost reason. Orbax may wrap it
+    ("Encountered error while reading array index: ... See full TensorStore details: <bound method
+    ... TensorStore({" and the spec over many lines) with TensorStore's error as the cause: the
+    chain is searched for the first message that names an array or a file."""
     import re
+    chain, seen = [], e
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = seen.__cause__ or seen.__context__
+    e = next((x for x in chain if re.search(r'(?:Error reading|Metadata at) "|file "', str(x))), e)
     text = str(e).strip().replace("\n", " ")
     code = re.match(r"([A-Z][A-Z_]+): ", text)
     text = re.split(r"\s*\[tensorstore_spec", text)[0]
-    array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/\.z(?:array|attrs|group)"', text)
+    # The array: its zarr metadata (`params.embed/.zarray`) or one of its chunks (`params.embed/0.0`).
+    array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/(?:\.z(?:array|attrs|group)|[0-9.]+)"', text)
     files = list(re.finditer(r'file "([^"]+)"', text))
     if not (array or files):
-        return cli.one_line(e)
+        return cli.one_line(e).split(" See full TensorStore details")[0]
     parts = []
     if array:
         parts.append(f"array {array.group(1)}")

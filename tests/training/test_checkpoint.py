@@ -867,3 +867,25 @@ def test_interleaved_checkpoints_hold_network_order_and_resume_bitwise(tmp_path)
         assert result.returncode == 0, result.stderr[-3000:]
     assert [(r["loss"], r["grad_norm"]) for r in records(same[1])[2:]] == [(r["loss"], r["grad_norm"]) for r in want[2:]]
     np.testing.assert_allclose([r["loss"] for r in records(one[1])[2:]], [r["loss"] for r in want[2:]], rtol=1e-5)
+
+
+def test_a_read_error_wrapped_by_orbax_is_described_from_tensorstores_cause():
+    """Orbax wraps TensorStore's error in one whose first line ends in "TensorStore({" (the warning
+    was once cut there): the description comes from the cause, naming array, file and reason."""
+    from megascale_jax.training.checkpoint import _describe_read_error
+
+    cause = ValueError('OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database at local file '
+                       '"/r/10/state/": Requested byte range [123070, 183779) is not valid for value of size 100')
+    try:
+        try:
+            raise cause
+        except ValueError as inner:
+            raise Exception("Encountered error while reading array index: (slice(0, 4, 1),). See full TensorStore "
+                            "details: <bound method spec of TensorStore({\n  'base': {\n    'driver': 'zarr',\n"
+                            ) from inner
+    except Exception as wrapped:  # noqa: BLE001 — orbax raises a bare Exception
+        described = _describe_read_error(wrapped, "/r/10")
+    assert described == ("array params.embed, file state: OUT_OF_RANGE; Requested byte range [123070, 183779) is "
+                         "not valid for value of size 100")
+    assert _describe_read_error(Exception("Encountered error. See full TensorStore details: <bound method"), "/r") == \
+        "Exception: Encountered error."
