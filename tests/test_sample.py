@@ -27,7 +27,7 @@ from megascale_jax.training.tokenizer import byte_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
-TINY = ["train.steps=2", "checkpoint.every=2", "train.eval_every=0", "model.layers=2", "model.d_model=64",
+TINY = ["train.steps=4", "checkpoint.every=2", "train.eval_every=0", "model.layers=2", "model.d_model=64",
         f"model.seq_len={SEQ_LEN}", "model.window=8", "train.global_batch=4", "mesh.dp=2", "mesh.tp=1",
         "observe.timings=false", "observe.tensorboard=false"]
 
@@ -49,7 +49,7 @@ def run_sample(run_main):
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory):
-    """A scratch directory holding `run`, trained for 2 steps with a checkpoint at step 2."""
+    """A scratch directory holding `run`, trained for 4 steps with checkpoints at steps 2 and 4."""
     cwd = tmp_path_factory.mktemp("sample")
     done = command("megascale_jax.train", "--run-dir", "run", *TINY, cwd=cwd)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -60,7 +60,7 @@ def test_sample_prints_the_greedy_continuation_of_the_checkpoint(scratch):
     done = command("megascale_jax.sample", "run", "--prompt", "def ", "--max-new-tokens", "8", cwd=scratch)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     run = trained.load(str(scratch / "run"))
-    assert run.step == 2
+    assert run.step == 4
     new = decode.generate(run.cfg.model, run.params, list(b"def "), 8)
     assert len(new) == 8
     assert done.stdout == byte_tokenizer().decode(new) + "\n"
@@ -130,3 +130,24 @@ def test_a_mistake_on_the_real_command_line(scratch):
     done = command("megascale_jax.sample", "run", cwd=scratch)  # --prompt missing: argparse's usage + one line
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("python -m megascale_jax.sample: error: ")
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before_in_one_line(scratch, run_sample, tmp_path):
+    """As `train` resumes: the newest checkpoint (4) is damaged, so sample says so in one line and
+    continues the prompt from step 2, moving nothing aside; asked for step 4 by name, it is one
+    line and exit 2 naming the step that reads."""
+    shutil.copytree(scratch / "run", tmp_path / "run")
+    for chunk in (tmp_path / "run" / "checkpoints" / "4" / "state").rglob("d/*"):
+        os.truncate(chunk, 10)
+    code, out, err = run_sample(["run", "--prompt", "def ", "--max-new-tokens", "8"], tmp_path)
+    assert code == 0, err
+    (line,) = [l for l in err.splitlines() if l.strip()]
+    assert line.startswith("warning: checkpoint step 4 in ") and line.endswith(
+        "; using step 2, the newest before it (--step N picks another)") and "TensorStore({" not in line, line
+    at_2 = trained.load(str(scratch / "run"), 2)
+    assert out == byte_tokenizer().decode(decode.generate(at_2.cfg.model, at_2.params, list(b"def "), 8)) + "\n"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]  # nothing moved
+    code, out, err = run_sample(["run", "--prompt", "def ", "--step", "4"], tmp_path)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: checkpoint step 4 in ") and err.strip().endswith(
+        "; pass --step with an older one (2)"), err

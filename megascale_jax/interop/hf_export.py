@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from megascale_jax.config import ModelConfig
 from megascale_jax.interop import hf_models, hf_weights
@@ -54,7 +55,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
         tokenizer = tokenizers_.run_tokenizer(run_dir, cfg)
     except tokenizers_.TokenizerError as e:
         raise ExportError(str(e)) from None
-    run = trained.load(run_dir, step)
+    run = trained.load(run_dir, step, warn=lambda line: print(line, file=sys.stderr))
     return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes)}
 
 

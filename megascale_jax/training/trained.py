@@ -39,22 +39,33 @@ def run_config(run_dir: str) -> Config:
 
 
 def load(run_dir: str, step: int | None = None, warn=lambda line: None) -> Trained:
-    """The run's parameters at checkpoint `step` (default: the newest committed one)."""
+    """The run's parameters at checkpoint `step`, default the newest committed one that reads: an
+    unreadable newest checkpoint is one `warn` line and the one before it is used (as `train`
+    resumes, but nothing is moved aside: this only reads). An unreadable `step` asked for by
+    number is a ConfigError naming the steps there are."""
     cfg = run_config(run_dir)
     directory = run_dirs.checkpoint_dir(cfg, run_dir)
     steps = run_dirs.committed_steps(directory)
     if not steps:
         raise ConfigError(f"{run_dir!r} has no committed checkpoint in {directory}; train with checkpoint.every > 0")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise ConfigError(f"--step {step}: no committed checkpoint at that step in {directory} "
                           f"(committed: {', '.join(map(str, steps))})")
     device = jax.local_devices()[0]
     single = jax.sharding.SingleDeviceSharding(device)
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single), abstract_state(cfg))
-    try:
-        params = Checkpointer(cfg, directory, warn).restore_params(step, abstract)
-    except CorruptCheckpoint as e:
-        raise ConfigError(f"checkpoint step {step} in {directory} is unreadable: {e}") from None
-    return Trained(cfg=cfg, params=params, step=step)
+    checkpointer = Checkpointer(cfg, directory, warn)
+    for tried in ([step] if step is not None else steps[::-1]):
+        try:
+            params = checkpointer.restore_params(tried, abstract)
+        except CorruptCheckpoint as e:
+            older = [s for s in steps if s < tried]
+            if step is not None or not older:
+                raise ConfigError(f"checkpoint step {tried} in {directory} is unreadable: {e}"
+                                  + (f"; pass --step with an older one ({', '.join(map(str, older))})" if older else "")
+                                  ) from None
+            warn(f"warning: checkpoint step {tried} in {directory} is unreadable: {e}; using step {older[-1]}, "
+                 "the newest before it (--step N picks another)")
+            continue
+        return Trained(cfg=cfg, params=params, step=tried)
+    raise AssertionError("unreachable: the loop returns or raises")
