@@ -396,7 +396,7 @@ def test_ctrl_c_during_start_up_is_one_line_and_exit_130(run_main, monkeypatch, 
     def pressed(cfg):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, "load_tokens", pressed)
+    monkeypatch.setattr(data, "load_corpus", pressed)
     code, out, err = run_main(train.main, ["--run-dir", "run", "train.steps=2"], tmp_path)
     err += capsys.readouterr().err  # the logger's handler may hold the stderr of an earlier test
     assert code == 130
