@@ -1,8 +1,8 @@
 """The package layout's rules: the driver never imports jax, no import circles, the entry points.
 
-Subpackages, lowest first: config / run_dir -> parallel, model -> training -> observe -> cluster
--> supervise; `megascale_jax.train` composes the loop at the top, and `python -m
-megascale_jax.<cmd>` entry modules sit beside it.
+Subpackages, lowest first: config / run_dir / cli / pipeline_schedule -> parallel, model -> training
+-> observe -> cluster -> supervise; `megascale_jax.train` composes the loop at the top, and
+`python -m megascale_jax.<cmd>` entry modules sit beside it.
 """
 
 import ast
@@ -73,13 +73,12 @@ def test_no_import_circles():
             visit(m, [m])
 
 
-LEVELS = {"config": 0, "run_dir": 0, "cli": 0, "parallel": 1, "model": 1, "training": 2, "planner": 2,
-          "observe": 3, "interop": 3, "cluster": 4, "supervise": 5}  # train.py and the entry points sit on top of all of them
+LEVELS = {"config": 0, "config_checks": 0, "run_dir": 0, "cli": 0, "pipeline_schedule": 0, "parallel": 1, "model": 1,
+          "training": 2, "planner": 2, "observe": 3, "interop": 3, "cluster": 4, "supervise": 5}
+# train.py and the entry points sit on top of all of them (but pipeline_schedule: pure tables config checks with).
 
 
 def level(module: str) -> int:
-    if module == "megascale_jax.parallel.pipeline_schedule":
-        return 0  # pure tables, no jax: config validates a schedule with them
     parts = module.split(".")
     return LEVELS.get(parts[1], 6) if len(parts) > 1 else 6
 

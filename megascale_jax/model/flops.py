@@ -22,9 +22,8 @@ import argparse
 from typing import Iterable, Optional, Sequence
 
 
-from megascale_jax import cli
+from megascale_jax import cli, pipeline_schedule
 from megascale_jax.config import Config, ConfigError, ModelConfig, load_config
-from megascale_jax.parallel import pipeline_schedule
 
 # ----------------------------------------------------------------------------- parameters
 

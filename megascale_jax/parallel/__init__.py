@@ -1,4 +1,5 @@
 """Parallelism applied from outside the model: `mesh` (the (dp, pp, tp) mesh), `sharding` (the
 one logical-axis -> mesh-axis table), `tensor_parallel` (sequence parallelism and collective
-matmul), `pipeline_schedule` (tick tables), `pipeline` (the executor), `layout` (the stored,
-stage-major layer order) and `residuals` (what the residual stash keeps)."""
+matmul), `pipeline` (the executor of `megascale_jax.pipeline_schedule`'s tick tables),
+`pipeline_stash` (what a stage keeps for a chunk's backward), `layout` (the stored, stage-major
+layer order) and `residuals` (which vjp residuals the residual stash keeps)."""

@@ -3,7 +3,9 @@
 `loss_and_grads(cfg, mesh, params, batch)` returns the same loss and gradients as plain
 autodiff of the whole model, computed by p stages in lockstep inside one `jax.shard_map` that is
 manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls as usual).
-`loss(cfg, mesh, params, batch)` is its forward-only twin, for evaluation.
+`loss(cfg, mesh, params, batch)` is its forward-only twin, for evaluation. In the shard_map a
+`Stage` is one stage's view and the forward half of its tick (evaluation's whole tick but the
+loss), `TrainingTick` the training scan's body, `GradientPlacement` where each gradient lives.
 
 * Layout. The layer parameters arrive in the stored, stage-major order (`parallel.layout`):
   stage s's block of the `layers -> pp` sharding is its v chunks, in the order it runs them, and
@@ -17,8 +19,8 @@ manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls
   gradient of head + loss, so in 1F1B F and B of the last chunk share a tick); (3) if that was
   the chunk's last microbatch, reduces the chunk's gradient over dp; (4) sends the activation
   to stage s+1 and the cotangent to stage s−1 (ring).
-* Stash, `parallel.pp_stash`, a strategy with a `forward` (what to keep) and a `backward` (the
-  chunk's output and vjp, from what was kept):
+* Stash, `parallel.pp_stash`, a strategy (`pipeline_stash`) with a `forward` (what to keep) and
+  a `backward` (the chunk's output and vjp, from what was kept):
   - `inputs` (`InputStash`, default): a slot holds the chunk's input only; the backward
     recomputes the chunk's forward inside its `jax.vjp`. Residual memory is
     `slots × one microbatch activation` (flat in m for 1F1B), at the price of one extra chunk
@@ -51,6 +53,8 @@ manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,8 +63,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 from megascale_jax.config import Config
 from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_head, lm_logits, run_layers
 from megascale_jax.parallel import sharding
-from megascale_jax.parallel.pipeline_schedule import Schedule, build, forward_only
-from megascale_jax.parallel.residuals import activation_dependent_residuals
+from megascale_jax.parallel.pipeline_stash import STASHES, NoStash
+from megascale_jax.pipeline_schedule import Schedule, build, forward_only
 
 FIELDS = ("valid", "mb", "chunk", "slot")
 
@@ -187,68 +191,165 @@ def manual_spec(dim: int, first: str | None = None) -> P:
     return P(*out)
 
 
-# ------------------------------------------------------------------ stash strategies
+# ------------------------------------------------------------------ one stage, one tick
 
 
-class InputStash:
-    """`pp_stash=inputs`: keep the chunk input; the backward recomputes the chunk in its vjp. The
-    last chunk's forward is not run at all (its backward, in the same tick, recomputes it)."""
-
-    runs_last_forward = False
-
-    def __init__(self, fn, chunk, act):
-        self.fn = fn
-
-    def empty(self, slots: int, act):
-        return jnp.zeros((slots, *act.shape), act.dtype)
-
-    def forward(self, chunk, x):
-        return self.fn(chunk, x), x
-
-    def skipped(self, x):
-        return x
-
-    def backward(self, chunk, saved):
-        return jax.vjp(self.fn, chunk, saved)
+def zeros(tree):
+    return jax.tree.map(jnp.zeros_like, tree)
 
 
-class ResidualStash:
-    """`pp_stash=residuals`: keep the activation-dependent vjp residuals and the chunk output; the
-    backward rebuilds the weight-only residuals from the parameters and runs no forward."""
+class Stage:
+    """One stage inside the shard_map (manual over pp and dp): its chunks and microbatches, the
+    embedding and head it may use, and the parts of a tick that training and evaluation share —
+    its entry of a table row, the forward input, the chunk's forward, the head's loss."""
 
-    runs_last_forward = True
+    def __init__(self, cfg: Config, masked: bool, scale: float, stage_layers, embed, final_norm, head, tokens):
+        self.cfg, self.masked, self.scale = cfg, masked, scale
+        self.embed, self.final_norm, self.head = embed, final_norm, head
+        self.chunks, self.index, self.inputs, self.targets, self.act = stage_view(cfg, stage_layers, tokens)
 
-    def __init__(self, fn, chunk, act):
-        self.fn = fn
-        self.depends, self.avals = activation_dependent_residuals(fn, chunk, act)
-        self.kept = [a for a, d in zip(self.avals, self.depends) if d]
+    def work(self, row, direction: str) -> dict:
+        """This stage's entry of a table row for its forward ("f") or backward ("b"): valid, mb,
+        chunk, slot and, for the backward, last (see `table_arrays`)."""
+        return {k[2:]: row[k][self.index] for k in row if k.startswith(f"{direction}_")}
 
-    def _check(self, leaves, where: str):
-        same = [(x.shape, x.dtype) for x in leaves] == [(a.shape, a.dtype) for a in self.avals]
-        assert same, f"the {where} vjp differs from the analysed one"
+    def is_first_chunk(self, w):
+        """Whether `w` is valid work of the model's first chunk (whose input is the embedding)."""
+        return (w["valid"] > 0) & (self.index == 0) & (w["chunk"] == 0)
 
-    def empty(self, slots: int, act):
-        return [jnp.zeros((slots, *a.shape), a.dtype) for a in self.kept], jnp.zeros((slots, *act.shape), act.dtype)
+    def is_last_chunk(self, w):
+        """Whether `w` is of the model's last chunk (the head and loss follow it); validity unchecked."""
+        return (self.index == self.cfg.mesh.pp - 1) & (w["chunk"] == self.cfg.parallel.pp_virtual - 1)
 
-    def forward(self, chunk, x):
-        y, vjp = jax.vjp(self.fn, chunk, x)
-        leaves = jax.tree.leaves(vjp)
-        self._check(leaves, "forward")
-        return y, ([leaf for leaf, d in zip(leaves, self.depends) if d], y)
+    def run_chunk(self, chunk, x):
+        return run_layers(self.cfg.model, chunk, x, self.cfg.parallel)
 
-    def skipped(self, x):
-        return [jnp.zeros(a.shape, a.dtype) for a in self.kept], x
+    def head_loss(self, final_norm, head, y, mb):
+        """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`."""
+        return self.scale * cross_entropy(lm_logits(self.cfg.model, final_norm, head, y), self.targets[mb])
 
-    def backward(self, chunk, saved):
-        kept, y = saved
-        # The activation path of this vjp is dead code (its residuals are replaced below).
-        rebuilt, treedef = jax.tree.flatten(jax.vjp(self.fn, chunk, jnp.zeros_like(y))[1])
-        self._check(rebuilt, "backward")
-        kept = iter(kept)
-        return y, treedef.unflatten([next(kept) if d else leaf for leaf, d in zip(rebuilt, self.depends)])
+    def forward_input(self, f, act_in):
+        """The embedding of microbatch f.mb for the first chunk, otherwise the activation received last tick."""
+        embed = lambda: embed_tokens(self.cfg.model, self.embed, self.inputs[f["mb"]])
+        return jax.lax.cond(self.is_first_chunk(f), scoped("pp_embed", embed), lambda: act_in)
+
+    def forward(self, stash, f, f_valid, act_in, kept):
+        """A tick's forward: the chunk of `f` on its input, what its backward needs (`stash`) put in
+        slot f.slot of `kept`. Returns (the activation to send on, kept). The last chunk's forward
+        runs only if the stash keeps something of it; otherwise its backward, in the same tick,
+        recomputes it."""
+        x_in = self.forward_input(f, act_in)
+        run_forward = f_valid
+        if not stash.runs_last_forward:
+            run_forward &= ~self.is_last_chunk(f)
+        chunk = chunk_params_of(self.chunks, f["chunk"])
+        act_out, saved = when(self.masked, run_forward, lambda x: stash.forward(chunk, x),
+                              lambda x: (x, stash.skipped(x)), x_in)
+        return act_out, set_entry(kept, f["slot"], saved, f_valid)
 
 
-STASHES = {"inputs": InputStash, "residuals": ResidualStash}
+class GradientPlacement:
+    """Where each gradient lives, from `grad_specs` (see `loss_and_grads`): per leaf, the dimension
+    its dp reduction scatters along (`dims`; -1: an all-reduce) and its tp split (`tp`)."""
+
+    def __init__(self, specs, dp: int, constrain: bool):
+        is_spec = lambda x: isinstance(x, P)
+        self.dp, self.constrain = dp, constrain
+        self.dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
+        # Each gradient's tp split (the manual axes dropped), in the stored layout — which is also a
+        # chunk's, (c, ...) like (L, ...) — and in the loop's (v, c, ...). The accumulators keep it,
+        # where GSPMD would otherwise choose, and the dp reduction works on it shard by shard.
+        self.tp = jax.tree.map(lambda s: P(*(None if a in ("dp", "pp") else a for a in s)), specs, is_leaf=is_spec)
+        self.loop_layers = jax.tree.map(lambda s: P(None, *s), self.tp["layers"], is_leaf=is_spec)
+        # The tick's gradient accumulators: (layers, embed, (final_norm, head)).
+        self.accumulators = (self.loop_layers, self.tp["embed"], (self.tp["final_norm"], self.tp["head"]))
+
+    def keep_tp(self, tree, specs):
+        """`tree` held to its tp split `specs`, when `grad_specs` named one."""
+        return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs) if self.constrain else tree
+
+    def reduce(self, tree, key: str):
+        """`tree`, gradients of `params[key]` (or of one chunk of the layers), summed over dp."""
+        return jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, self.dims[key],
+                            self.tp[key])
+
+    def empty_reduced(self, chunks):
+        """Per chunk, the dp-reduced gradient: with ZeRO-1 1/dp of it along the split dimension."""
+        dp = self.dp
+        reduced = jax.tree.map(
+            lambda x, d: jnp.zeros(x.shape[:d + 1] + (x.shape[d + 1] // dp,) + x.shape[d + 2:], x.dtype)
+            if d >= 0 else jnp.zeros_like(x), chunks, self.dims["layers"])
+        return self.keep_tp(reduced, self.loop_layers)
+
+
+class TrainingTick:
+    """The training step's `lax.scan` body on one stage: the forward (`Stage.forward`), the chunk's
+    backward from what was kept, the gradient accumulators, the dp reduction of a chunk whose
+    gradient is complete, then activations one stage on and cotangents one stage back."""
+
+    def __init__(self, stage: Stage, stash, grads: GradientPlacement):
+        self.stage, self.stash, self.grads = stage, stash, grads
+
+    def __call__(self, carry, row):
+        act_in, cot_in, kept, (g_layers, g_embed, g_head), reduced, loss = carry
+        f, b = self.stage.work(row, "f"), self.stage.work(row, "b")
+        f_valid, b_valid = f["valid"] > 0, b["valid"] > 0
+        act_out, kept = self.stage.forward(self.stash, f, f_valid, act_in, kept)
+        loss_add, d_chunk, d_head, dx = self.backward(b, b_valid, kept, cot_in)
+        g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
+        grads = (g_layers, g_embed + self.embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
+        if self.grads.dp > 1:
+            reduced = self.grads.keep_tp(self.reduce_finished_chunk(b, g_layers, reduced), self.grads.loop_layers)
+        grads = self.grads.keep_tp(grads, self.grads.accumulators)
+        p = self.stage.cfg.mesh.pp
+        return (send_forward(act_out, p), send_backward(dx, p), kept, grads, reduced, loss + loss_add), None
+
+    def backward(self, b, b_valid, kept, cot_in):
+        """The chunk's vjp from slot b.slot of `kept`, with last tick's cotangent or, for the last
+        chunk, the gradient of the head and loss: (loss, d chunk, d (final_norm, head), dx)."""
+        s = self.stage
+        chunk = chunk_params_of(s.chunks, b["chunk"])
+
+        def backward(saved):
+            y, vjp = self.stash.backward(chunk, saved)
+            loss_add, d_head, dy = self.output_cotangent(b, y, cot_in)
+            d_chunk, dx = vjp(dy)
+            return loss_add, d_chunk, d_head, dx
+
+        def idle(saved):
+            return jnp.zeros((), jnp.float32), zeros(chunk), zeros((s.final_norm, s.head)), jnp.zeros_like(s.act)
+
+        return when(s.masked, b_valid, backward, idle, chunk_params_of(kept, b["slot"]))
+
+    def output_cotangent(self, b, y, cot_in):
+        """(loss, d(final_norm, head), dy): for the last chunk the gradient of head + loss at its
+        output y, otherwise nothing and the cotangent received last tick."""
+        s = self.stage
+
+        def head_grads(y):
+            mb_loss = lambda final_norm, head, y: s.head_loss(final_norm, head, y, b["mb"])
+            value, grads = jax.value_and_grad(mb_loss, argnums=(0, 1, 2))(s.final_norm, s.head, y)
+            return value, grads[:2], grads[2].astype(y.dtype)
+
+        def no_head(y):
+            return jnp.zeros((), jnp.float32), zeros((s.final_norm, s.head)), cot_in
+
+        return jax.lax.cond(s.is_last_chunk(b), scoped("pp_head", head_grads), no_head, y)
+
+    def embedding_grad(self, b, dx):
+        """The embedding's gradient from the first chunk's input cotangent `dx`; zeros elsewhere."""
+        s = self.stage
+        embed = lambda e: embed_tokens(s.cfg.model, e, s.inputs[b["mb"]])
+        return jax.lax.cond(s.is_first_chunk(b), scoped("pp_embed_grad", lambda dx: jax.vjp(embed, s.embed)[1](dx)[0]),
+                            lambda dx: jnp.zeros_like(s.embed), dx)
+
+    def reduce_finished_chunk(self, b, g_layers, reduced):
+        """After a chunk's last microbatch: its gradient, summed over dp, into `reduced`."""
+        def reduce_chunk(g_layers, reduced):
+            done = self.grads.reduce(chunk_params_of(g_layers, b["chunk"]), "layers")
+            return set_entry(reduced, b["chunk"], done)
+        return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), scoped("pp_dp_reduce", reduce_chunk),
+                            lambda _, r: r, g_layers, reduced)
 
 
 # ------------------------------------------------------------------ training step
@@ -261,140 +362,47 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     split, kept by the accumulators inside the loop, and where it leaves the dp reduction: split
     over dp where a spec names dp (ZeRO-1: the optimizer moments' sharding, reached by a
     reduce-scatter), otherwise replicated (an all-reduce). Default: replicated."""
-    p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
-    dp = mesh.shape["dp"]
-    schedule = schedule_for(cfg)
-    table, slots = table_arrays(schedule), schedule.slots
-    last_stage, last_chunk = p - 1, v - 1
-    scale = 1.0 / (m * dp)  # loss = mean over microbatches and dp replicas of per-microbatch means
-    masked = explicit_tp(cfg, mesh)  # idle stages compute and mask instead of skipping (`when`)
     specs = grad_specs if grad_specs is not None else jax.tree.map(lambda _: P(), params)
     if cfg.model.tied_embeddings:  # the last stage's head is the embedding's transpose; its gradient adds
         params, specs = with_tied_head(params), with_tied_head(specs)
-    is_spec = lambda x: isinstance(x, P)
-    # Per gradient leaf, the dimension its dp reduction scatters along; -1: all-reduce.
-    dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
-    # Each gradient's tp split (the manual axes dropped), in the stored layout — which is also a
-    # chunk's, (c, ...) like (L, ...) — and in the loop's (v, c, ...). The accumulators keep it,
-    # where GSPMD would otherwise choose, and the dp reduction works on it shard by shard.
-    tp_specs = jax.tree.map(lambda s: P(*(None if a in ("dp", "pp") else a for a in s)), specs, is_leaf=is_spec)
-    loop_layer_specs = jax.tree.map(lambda s: P(None, *s), tp_specs["layers"], is_leaf=is_spec)
-    reduce = lambda tree, d, tp: jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, d, tp)
-    keep_tp = lambda tree, specs: (tree if grad_specs is None else
-                                   jax.tree.map(jax.lax.with_sharding_constraint, tree, specs))
-
-    def body(stage_layers, embed, final_norm, head, tokens):
-        chunks, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
-        fn = lambda pc, x: run_layers(cfg.model, pc, x, cfg.parallel)
-        zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-
-        def forward_input(f, act_in):
-            first = (f["valid"] > 0) & (stage == 0) & (f["chunk"] == 0)
-            return jax.lax.cond(first, scoped("pp_embed", lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]])),
-                                lambda: act_in)
-
-        def output_cotangent(b, y, cot_in):
-            """(loss, d(final_norm, head), dy): for the last chunk the gradient of head + loss at its
-            output y, otherwise nothing and the cotangent received last tick."""
-            def head_grads(y):
-                def mb_loss(fn, h, y):
-                    return scale * cross_entropy(lm_logits(cfg.model, fn, h, y), targets[b["mb"]])
-                value, grads = jax.value_and_grad(mb_loss, argnums=(0, 1, 2))(final_norm, head, y)
-                return value, grads[:2], grads[2].astype(y.dtype)
-
-            def no_head(y):
-                return jnp.zeros((), jnp.float32), zeros((final_norm, head)), cot_in
-
-            is_last = (stage == last_stage) & (b["chunk"] == last_chunk)
-            return jax.lax.cond(is_last, scoped("pp_head", head_grads), no_head, y)
-
-        def embedding_grad(b, dx):
-            return jax.lax.cond(
-                (b["valid"] > 0) & (stage == 0) & (b["chunk"] == 0),
-                scoped("pp_embed_grad",
-                       lambda dx: jax.vjp(lambda e: embed_tokens(cfg.model, e, inputs[b["mb"]]), embed)[1](dx)[0]),
-                lambda dx: jnp.zeros_like(embed), dx)
-
-        def reduce_finished_chunk(b, g_layers, reduced):
-            """After a chunk's last microbatch: its gradient, summed over dp, into `reduced`."""
-            def reduce_chunk(g_layers, reduced):
-                done = reduce(chunk_params_of(g_layers, b["chunk"]), dims["layers"], tp_specs["layers"])
-                return set_entry(reduced, b["chunk"], done)
-            return jax.lax.cond((b["valid"] > 0) & (b["last"] > 0), scoped("pp_dp_reduce", reduce_chunk),
-                                lambda _, r: r, g_layers, reduced)
-
-        def tick(carry, row):
-            act_in, cot_in, kept, (g_layers, g_embed, g_head), reduced, loss = carry
-            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
-            b = {k[2:]: row[k][stage] for k in row if k.startswith("b_")}
-            f_valid, b_valid = f["valid"] > 0, b["valid"] > 0
-
-            # --- forward: run the chunk and keep what its backward needs
-            x_in = forward_input(f, act_in)
-            run_forward = f_valid
-            if not stash.runs_last_forward:
-                run_forward &= ~((stage == last_stage) & (f["chunk"] == last_chunk))
-            chunk_f = chunk_params_of(chunks, f["chunk"])
-            act_out, saved = when(masked, run_forward, lambda x: stash.forward(chunk_f, x),
-                                  lambda x: (x, stash.skipped(x)), x_in)
-            kept = set_entry(kept, f["slot"], saved, f_valid)
-
-            # --- backward: the chunk's vjp from what was kept, with last tick's cotangent or, for
-            # the last chunk, the gradient of the head and loss
-            chunk_b = chunk_params_of(chunks, b["chunk"])
-
-            def backward(saved):
-                y, vjp = stash.backward(chunk_b, saved)
-                loss_add, d_head, dy = output_cotangent(b, y, cot_in)
-                d_chunk, dx = vjp(dy)
-                return loss_add, d_chunk, d_head, dx
-
-            def idle(saved):
-                return jnp.zeros((), jnp.float32), zeros(chunk_b), zeros((final_norm, head)), jnp.zeros_like(act)
-
-            loss_add, d_chunk, d_head, dx = when(masked, b_valid, backward, idle, chunk_params_of(kept, b["slot"]))
-            g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
-            grads = (g_layers, g_embed + embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
-            if dp > 1:
-                reduced = keep_tp(reduce_finished_chunk(b, g_layers, reduced), loop_layer_specs)
-            grads = keep_tp(grads, grad_tp_specs)
-
-            # --- communication: activations one stage on, cotangents one stage back
-            return (send_forward(act_out, p), send_backward(dx, p), kept, grads, reduced, loss + loss_add), None
-
-        grad_tp_specs = (loop_layer_specs, tp_specs["embed"], (tp_specs["final_norm"], tp_specs["head"]))
-        grads = keep_tp((zeros(chunks), zeros(embed), zeros((final_norm, head))), grad_tp_specs)
-        with sharding.axis_rules(cfg, manual=("dp", "pp")):
-            stash = STASHES[cfg.parallel.pp_stash](fn, chunk_params_of(chunks, 0), act)  # read by tick
-            kept = stash.empty(slots, act)
-            # Per chunk, the dp-reduced gradient: with ZeRO-1 1/dp of it along the split dimension.
-            reduced = jax.tree.map(
-                lambda x, d: jnp.zeros(x.shape[:d + 1] + (x.shape[d + 1] // dp,) + x.shape[d + 2:], x.dtype)
-                if d >= 0 else jnp.zeros_like(x), chunks, dims["layers"]) if dp > 1 else ()
-            reduced = keep_tp(reduced, loop_layer_specs) if dp > 1 else ()
-            carry = (act, act, kept, grads, reduced, jnp.zeros((), jnp.float32))
-            (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(tick, carry, table)
-        if dp > 1:
-            g_layers = reduced
-        g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
-        if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
-            g_embed, g_norm, g_head = (reduce(x, dims[k], tp_specs[k]) for x, k in
-                                       ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
-        g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
-        return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
-
-    layer_in = jax.tree.map(lambda _: P("pp"), params["layers"])
-    out = jax.tree.map(manual_spec, dims)
-    layer_out = jax.tree.map(lambda d: manual_spec(d, "pp"), dims["layers"])
+    grads = GradientPlacement(specs, mesh.shape["dp"], constrain=grad_specs is not None)
+    out = jax.tree.map(manual_spec, grads.dims)
     run = jax.shard_map(
-        body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
-        in_specs=(layer_in, P(), P(), P(), P("dp")),
-        out_specs=(P(), layer_out, out["embed"], out["final_norm"], out["head"]))
+        functools.partial(train_stage, cfg, explicit_tp(cfg, mesh), grads, schedule_for(cfg)),
+        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")),
+        out_specs=(P(), jax.tree.map(lambda d: manual_spec(d, "pp"), grads.dims["layers"]),
+                   out["embed"], out["final_norm"], out["head"]))
     loss, g_layers, g_embed, g_norm, g_head = run(params["layers"], params["embed"], params["final_norm"],
                                                   params["head"], batch)
     if cfg.model.tied_embeddings:
         return loss, {"embed": g_embed + g_head.T, "layers": g_layers, "final_norm": g_norm}
     return loss, {"embed": g_embed, "layers": g_layers, "final_norm": g_norm, "head": g_head}
+
+
+def train_stage(cfg: Config, masked: bool, grads: GradientPlacement, schedule: Schedule,
+                stage_layers, embed, final_norm, head, tokens):
+    """The shard_map body of `loss_and_grads`: one stage's ticks, then its gradients reduced over dp
+    (the layers' already, chunk by chunk inside the loop) and summed over pp."""
+    dp = grads.dp
+    # loss = mean over microbatches and dp replicas of per-microbatch means
+    stage = Stage(cfg, masked, 1.0 / (cfg.parallel.microbatches * dp), stage_layers, embed, final_norm, head, tokens)
+    accumulators = grads.keep_tp((zeros(stage.chunks), zeros(embed), zeros((final_norm, head))), grads.accumulators)
+    with sharding.axis_rules(cfg, manual=("dp", "pp")):
+        stash = STASHES[cfg.parallel.pp_stash](stage.run_chunk, chunk_params_of(stage.chunks, 0), stage.act)
+        kept = stash.empty(schedule.slots, stage.act)
+        reduced = grads.empty_reduced(stage.chunks) if dp > 1 else ()
+        carry = (stage.act, stage.act, kept, accumulators, reduced, jnp.zeros((), jnp.float32))
+        (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(
+            TrainingTick(stage, stash, grads), carry, table_arrays(schedule))
+    if dp > 1:
+        g_layers = reduced
+    g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
+    if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
+        g_embed, g_norm, g_head = (grads.reduce(x, k) for x, k in
+                                   ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
+    g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
+    return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
 
 
 def with_tied_head(tree):
@@ -413,33 +421,30 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     training schedule (`forward_only`), activations passed on as in training, the head and loss
     on the last stage. Layer weights stay on their stages (no all-gather over pp, unlike running
     the plain model under GSPMD); equals the single-device loss."""
-    p, v, m = cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches
-    table = table_arrays(forward_only(schedule_for(cfg)))
-    scale = 1.0 / (m * mesh.shape["dp"])
-    masked = explicit_tp(cfg, mesh)
-
-    def body(stage_layers, embed, final_norm, head, tokens):
-        chunks, stage, inputs, targets, act = stage_view(cfg, stage_layers, tokens)
-
-        def tick(carry, row):
-            act_in, total = carry
-            f = {k[2:]: row[k][stage] for k in row if k.startswith("f_")}
-            valid = f["valid"] > 0
-            first = valid & (stage == 0) & (f["chunk"] == 0)
-            x = jax.lax.cond(first, lambda: embed_tokens(cfg.model, embed, inputs[f["mb"]]), lambda: act_in)
-            chunk = chunk_params_of(chunks, f["chunk"])
-            y = when(masked, valid, lambda x: run_layers(cfg.model, chunk, x, cfg.parallel), lambda x: x, x)
-            last = valid & (stage == p - 1) & (f["chunk"] == v - 1)
-            total += jax.lax.cond(
-                last, lambda y: scale * cross_entropy(lm_logits(cfg.model, final_norm, head, y), targets[f["mb"]]),
-                lambda y: jnp.zeros((), jnp.float32), y)
-            return (send_forward(y, p), total), None
-
-        with sharding.axis_rules(cfg, manual=("dp", "pp")):
-            (_, total), _ = jax.lax.scan(tick, (act, jnp.zeros((), jnp.float32)), table)
-        return jax.lax.psum(total, ("dp", "pp"))
-
+    scale = 1.0 / (cfg.parallel.microbatches * mesh.shape["dp"])
     run = jax.shard_map(
-        body, mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        functools.partial(evaluate_stage, cfg, explicit_tp(cfg, mesh), scale, forward_only(schedule_for(cfg))),
+        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
     return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch)
+
+
+def evaluate_stage(cfg: Config, masked: bool, scale: float, schedule: Schedule,
+                   stage_layers, embed, final_norm, head, tokens):
+    """The shard_map body of `loss`: one stage's ticks, each the training tick's forward (keeping
+    nothing) and, after the last chunk, the head's loss; the loss summed over dp and pp."""
+    stage = Stage(cfg, masked, scale, stage_layers, embed, final_norm, head, tokens)
+    stash = NoStash(stage.run_chunk)
+
+    def tick(carry, row):
+        act_in, total = carry
+        f = stage.work(row, "f")
+        valid = f["valid"] > 0
+        y, _ = stage.forward(stash, f, valid, act_in, ())
+        mb_loss = lambda y: stage.head_loss(stage.final_norm, stage.head, y, f["mb"])
+        total += jax.lax.cond(valid & stage.is_last_chunk(f), mb_loss, lambda y: jnp.zeros((), jnp.float32), y)
+        return (send_forward(y, cfg.mesh.pp), total), None
+
+    with sharding.axis_rules(cfg, manual=("dp", "pp")):
+        (_, total), _ = jax.lax.scan(tick, (stage.act, jnp.zeros((), jnp.float32)), table_arrays(schedule))
+    return jax.lax.psum(total, ("dp", "pp"))

@@ -6,7 +6,7 @@ direction (bytes/s), α the latency of one ring step, P a GPU's peak FLOP/s, W i
 
 from __future__ import annotations
 
-from megascale_jax.parallel import pipeline_schedule
+from megascale_jax import pipeline_schedule
 from megascale_jax.planner.calibration import Gpu, Link
 
 

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Iterator
 
 from megascale_jax.config import Config, ConfigError, validate
-from megascale_jax.parallel import pipeline_schedule
+from megascale_jax import pipeline_schedule
 from megascale_jax.planner.calibration import Gpu
 from megascale_jax.model import flops
 from megascale_jax.planner.predict import Prediction, predict

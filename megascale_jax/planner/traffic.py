@@ -13,7 +13,7 @@ microbatches, L the layers, P the stage's parameters per GPU (`workload.stage_pa
 
 from __future__ import annotations
 
-from megascale_jax.parallel import pipeline_schedule
+from megascale_jax import pipeline_schedule
 from megascale_jax.planner import costs
 from megascale_jax.planner.workload import Workload, stage_params
 

@@ -28,12 +28,12 @@ Every process reports the bytes it read (`/proc/self/io` rchar) in one line.
 
 A newest checkpoint that fails to restore or verify is reported in one line, moved aside to
 `<step>.corrupt` (kept for inspection, never deleted) and the previous one is tried. A bug in
-the reading code (PROGRAMMING_ERRORS) is not damage: it propagates and nothing is moved.
+the reading code (PROGRAMMING_ERRORS) is not damage: it propagates and nothing is moved
+(`checkpoint_damage` tells the two apart and describes the damage).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -51,30 +51,13 @@ from absl import flags as absl_flags
 from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.training import compile_cache
+from megascale_jax.training.checkpoint_damage import (CorruptCheckpoint, damage_is_corruption, describe_read_error,
+                                                      quiet_late_tensorstore_callbacks)
 from megascale_jax.run_dir import committed_steps
 
 # Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
 _SHAPE_SECTIONS = ("model",)
 _SHAPE_KEYS = {"optim": ("name",)}
-
-
-# Exceptions that mean the code reading a checkpoint is wrong (ours, or orbax as we call it), not
-# the files: taken for corruption, they would move every good checkpoint aside one restart after
-# another. They propagate as they are; damaged files raise OSError, ValueError or tensorstore's
-# errors (checked by the damage tests).
-PROGRAMMING_ERRORS = (TypeError, AttributeError, NameError, ImportError, AssertionError, NotImplementedError)
-
-
-@contextlib.contextmanager
-def _damage_is_corruption(describe: Callable[[Exception], str]):
-    """An error reading a checkpoint's files becomes CorruptCheckpoint(describe(error)), one line;
-    a PROGRAMMING_ERRORS one propagates as it is."""
-    try:
-        yield
-    except PROGRAMMING_ERRORS:
-        raise
-    except Exception as e:
-        raise CorruptCheckpoint(describe(e)) from None
 
 
 @jax.jit
@@ -123,10 +106,6 @@ def _barriers_through_coordination_service() -> None:
     if name in absl_flags.FLAGS:
         flag = absl_flags.FLAGS[name]
         flag.value, flag.present = True, 1
-
-
-class CorruptCheckpoint(Exception):
-    """A committed checkpoint whose contents cannot be read back or fail verification."""
 
 
 class CheckpointUnreadable(Exception):
@@ -296,7 +275,7 @@ class Checkpointer:
         shardings; None when there is none. Bad ones are reported and moved aside; with several
         processes the first bad one ends the attempt instead (CheckpointUnreadable), so that all
         of them fall back together on the restart."""
-        _quiet_late_tensorstore_callbacks()
+        quiet_late_tensorstore_callbacks()
         for step in reversed(committed_steps(self.directory)):
             try:
                 return self.restore(step, abstract_state)
@@ -320,12 +299,12 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, meta); meta["data_state"] is the data iterator state to continue from."""
-        with _damage_is_corruption(lambda e: f"meta: {cli.one_line(e)}"):
+        with damage_is_corruption(lambda e: f"meta: {cli.one_line(e)}"):
             meta = self._meta(step)
         self._check_compatible(step, meta)
         meta["data_state"] = self._restore_data_state(step, meta)
         read_before, start = _bytes_read(), time.perf_counter()
-        with _damage_is_corruption(lambda e: _describe_read_error(e, os.path.join(self.directory, str(step)))):
+        with damage_is_corruption(lambda e: describe_read_error(e, os.path.join(self.directory, str(step)))):
             expected = self._saved_checksums(step, meta, abstract_state)
             if self.cfg.checkpoint.single_replica_restore:
                 state = self._restore_single_replica(step, abstract_state)
@@ -345,13 +324,13 @@ class Checkpointer:
     def restore_params(self, step: int, abstract_state):
         """Only the parameters of checkpoint `step` (the optimizer state is not read), placed per
         `abstract_state.params`' shardings and verified against their checksums."""
-        _quiet_late_tensorstore_callbacks()
+        quiet_late_tensorstore_callbacks()
         path = os.path.join(self.directory, str(step))
         item = abstract_state.replace(step=ocp.PLACEHOLDER, opt_state=jax.tree.map(lambda _: ocp.PLACEHOLDER,
                                                                                    abstract_state.opt_state))
         restore_args = jax.tree.map(lambda a: a if a is ocp.PLACEHOLDER else ocp.ArrayRestoreArgs(sharding=a.sharding),
                                     item)
-        with _damage_is_corruption(lambda e: _describe_read_error(e, path)):
+        with damage_is_corruption(lambda e: describe_read_error(e, path)):
             meta = self._meta(step)
             with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
                 params = reader.restore(os.path.join(path, "state"), args=ocp.args.PyTreeRestore(
@@ -408,7 +387,7 @@ class Checkpointer:
         if not os.path.exists(own):
             return {"next_index": meta["data_step"]}
         holder = _IteratorState()
-        with _damage_is_corruption(lambda e: f"data iterator: {cli.one_line(e)}"):
+        with damage_is_corruption(lambda e: f"data iterator: {cli.one_line(e)}"):
             self.manager.restore(step, args=ocp.args.Composite(data=grain.checkpoint.CheckpointRestore(holder)))
         if holder.state.get("next_index") != meta["data_step"]:
             raise CorruptCheckpoint(f"data iterator at {holder.state} but meta.data_step={meta['data_step']}")
@@ -467,86 +446,3 @@ def _bytes_read() -> int:
             return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
     except OSError:
         return 0
-
-
-def _describe_read_error(e: BaseException, step_dir: str) -> str:
-    """The array and the file a failed read names, from TensorStore's nested message.
-
-    TensorStore reports e.g. `OUT_OF_RANGE: Error opening "cast" driver: ... Error reading
-    "opt_state.4.count/.zarray" in OCDBT database at local file ".../10/state/": Error reading
-    Byte range [0, 29537) of local file ".../10/state/d/5f1...": Requested byte range ... is not
-    valid [tensorstore_spec=...]` (several hundred characters): the user needs the array, the
-    innermost file (relative to the checkpoint) and the innermost reason. Orbax may wrap it
-    ("Encountered error while reading array index: ... See full TensorStore details: <bound method
-    ... TensorStore({" and the spec over many lines) with TensorStore's error as the cause: the
-    chain is searched for the first message that names an array or a file."""
-    import re
-    chain, seen = [], e
-    while seen is not None and len(chain) < 8:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    e = next((x for x in chain if re.search(r'(?:Error reading|Metadata at) "|file "', str(x))), e)
-    text = str(e).strip().replace("\n", " ")
-    code = re.match(r"([A-Z][A-Z_]+): ", text)
-    text = re.split(r"\s*\[tensorstore_spec", text)[0]
-    # The array: its zarr metadata (`params.embed/.zarray`) or one of its chunks (`params.embed/0.0`).
-    array = re.search(r'(?:Error reading|Metadata at) "([^"]+?)/(?:\.z(?:array|attrs|group)|[0-9.]+)"', text)
-    files = list(re.finditer(r'file "([^"]+)"', text))
-    if not (array or files):
-        return cli.one_line(e).split(" See full TensorStore details")[0]
-    parts = []
-    if array:
-        parts.append(f"array {array.group(1)}")
-    reason = ""
-    if files:
-        path = files[-1].group(1).rstrip("/")
-        parts.append(f"file {os.path.relpath(path, step_dir) if path.startswith(step_dir) else path}")
-        reason = text[files[-1].end():].lstrip(": ").strip()  # what the innermost error says of that file
-    detail = "; ".join(x for x in ((code.group(1) if code else ""), reason[:120]) if x)
-    return f"{', '.join(parts)}: {detail}" if detail else ", ".join(parts)
-
-
-_FILTER_INSTALLED = False
-
-
-def _quiet_late_tensorstore_callbacks() -> None:
-    """Drop two known-harmless tracebacks, keep every other unraisable exception and log record.
-
-    When one array of a restore fails, orbax's asyncio.gather raises and its event loop closes
-    while TensorStore still has the other reads in flight; as each completes, TensorStore calls
-    `loop.call_soon_threadsafe` on the closed loop and reports the RuntimeError through
-    sys.unraisablehook, from its own threads and possibly after restore returned: one 6-line
-    traceback per pending read (~300 lines for a real model) after our one warning line. Reads
-    that failed too but whose futures the aborted gather never awaited are reported by asyncio,
-    when garbage-collected, as "Future exception was never retrieved" (or "Task exception ...",
-    for orbax's own async_deserialize tasks) with TensorStore's whole JSON spec (logger
-    "asyncio"); when the collector runs decides whether they appear at all. The read's own
-    error is what we report, so both are noise.
-    Installed once, process-wide."""
-    global _FILTER_INSTALLED
-    if _FILTER_INSTALLED:
-        return
-    _FILTER_INSTALLED = True
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-        exc, tb = unraisable.exc_value, unraisable.exc_traceback
-        frames = []
-        while tb is not None:
-            frames.append(tb.tb_frame.f_code.co_name)
-            tb = tb.tb_next
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed" and "call_soon_threadsafe" in frames:
-            return
-        previous(unraisable)
-
-    sys.unraisablehook = hook
-    logging.getLogger("asyncio").addFilter(_unretrieved_tensorstore_error)
-
-
-def _unretrieved_tensorstore_error(record: logging.LogRecord) -> bool:
-    """False (drop) for asyncio's report of a TensorStore read error nobody awaited."""
-    exc = record.exc_info[1] if record.exc_info else None
-    return not (str(record.msg).startswith(("Future exception was never retrieved",
-                                            "Task exception was never retrieved"))
-                and isinstance(exc, ValueError) and "tensorstore_spec" in str(exc))
-

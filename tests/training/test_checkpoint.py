@@ -34,7 +34,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.training import checkpoint, data
+from megascale_jax.training import checkpoint, checkpoint_damage, data
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 
@@ -479,7 +479,7 @@ SLOW_SAVE_DRIVER = textwrap.dedent("""
 
 
 def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
-    """A step's time (and so tokens/s, MFU and bench/ettr.py's productive time) is training only:
+    """A step's time (and so tokens/s, MFU and bench/resilience/ettr.py's productive time) is training only:
     the blocking of a save before it is overhead, recorded in checkpoints.jsonl."""
     held = 4.0  # far above a TINY step (~0.05 s), so the assertion is about structure, not speed
     run_dir = tmp_path / "slow-saves"
@@ -800,7 +800,7 @@ def test_only_unawaited_tensorstore_read_errors_are_dropped_from_asyncio_logs(ca
     """asyncio reports the failed reads of an aborted restore at garbage collection ("Future
     exception was never retrieved" + TensorStore's JSON spec): dropped, since the restore's one
     warning line names the error. Any other asyncio error is still logged."""
-    checkpoint._quiet_late_tensorstore_callbacks()
+    checkpoint_damage.quiet_late_tensorstore_callbacks()
     log = logging.getLogger("asyncio")
     spec_error = ValueError('NOT_FOUND: Error reading "params.embed/.zarray" [tensorstore_spec=\'{"driver":"zarr"}\']')
     with caplog.at_level(logging.ERROR, logger="asyncio"):
@@ -817,7 +817,7 @@ def test_an_unawaited_failed_restore_task_is_dropped_from_asyncio_logs(caplog):
     """orbax's async_deserialize runs as Tasks: a failed one nobody awaited is reported as "Task
     exception was never retrieved" when collected, which once made a CI run print 5 lines where
     the damaged-checkpoint test expects 2. A real Task, collected for real."""
-    checkpoint._quiet_late_tensorstore_callbacks()
+    checkpoint_damage.quiet_late_tensorstore_callbacks()
 
     async def failed_read(message):
         raise ValueError(message)
@@ -872,7 +872,7 @@ def test_interleaved_checkpoints_hold_network_order_and_resume_bitwise(tmp_path)
 def test_a_read_error_wrapped_by_orbax_is_described_from_tensorstores_cause():
     """Orbax wraps TensorStore's error in one whose first line ends in "TensorStore({" (the warning
     was once cut there): the description comes from the cause, naming array, file and reason."""
-    from megascale_jax.training.checkpoint import _describe_read_error
+    from megascale_jax.training.checkpoint_damage import describe_read_error as _describe_read_error
 
     cause = ValueError('OUT_OF_RANGE: Error reading "params.embed/0.0" in OCDBT database at local file '
                        '"/r/10/state/": Requested byte range [123070, 183779) is not valid for value of size 100')

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from megascale_jax.parallel import pipeline_schedule as ps
+from megascale_jax import pipeline_schedule as ps
 
 
 def random_cases(n=60, seed=0):
