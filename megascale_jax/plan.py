@@ -7,7 +7,7 @@ tokens/s and memory per device (`megascale_jax.planner`). dp is N / (tp·pp); a 
 override must agree with it (a config file's own mesh.dp is replaced). `--search` ranks every
 valid layout for N GPUs; `--plot` draws MFU and iteration time against GPU count for the layout's
 family (the same tp, pp, v and microbatch size, dp varied). Validated against published
-Megatron-LM runs: `python bench/plan_validation.py`.
+Megatron-LM runs: `python -m bench.planner.plan_validation`.
 """
 
 from __future__ import annotations

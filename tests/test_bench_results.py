@@ -9,9 +9,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))  # the benches import it as a sibling module
+sys.path.insert(0, REPO)  # bench/ is not installed: it imports from the checkout's root, as `python -m bench...` runs
 
-import provenance  # noqa: E402
+from bench import common as provenance  # noqa: E402
 
 
 def test_write_result_refuses_an_existing_file_with_one_line(tmp_path, capsys):
@@ -37,7 +37,7 @@ def test_result_path_defaults_under_bench_results(tmp_path):
 def test_a_bench_refuses_its_committed_result_before_running():
     committed = os.path.join(REPO, "bench", "results", "tensor_parallel_cpu.json")
     digest = hashlib.sha256(open(committed, "rb").read()).hexdigest()
-    r = subprocess.run([sys.executable, "bench/tensor_parallel.py", "--steps", "1"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "bench.parallel.tensor_parallel", "--steps", "1"], cwd=REPO,
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2, r.stderr

@@ -1,5 +1,5 @@
-"""bench/ettr.py's accounting, on a hand-written run directory: what each drill cost, and where the
-wall time that was not productive went. Expected values are worked out by hand from the events."""
+"""bench/resilience/ettr.py's accounting, on a hand-written run directory: what each drill cost, and
+where the wall time that was not productive went. Expected values are worked out by hand from the events."""
 
 import json
 import os
@@ -8,9 +8,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "bench"))
+sys.path.insert(0, REPO)  # bench/ is not installed: it imports from the checkout's root, as `python -m bench...` runs
 
-import ettr  # noqa: E402
+from bench.resilience import ettr  # noqa: E402
 
 T = 1_000_000.0  # the launch's start (time.time())
 

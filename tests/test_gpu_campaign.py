@@ -1,4 +1,4 @@
-"""bench/gpu_campaign.py on the CPU: `--dry-run` runs every section at tiny shapes, a failing
+"""`python -m bench.campaign` on the CPU: `--dry-run` runs every section at tiny shapes, a failing
 section records one line and the others still run, `--only` runs what it names and updates an
 existing result, and user mistakes are one line and exit 2. No GPU number is checked here: the
 dry run proves the campaign's plumbing; what it measures on a GPU is the GPU session's to read."""
@@ -15,10 +15,10 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
-sys.path.insert(0, os.path.join(REPO, "bench"))  # the campaign's modules import each other as siblings
+sys.path.insert(0, REPO)  # bench/ is not installed: it imports from the checkout's root, as `python -m bench...` runs
 
-import campaign_ladder  # noqa: E402
-import campaign_model  # noqa: E402
+from bench.campaign import ladder as campaign_ladder  # noqa: E402
+from bench.campaign import model as campaign_model  # noqa: E402
 
 SECTIONS = ["kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps"]
 LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
@@ -34,7 +34,7 @@ def campaign(*args: str, tmpdir=None) -> subprocess.CompletedProcess:
            "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
     if tmpdir is not None:
         env["TMPDIR"] = str(tmpdir)
-    return subprocess.run([sys.executable, "bench/gpu_campaign.py", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "bench.campaign", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=900)
 
 
@@ -89,7 +89,7 @@ def test_dry_run_runs_every_section_and_records_provenance(full):
     assert result["device"] == "cpu" and result["backend"] == "cpu" and result["dry_run"] is True
     assert result["jax"] == jax.__version__ and result["jaxlib"] == jaxlib.__version__
     assert "torch" in result and "driver" in result
-    assert result["command"] == f"python bench/gpu_campaign.py --dry-run --out {path}"
+    assert result["command"] == f"python -m bench.campaign --dry-run --out {path}"
     assert sorted(os.listdir(RESULTS)) == results_before  # a dry run never writes there
     assert left_in_tmpdir == []  # run directories, checkpoints and section results are removed
     for name in SECTIONS:  # the summary table names every section with its status
@@ -220,7 +220,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
          "error: --tiny measures nothing worth keeping; pass an --out outside bench/results/"),
         (["--dry-run", "--batch", "0"], "error: --batch must be at least 1, got 0"),
         (["--out", str(tmp_path / "x.json")],  # no GPU here, and no --dry-run
-         "error: bench/gpu_campaign.py needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
+         "error: python -m bench.campaign needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
          "or pass --dry-run to exercise every section at tiny shapes on the CPU"),
     ]:
         done = campaign(*args)
@@ -252,7 +252,7 @@ def test_a_row_that_cannot_fit_is_recorded_without_starting_it(tmp_path):
 def test_an_error_whose_first_line_is_a_header_keeps_its_cause():
     """Triton's CompilationError starts "at 21:12:", then source, then the cause: the campaign's
     one line must name the cause (the H200 run recorded only "CompilationError: at 21:12:")."""
-    import campaign_process
+    from bench.campaign import process as campaign_process
 
     class CompilationError(Exception):
         pass

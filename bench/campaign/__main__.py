@@ -1,19 +1,20 @@
 """The GPU campaign: every measurement this project wants from a lent GPU, in one command.
 
-    python bench/gpu_campaign.py                          # all sections; ~15 min on one H200
-    python bench/gpu_campaign.py --only kernels,checkpoints --overwrite   # rerun sections
-    python bench/gpu_campaign.py --dry-run                # every section, tiny, on the CPU
-    python bench/gpu_campaign.py --tiny                   # every section, tiny, on the GPU (smoke test)
+    python -m bench.campaign                          # all sections; ~15 min on one H200
+    python -m bench.campaign --only kernels,checkpoints --overwrite   # rerun sections
+    python -m bench.campaign --dry-run                # every section, tiny, on the CPU
+    python -m bench.campaign --tiny                   # every section, tiny, on the GPU (smoke test)
 
-Sections (each in its own module, bench/campaign_<name>.py):
+Run from the checkout's root (or with it on PYTHONPATH). Sections, each in its own module of
+bench/campaign/:
   kernels         attention fwd+bwd per (seq, window) and contender, Pallas tiles tuned per
-                  shape; LayerNorm+residual and bias+GeLU, Pallas vs XLA      (campaign_kernels)
+                  shape; LayerNorm+residual and bias+GeLU, Pallas vs XLA             (kernels)
   mfu_ladder      MFU, tokens/s and peak memory as MegaScale's techniques are added one by one
-                  to a 1.4B model on one device                                (campaign_ladder)
-  torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)        (campaign_torch)
+                  to a 1.4B model on one device                                       (ladder)
+  torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)           (torch_peer)
   checkpoints     blocking vs total save, and restore, for 1/4/16 GB, with the host copy in
-                  save() and on a thread (background_host_copy)          (campaign_checkpoints)
-  profiled_steps  observe.profile_every on the device, report's device heat map (campaign_profile)
+                  save() and on a thread (background_host_copy)                  (checkpoints)
+  profiled_steps  observe.profile_every on the device, report's device heat map      (profile)
 
 The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it
 (same name stem): the device, NVIDIA driver (null without nvidia-smi), jax, jaxlib, torch and
@@ -25,8 +26,8 @@ after every section, so a campaign stopped from outside (a lease's time limit) k
 finished.
 
 Isolation: this process never starts a JAX backend (that would reserve most of the GPU's
-memory); it probes the device, then runs each section as `bench/campaign_worker.py` in a
-process of its own with a time limit (`campaign_process`), so an abort, a hang or an
+memory); it probes the device, then runs each section as `python -m bench.campaign.worker` in
+a process of its own with a time limit (`process`), so an abort, a hang or an
 out-of-memory death costs that section only. The exit status is 1 when a section failed, after
 everything is written; 2 for a bad command line, before anything runs.
 
@@ -49,11 +50,8 @@ import sys
 import tempfile
 import time
 
-import campaign_device
-import campaign_plots
-import campaign_process
-import campaign_summary
-from provenance import RESULTS, result_path  # bench/provenance.py
+from bench.campaign import device, plots, process, summary
+from bench.common import RESULTS, command_line, invocation, result_path
 
 SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
@@ -76,7 +74,7 @@ def section_list(values: list[str]) -> list[str]:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python bench/gpu_campaign.py", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=invocation(), description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", default=[], metavar="SECTION",
                         help=f"run only these sections (repeatable or comma list): {', '.join(SECTIONS)}")
     parser.add_argument("--dry-run", action="store_true",
@@ -99,10 +97,6 @@ def inside(path: str, folder: str) -> bool:
     return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
 
 
-def command_line() -> str:
-    return " ".join(["python", os.path.relpath(sys.argv[0]), *sys.argv[1:]])
-
-
 def run_piece(name: str, settings: dict, scratch: str) -> dict:
     """Run section (or probe) `name` in its own process; its record: status, seconds, numbers."""
     settings_path = os.path.join(scratch, f"{name}.settings.json")
@@ -111,8 +105,8 @@ def run_piece(name: str, settings: dict, scratch: str) -> dict:
         json.dump(settings, f)
     print(f"== {name} (limit {LIMIT_S[name]} s)", flush=True)
     start = time.perf_counter()
-    done = campaign_process.run(campaign_process.python("campaign_worker.py", name, settings_path, result_file),
-                                env=dict(os.environ), limit_s=LIMIT_S[name], prefix=f"[{name}]")
+    done = process.run(process.python("bench.campaign.worker", name, settings_path, result_file),
+                       env=dict(os.environ), limit_s=LIMIT_S[name], prefix=f"[{name}]")
     record = {"seconds": round(time.perf_counter() - start, 1), "command": command_line(),
               "finished": datetime.datetime.now().isoformat(timespec="seconds")}
     if not done.ok:
@@ -169,14 +163,14 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     if probe["status"] != "ok":
         print(f"error: could not start JAX on this machine: {probe['reason']}", file=sys.stderr)
         return 1
-    device = {k: probe[k] for k in ("device_kind", "backend", "device_count", "memory_limit_bytes")}
-    if device["backend"] != "gpu" and not tiny:
-        print(f"error: bench/gpu_campaign.py needs a GPU (JAX backend is {device['backend']!r}); run it on a GPU "
+    found = {k: probe[k] for k in ("device_kind", "backend", "device_count", "memory_limit_bytes")}
+    if found["backend"] != "gpu" and not tiny:
+        print(f"error: {invocation()} needs a GPU (JAX backend is {found['backend']!r}); run it on a GPU "
               "machine, or pass --dry-run to exercise every section at tiny shapes on the CPU", file=sys.stderr)
         return 2
 
     date = datetime.date.today().isoformat()
-    name = f"gpu_{slug(device['device_kind'])}_{date}"
+    name = f"gpu_{slug(found['device_kind'])}_{date}"
     if args.out:
         path = args.out
     else:
@@ -187,19 +181,19 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     if args.only and os.path.exists(path):  # --only updates an existing result (--overwrite given)
         with open(path) as f:
             existing = json.load(f)
-        if existing.get("device") != device["device_kind"]:
+        if existing.get("device") != found["device_kind"]:
             print(f"error: {os.path.relpath(path)} holds results of {existing.get('device')!r}, not of this "
-                  f"{device['device_kind']!r}; pass another --out", file=sys.stderr)
+                  f"{found['device_kind']!r}; pass another --out", file=sys.stderr)
             return 2
         sections = existing.get("sections", {})
     png_stem = os.path.splitext(path)[0]
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
-    settings = {"dry_run": tiny, "device": device, "png_stem": png_stem, "fail_sections": fail, "batch": args.batch}
-    header = {"command": command_line(), "device": device["device_kind"], "devices": device["device_count"],
-              "backend": device["backend"], **campaign_device.versions(), "dry_run": args.dry_run,
-              "tiny": args.tiny, "date": date, **campaign_device.host_facts(),
-              "memory_limit_bytes": device["memory_limit_bytes"],
+    settings = {"dry_run": tiny, "device": found, "png_stem": png_stem, "fail_sections": fail, "batch": args.batch}
+    header = {"command": command_line(), "device": found["device_kind"], "devices": found["device_count"],
+              "backend": found["backend"], **device.versions(), "dry_run": args.dry_run,
+              "tiny": args.tiny, "date": date, **device.host_facts(),
+              "memory_limit_bytes": found["memory_limit_bytes"],
               "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
     failed = []
     for section in only:
@@ -209,10 +203,10 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
             print(f"[{section}] error: {sections[section]['reason']}", flush=True)
         sections = {s: sections[s] for s in SECTIONS if s in sections}
         save(path, {**header, "sections": sections})  # what is done survives a stop from outside
-    pngs, problems = campaign_plots.draw(sections, png_stem)
+    pngs, problems = plots.draw(sections, png_stem)
     save(path, {**header, "sections": sections, "pngs": pngs, "png_problems": problems})
     print()
-    campaign_summary.show(sections, pngs, problems)
+    summary.show(sections, pngs, problems)
     print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -1,9 +1,10 @@
-"""Campaign section d, checkpoints: blocking vs total save time and restore time for 1, 4 and 16
-GB of training state on the device, through the trainer's own `Checkpointer`
-(bench/checkpoint.py's `measure_size`, here on a one-device mesh: the state lives in GPU memory).
-Twice: `sizes` with the blocking stage as orbax does it (the device-to-host copy plus the
-on-device checksums), `background_sizes` with `checkpoint.background_host_copy=true` (a copy on
-the device blocks; the host copy runs on a thread), whose blocking counts the device copy's time.
+"""Campaign section d, checkpoints: blocking vs total save time and restore time for 1, 4 and 16 GB
+of training state on the device, through the trainer's own `Checkpointer`
+(bench/resilience/checkpoint.py's `measure_size`, here on a one-device mesh: the state lives in
+GPU memory). Twice: `sizes` with the blocking stage as orbax does it (the device-to-host copy
+plus the on-device checksums), `background_sizes` with `checkpoint.background_host_copy=true` (a
+copy on the device blocks; the host copy runs on a thread), whose blocking counts the device
+copy's time.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 import shutil
 import tempfile
 
-import campaign_process
-from checkpoint import TABLE_HEADER, measure_size  # bench/checkpoint.py
+from bench.campaign import process
+from bench.resilience.checkpoint import TABLE_HEADER, measure_size
 
 SIZES_GB = {False: (1.0, 4.0, 16.0), True: (1 / 16, 1 / 8)}  # keyed by dry_run; arrays are 64 MB each
 REPEATS = {False: 2, True: 1}
@@ -42,7 +43,7 @@ def measure_sizes(cfg, mesh, sizes_gb, repeats) -> list[dict]:
             try:
                 rows.append(measure_size(cfg, mesh, directory, size, repeats))
             except Exception as e:  # noqa: BLE001 — e.g. 16 GB not fitting: the smaller sizes still count
-                rows.append({"state_gb": size, "error": campaign_process.one_line(e)})
+                rows.append({"state_gb": size, "error": process.one_line(e)})
                 print(f"{size:>9.2f}  {rows[-1]['error']}", flush=True)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Campaign section a, kernels: attention forward+backward per (seq, window) and contender, the
 Pallas kernel's tiles tuned per shape, and the Pallas LayerNorm+residual and bias+GeLU kernels
-against XLA. Timing, FLOP count and the fused-kernel cases are bench/attention.py's.
+against XLA. Timing, FLOP count and the fused-kernel cases are bench/kernels/attention.py's.
 
 Contenders: XLA dense causal (once per seq: it ignores the window), XLA masked window, cuDNN
 window, Pallas window (every (block_q, block_k) of the shape's grid tried, the fastest kept, all
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import types
 
-import campaign_process
-from attention import attention_flops, attention_impls, bench_fused, time_fwd_bwd  # bench/attention.py
+from bench.campaign import process
+from bench.kernels.attention import attention_flops, attention_impls, bench_fused, time_fwd_bwd
 
 SHAPES = {  # keyed by dry_run
     False: dict(seqs=(2048, 8192, 32768), windows=(512, 1024, 4096), batch=1, heads=16, head_dim=128, iters=20,
@@ -34,7 +34,7 @@ def tokamax_attention(window: int, on_gpu: bool):
     try:
         import tokamax
     except Exception as e:  # noqa: BLE001 — an optional peer that does not import is one line, never a failure
-        return f"skipped: tokamax is not importable ({campaign_process.one_line(e)})"
+        return f"skipped: tokamax is not importable ({process.one_line(e)})"
     if not on_gpu:
         return "skipped: needs a GPU"
     return lambda q, k, v: tokamax.dot_product_attention(
@@ -69,7 +69,7 @@ def timed(row: dict, fn, qkv, shape: dict, reference) -> dict:
         if reference is not None:
             row["rel_err"] = relative_error(fn, qkv, reference)
     except Exception as e:  # noqa: BLE001 — an implementation that cannot run is a result too
-        row["error"] = campaign_process.one_line(e)
+        row["error"] = process.one_line(e)
     return row
 
 

@@ -9,9 +9,9 @@
     remat               + model.remat=dots at the largest batch that then fits (kept below only if faster)
     lamb_4x_batch       + LAMB at 4x the global batch, by 4 microbatches of gradient accumulation
 
-Each row is `bench/train_step.py` in its own process (`campaign_process`): XLA reads XLA_FLAGS
-once per process, and an out-of-memory death or an XLA abort ends that row only. Before a row
-starts, its batch is picked from the memory estimate (`campaign_model.pick_batch`); a row
+Each row is `python -m bench.parallel.train_step` in its own process (`process`): XLA reads
+XLA_FLAGS once per process, and an out-of-memory death or an XLA abort ends that row only. Before a
+row starts, its batch is picked from the memory estimate (`model.pick_batch`); a row
 that cannot fit even one sequence is recorded as "does not fit: ..." and never compiled. MFU
 counts the FLOPs of the row's own model (window-aware, `megascale_jax.model.flops`), so a
 window that XLA computes in full shows as *lower* MFU: the masked work is not useful work.
@@ -25,8 +25,7 @@ import os
 import shutil
 import tempfile
 
-import campaign_model
-import campaign_process
+from bench.campaign import model, process
 
 BASELINE = {"model.block": "serial", "model.window": "null", "model.attention": "xla", "optim.name": "adamw",
             "model.fused_norm": "false", "model.fused_mlp": "false"}
@@ -62,14 +61,14 @@ class Ladder:
         if not largest:
             batch = batch or self.settings.get("batch")  # --batch: the same for every row
         if batch is None:
-            batch, estimate = campaign_model.pick_batch(overrides, limit, self.dry_run, microbatches)
+            batch, estimate = model.pick_batch(overrides, limit, self.dry_run, microbatches)
         else:
-            estimate = campaign_model.estimate_bytes([*overrides, f"train.global_batch={batch * microbatches}"])
+            estimate = model.estimate_bytes([*overrides, f"train.global_batch={batch * microbatches}"])
         row = {"name": name, "config": dict(changes), "microbatches": microbatches, "batch": batch,
                "global_batch": None if batch is None else batch * microbatches, "estimate_bytes": estimate,
                "xla_flags": list(xla_flags)}
-        if batch is None or (limit is not None and estimate > campaign_model.HEADROOM * limit):
-            return {**row, "error": campaign_model.does_not_fit(estimate, limit)}
+        if batch is None or (limit is not None and estimate > model.HEADROOM * limit):
+            return {**row, "error": model.does_not_fit(estimate, limit)}
         if changes.get("model.attention") == "cudnn" and self.settings["device"]["backend"] != "gpu":
             return {**row, "skipped": "skipped: needs a GPU"}
         steps, skip = STEPS[self.dry_run]
@@ -77,11 +76,11 @@ class Ladder:
         env = dict(os.environ)
         if xla_flags:
             env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
-        command = campaign_process.python(
-            "train_step.py", "--config", campaign_model.CONFIG, "--name", name, "--out", out, "--skip", str(skip),
+        command = process.python(
+            "bench.parallel.train_step", "--config", model.CONFIG, "--name", name, "--out", out, "--skip", str(skip),
             "--run-dir", os.path.join(self.work_dir, name),
             *overrides, f"train.global_batch={batch * microbatches}", f"train.steps={steps}")
-        done = campaign_process.run(command, env=env, limit_s=ROW_LIMIT_S[self.dry_run], prefix=f"  [{name}]")
+        done = process.run(command, env=env, limit_s=ROW_LIMIT_S[self.dry_run], prefix=f"  [{name}]")
         if not done.ok:
             return {**row, "error": done.failure(ROW_LIMIT_S[self.dry_run])}
         with open(out) as f:
@@ -92,7 +91,7 @@ class Ladder:
 
 def row_overrides(dry_run: bool, changes: dict, microbatches: int = 1) -> list[str]:
     """Config overrides of a row, batch aside (`pick_batch` adds it)."""
-    return campaign_model.base_overrides(dry_run) + [
+    return model.base_overrides(dry_run) + [
         f"{k}={v}" for k, v in {**changes, "parallel.microbatches": microbatches}.items()]
 
 
@@ -106,7 +105,7 @@ def faster(row: dict, before: dict) -> bool:
 
 
 def run(settings: dict) -> dict:
-    campaign_model.host_only_jax()
+    model.host_only_jax()
     work_dir = tempfile.mkdtemp(prefix="campaign-ladder-")  # the rows' run directories and results
     try:
         return climb(Ladder(settings, work_dir))
@@ -156,5 +155,5 @@ def climb(ladder: Ladder) -> dict:
     before = (rows[-1] if rows[-1]["kept"] else rows[-2])["batch"] or 1
     rows.append(ladder.row("lamb_4x_batch", config, microbatches=LAMB_MICROBATCHES, batch=before,
                            xla_flags=TUNED_XLA_FLAGS))
-    return {"config": os.path.relpath(campaign_model.CONFIG, campaign_model.REPO), "window": WINDOW[dry_run],
+    return {"config": os.path.relpath(model.CONFIG, model.REPO), "window": WINDOW[dry_run],
             "rows": rows}

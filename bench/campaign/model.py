@@ -13,10 +13,10 @@ from __future__ import annotations
 import functools
 import os
 
+from bench.common import REPO
 from megascale_jax.config import load_config
 from megascale_jax.model import flops
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "configs", "gpt_1b.yaml")
 TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=64",
         "model.vocab=256"]

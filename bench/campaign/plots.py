@@ -4,7 +4,7 @@
     <stem>_ladder.png       tokens/s per ladder row (MFU in the label), PyTorch peers beside
     <stem>_checkpoints.png  blocking and total save, and restore seconds per state size
 
-(`campaign_profile` copies the report's device heat map to <stem>_device_heatmap.png itself.)
+(`profile` copies the report's device heat map to <stem>_device_heatmap.png itself.)
 A figure that cannot be drawn is one line in the result's png_problems, never a failed campaign.
 """
 
@@ -18,7 +18,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-import campaign_process  # noqa: E402
+from bench.campaign import process  # noqa: E402
 
 
 def bars(ax, groups: list[str], series: dict[str, list[float]]) -> None:
@@ -92,8 +92,8 @@ def draw(sections: dict, stem: str) -> tuple[list[str], list[str]]:
             plt.close(fig)
             paths.append(f"{stem}_{suffix}.png")
         except Exception as e:  # noqa: BLE001 — a figure is not worth a failed campaign
-            problems.append(f"{suffix}.png: {campaign_process.one_line(e)}")
-    heatmap = f"{stem}_device_heatmap.png"  # drawn by the report, copied by campaign_profile
+            problems.append(f"{suffix}.png: {process.one_line(e)}")
+    heatmap = f"{stem}_device_heatmap.png"  # drawn by the report, copied by profile
     if "profiled_steps" in ok and os.path.isfile(heatmap):
         paths.append(heatmap)
     return paths, problems

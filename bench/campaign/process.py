@@ -8,7 +8,8 @@ between pieces (XLA reads them once, when the backend starts). The process gets 
 process group, so a piece that runs out of time is killed together with the processes it
 started. Its output is echoed live with a prefix, and the last lines are kept to find the line
 that names the failure (the supervisor's `last_error_line`: glog's fatal line, else the Python
-exception, else our own `error:` line).
+exception, else our own `error:` line). Every piece gets this checkout on its PYTHONPATH, so
+`python -m bench....` starts in the user's cwd, wherever that is (`common.with_repo_on_path`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import dataclasses
 import os
 import signal
 import subprocess
-import sys
 import threading
 
+from bench.common import python_module, with_repo_on_path
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise.workers import last_error_line
 
@@ -49,7 +50,7 @@ class Finished:
 
 def run(command: list[str], *, env: dict, limit_s: float, prefix: str) -> Finished:
     """Run `command` (output echoed as `prefix line`) until it exits or `limit_s` passes."""
-    proc = subprocess.Popen(command, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(command, env={**with_repo_on_path(env), "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
     timed_out = threading.Event()
 
@@ -87,6 +88,6 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[:300]}"
 
 
-def python(script: str, *args: str) -> list[str]:
-    """The command line that runs bench/`script` with this interpreter."""
-    return [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), script), *args]
+def python(module: str, *args: str) -> list[str]:
+    """The command line that runs `python -m module` (e.g. bench.campaign.worker) with this interpreter."""
+    return python_module(module, *args)

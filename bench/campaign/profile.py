@@ -11,8 +11,7 @@ import shutil
 import sys
 import tempfile
 
-import campaign_model
-import campaign_process
+from bench.campaign import model, process
 
 STEPS, PROFILE_EVERY = 6, 2
 TRAIN_LIMIT_S = 400
@@ -33,9 +32,9 @@ def checked_run(run_dir: str, settings: dict) -> dict:
 
     dry_run = settings["dry_run"]
     # The run in a process of its own, as a user starts it; its failure comes back as one line.
-    done = campaign_process.run(
-        [sys.executable, "-m", "megascale_jax.train", "--config", campaign_model.CONFIG, "--run-dir", run_dir,
-         *campaign_model.base_overrides(dry_run), *SHAPE[dry_run], "train.global_batch=4", "parallel.microbatches=1",
+    done = process.run(
+        [sys.executable, "-m", "megascale_jax.train", "--config", model.CONFIG, "--run-dir", run_dir,
+         *model.base_overrides(dry_run), *SHAPE[dry_run], "train.global_batch=4", "parallel.microbatches=1",
          f"train.steps={STEPS}", f"observe.profile_every={PROFILE_EVERY}", "train.eval_every=0"],
         env=dict(os.environ), limit_s=TRAIN_LIMIT_S, prefix="  [train]")
     if not done.ok:

@@ -20,9 +20,7 @@ from __future__ import annotations
 import statistics
 import time
 
-import campaign_ladder
-import campaign_model
-import campaign_process
+from bench.campaign import ladder, model, process
 from megascale_jax.model import flops
 
 # (warm-up steps, timed steps), keyed by dry_run; the warm-up includes torch.compile.
@@ -42,12 +40,12 @@ def build(family: str, m, device):
         # to a multiple of 64, as tensor cores want).
         width = max(64, 64 * round(2 * m.mlp_dim / 3 / 64))
         config = transformers.LlamaConfig(num_key_value_heads=m.kv_heads, intermediate_size=width, **shape)
-        model = transformers.LlamaForCausalLM(config)
+        lm = transformers.LlamaForCausalLM(config)
     else:
         config = transformers.GPTNeoXConfig(intermediate_size=m.mlp_dim, hidden_act="gelu_pytorch_tanh",
                                             use_parallel_residual=True, **shape)
-        model = transformers.GPTNeoXForCausalLM(config)
-    return model.to(device).train()
+        lm = transformers.GPTNeoXForCausalLM(config)
+    return lm.to(device).train()
 
 
 def measure(family: str, cfg, batch: int, dry_run: bool, peak: float | None) -> dict:
@@ -57,9 +55,9 @@ def measure(family: str, cfg, batch: int, dry_run: bool, peak: float | None) -> 
     device = "cpu" if dry_run else "cuda"
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    model = build(family, cfg.model, device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device == "cuda")
-    forward = torch.compile(model) if device == "cuda" else model
+    lm = build(family, cfg.model, device)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-4, fused=device == "cuda")
+    forward = torch.compile(lm) if device == "cuda" else lm
     tokens = torch.randint(0, cfg.model.vocab, (batch, cfg.model.seq_len),
                            generator=torch.Generator().manual_seed(1)).to(device)
 
@@ -84,8 +82,8 @@ def measure(family: str, cfg, batch: int, dry_run: bool, peak: float | None) -> 
         times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     tokens_per_s = batch * cfg.model.seq_len / step_s
-    return {"family": family, "device": device, "compiled": forward is not model, "batch": batch,
-            "parameters": sum(p.numel() for p in model.parameters()),
+    return {"family": family, "device": device, "compiled": forward is not lm, "batch": batch,
+            "parameters": sum(p.numel() for p in lm.parameters()),
             "our_parameters": flops.param_count(cfg.model), "step_time_s": step_s, "tokens_per_s": tokens_per_s,
             "mfu": None if peak is None else tokens_per_s * flops.model_flops_per_token(cfg.model) / peak,
             "peak_bytes_in_use": torch.cuda.max_memory_allocated() if device == "cuda" else None,
@@ -99,25 +97,25 @@ def run(settings: dict) -> dict:
     except ImportError as e:
         return {"skipped": f"skipped: torch/transformers not importable ({e})"}
     dry_run, found = settings["dry_run"], settings["device"]
-    campaign_model.host_only_jax()
+    model.host_only_jax()
     if not dry_run and not torch.cuda.is_available():  # a CPU build would take an hour at 1.4B parameters
         return {"skipped": f"skipped: torch {torch.__version__} sees no CUDA device"}
     peak = flops.peak_flops(found["device_kind"])
     rows = []
     for row, family in PEERS.items():
-        changes = campaign_ladder.BASELINE | ({"model.block": "parallel"} if row == "parallel_block" else {})
-        overrides = campaign_ladder.row_overrides(dry_run, changes)
+        changes = ladder.BASELINE | ({"model.block": "parallel"} if row == "parallel_block" else {})
+        overrides = ladder.row_overrides(dry_run, changes)
         batch = settings.get("batch")  # --batch: the ladder's rows ran at it too
         if batch is None:
-            batch, estimate = campaign_model.pick_batch(overrides, found["memory_limit_bytes"], dry_run)
+            batch, estimate = model.pick_batch(overrides, found["memory_limit_bytes"], dry_run)
         if batch is None:
             rows.append({"row": row, "family": family,
-                         "error": campaign_model.does_not_fit(estimate, found["memory_limit_bytes"])})
+                         "error": model.does_not_fit(estimate, found["memory_limit_bytes"])})
             continue
         try:
-            rows.append({"row": row, **measure(family, campaign_model.load(overrides), batch, dry_run, peak)})
+            rows.append({"row": row, **measure(family, model.load(overrides), batch, dry_run, peak)})
         except Exception as e:  # noqa: BLE001 — one peer failing (e.g. out of memory) leaves the other
-            rows.append({"row": row, "family": family, "batch": batch, "error": campaign_process.one_line(e)})
+            rows.append({"row": row, "family": family, "batch": batch, "error": process.one_line(e)})
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the first peer's cached blocks are not the second's memory
     return {"torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}

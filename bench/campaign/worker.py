@@ -1,10 +1,10 @@
 """Runs one piece of the GPU campaign in this process and writes what it returns as JSON:
 
-    python bench/campaign_worker.py SECTION SETTINGS.json RESULT.json
+    python -m bench.campaign.worker SECTION SETTINGS.json RESULT.json
 
-`bench/gpu_campaign.py` starts one of these per section (see `campaign_process` for why each
-gets its own process). SETTINGS holds what every section needs (dry_run, the device as
-`campaign_device.run` found it, where PNGs go). A section's failure is this process's
+`python -m bench.campaign` starts one of these per section (see `process` for why each gets its
+own process). SETTINGS holds what every section needs (dry_run, the device as `device.run`
+found it, where PNGs go). A section's failure is this process's
 failure: the traceback goes to stderr, the exit code is non-zero, and the campaign records the
 line that names it.
 """
@@ -14,12 +14,12 @@ import json
 import sys
 
 PIECES = {  # name -> module with `run(settings) -> dict` (imported only when asked for)
-    "probe": "campaign_device",
-    "kernels": "campaign_kernels",
-    "mfu_ladder": "campaign_ladder",
-    "torch_peer": "campaign_torch",
-    "checkpoints": "campaign_checkpoints",
-    "profiled_steps": "campaign_profile",
+    "probe": "bench.campaign.device",
+    "kernels": "bench.campaign.kernels",
+    "mfu_ladder": "bench.campaign.ladder",
+    "torch_peer": "bench.campaign.torch_peer",
+    "checkpoints": "bench.campaign.checkpoints",
+    "profiled_steps": "bench.campaign.profile",
 }
 
 

@@ -1,7 +1,7 @@
 """Fused-kernel benchmark on one GPU: attention, LayerNorm(+residual) and bias+GeLU vs XLA/cuDNN.
 
-    python bench/attention.py                       # the issue's grid, bf16, head dim 128
-    python bench/attention.py --seqs 2048 --windows 512 --iters 5
+    python -m bench.kernels.attention                       # the issue's grid, bf16, head dim 128
+    python -m bench.kernels.attention --seqs 2048 --windows 512 --iters 5
 
 Attention: forward+backward time and achieved TFLOP/s for XLA dense causal, XLA masked window,
 cuDNN window, Pallas window (and jax-triton window when installed), for every (seq, window).
@@ -13,14 +13,12 @@ bench/results/attention_<device>.json with the device, jax/jaxlib versions and t
 An implementation that fails (e.g. XLA's dense scores out of memory) is recorded as an error.
 """
 
-import argparse
 import re
 import statistics
 import sys
 import time
 
-from provenance import result_path, write_result  # bench/provenance.py
-
+from bench.common import Bench
 
 
 def visible_pairs(seq: int, window: int | None) -> int:
@@ -123,35 +121,31 @@ def bench_fused(args):
     return rows
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
-    parser.add_argument("--windows", type=int, nargs="+", default=[512, 1024, 4096])
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", type=int, default=16)
-    parser.add_argument("--kv-heads", type=int, default=16)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--d-model", type=int, default=4096, help="LayerNorm / GeLU width (GeLU: 4x)")
-    parser.add_argument("--fused-tokens", type=int, default=16384)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--allow-cpu", action="store_true",
-                        help="run anyway on the CPU (interpret mode; only to smoke-test this script)")
-    parser.add_argument("--out", default=None, help="result file (default bench/results/attention_<device>.json)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace the result file if it exists (committed results are kept otherwise)")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "attention_<device>")
+    bench.add_argument("--seqs", type=int, nargs="+", default=[2048, 8192, 32768])
+    bench.add_argument("--windows", type=int, nargs="+", default=[512, 1024, 4096])
+    bench.add_argument("--batch", type=int, default=1)
+    bench.add_argument("--heads", type=int, default=16)
+    bench.add_argument("--kv-heads", type=int, default=16)
+    bench.add_argument("--head-dim", type=int, default=128)
+    bench.add_argument("--d-model", type=int, default=4096, help="LayerNorm / GeLU width (GeLU: 4x)")
+    bench.add_argument("--fused-tokens", type=int, default=16384)
+    bench.add_argument("--iters", type=int, default=20)
+    bench.add_argument("--allow-cpu", action="store_true",
+                       help="run anyway on the CPU (interpret mode; only to smoke-test this script)")
+    args = bench.parse_args(argv)
 
     import jax
 
     if jax.default_backend() != "gpu" and not args.allow_cpu:
-        print(f"bench/attention.py needs a GPU (JAX backend is {jax.default_backend()!r}); "
+        print(f"{bench.parser.prog} needs a GPU (JAX backend is {jax.default_backend()!r}); "
               "run it on a GPU machine, or pass --allow-cpu with tiny sizes to smoke-test it",
               file=sys.stderr)
         return 2
 
     device = jax.devices()[0].device_kind
-    name = f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}"
-    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
+    bench.refuse_existing(f"attention_{re.sub(r'[^a-z0-9]+', '_', device.lower()).strip('_')}")
     print(f"{device}, jax {jax.__version__}, batch {args.batch}, heads {args.heads}/{args.kv_heads}, "
           f"head dim {args.head_dim}, bf16, fwd+bwd")
     print(f"{'seq':>7}{'window':>8}  {'impl':<18}{'ms':>10}{'TFLOP/s':>9}")
@@ -164,12 +158,8 @@ def main() -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    out = write_result(
-        name,
-        {"triton": triton_version, "attention": attention, "fused": fused,
-         "settings": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "allow_cpu")}},
-        path=args.out, overwrite=args.overwrite)
-    print(f"wrote {out}")
+    bench.write({"triton": triton_version, "attention": attention, "fused": fused,
+                 "settings": {k: v for k, v in vars(args).items() if k not in ("out", "overwrite", "allow_cpu")}})
     return 0
 
 

@@ -1,7 +1,7 @@
 """Bytes per mesh axis and step: the planner's (`planner/traffic.py`) against every collective of
 the compiled train step (`observe/collectives.py`), on 8 simulated CPU devices.
 
-    python bench/collective_bytes.py [--out FILE] [--overwrite]
+    python -m bench.parallel.collective_bytes [--out FILE] [--overwrite]
 
 The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` holds to 5%. The last three
 show what the runtime still pays at pp = 1; their `ideal` column is the planner with one
@@ -9,14 +9,13 @@ gradient reduction per step (`dp_reduce_per_microbatch` off). Writes
 bench/results/collective_bytes_cpu.json.
 """
 
-import argparse
 import dataclasses
 import sys
 
 import jax
 
-from compiled_step import compile_train_step  # bench/compiled_step.py
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+from bench.common import Bench
+from bench.parallel.compiled_step import compile_train_step
 
 SHAPE = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "train.global_batch=8",
          "mesh.cpu_devices=8"]
@@ -62,12 +61,11 @@ def measure(overrides: list[str]) -> dict:
     return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_flags(parser, "collective_bytes_cpu")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "collective_bytes_cpu")
+    bench.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts
-    result_path("collective_bytes_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+    bench.refuse_existing()
     rows = {}
     print(f"{'layout':<42}{'axis':>5}{'measured B':>12}{'planned B':>12}{'error':>8}{'ideal B':>12}{'measured/ideal':>16}")
     for name, overrides in LAYOUTS.items():
@@ -77,8 +75,7 @@ def main() -> int:
             if got or planned:
                 print(f"{name:<42}{axis:>5}{got:>12.0f}{planned:>12.0f}{planned / got - 1:>+8.1%}{ideal:>12.0f}"
                       f"{got / ideal:>15.2f}x", flush=True)
-    write_result("collective_bytes_cpu", {"devices": "8 simulated CPU devices", "rows": rows}, args.out,
-                 args.overwrite)
+    bench.write({"devices": "8 simulated CPU devices", "rows": rows})
     return 0
 
 

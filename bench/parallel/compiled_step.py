@@ -1,5 +1,5 @@
 """One config's train step compiled ahead of time on the local devices, and its median time
-(shared by the bench scripts; they run as `python bench/<name>.py`)."""
+(shared by the benches of bench/parallel/)."""
 
 import dataclasses
 import statistics
@@ -35,7 +35,7 @@ def compile_train_step(overrides: list[str]) -> CompiledStep:
     from megascale_jax.training import data
     from megascale_jax.config import load_config
     from megascale_jax.parallel.mesh import make_mesh
-    from megascale_jax.train import build_trainer
+    from megascale_jax.training.trainer import build_trainer
 
     cfg = load_config(None, overrides)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))

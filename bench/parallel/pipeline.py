@@ -1,6 +1,6 @@
 """Pipeline schedules on the local devices: compile time, temp memory and step time vs. m.
 
-    python bench/pipeline.py [--pp 4] [--tp 2] [--microbatches 4 8 16 32] [--steps 5]
+    python -m bench.parallel.pipeline [--pp 4] [--tp 2] [--microbatches 4 8 16 32] [--steps 5]
 
 For every schedule, stash mode (`parallel.pp_stash`: chunk inputs, recomputed in the backward, or
 vjp residuals) and microbatch count m (one sequence per microbatch per dp replica) it compiles one
@@ -11,15 +11,12 @@ bench/results/pipeline_<platform>.json. On simulated CPU devices the stages shar
 cores, so step times there show compile/memory behaviour, not pipeline overlap.
 """
 
-import argparse
 import sys
 
 import jax
 
-from compiled_step import compile_train_step  # bench/compiled_step.py
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
-
-
+from bench.common import Bench
+from bench.parallel.compiled_step import compile_train_step
 
 VARIANTS = (("gpipe", 1, "inputs"), ("1f1b", 1, "inputs"), ("1f1b", 1, "residuals"),
             ("interleaved_1f1b", 2, "inputs"), ("interleaved_1f1b", 2, "residuals"))
@@ -48,17 +45,15 @@ def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
             "stash_slots": table.slots, "ticks": table.ticks, "bubble_table": table.bubble_fraction()}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
-    parser.add_argument("--steps", type=int, default=5)
-    add_output_flags(parser, "pipeline_<platform>")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "pipeline_<platform>")
+    bench.add_argument("--pp", type=int, default=4)
+    bench.add_argument("--tp", type=int, default=2)
+    bench.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16, 32])
+    bench.add_argument("--steps", type=int, default=5)
+    args = bench.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.pp * args.tp)  # simulated devices if on CPU; before JAX starts
-    name = f"pipeline_{jax.default_backend()}"
-    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
+    bench.refuse_existing(f"pipeline_{jax.default_backend()}")
 
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>5}{'compile s':>11}{'temp MiB':>10}{'GFLOP':>8}{'step s':>9}"
@@ -69,7 +64,7 @@ def main() -> int:
         print(f"{schedule:<18}{virtual:>3}{stash:>11}{m:>5}{r['compile_s']:>11.1f}{r['temp_bytes'] / 2**20:>10.2f}"
               f"{r['flops'] / 1e9:>8.2f}{r['step_time_s']:>9.3f}{r['stash_slots']:>7}{r['bubble_table']:>8.1%}",
               flush=True)
-    write_result(name, {"pp": args.pp, "tp": args.tp, "rows": rows}, args.out, args.overwrite)
+    bench.write({"pp": args.pp, "tp": args.tp, "rows": rows})
     return 0
 
 

@@ -1,6 +1,6 @@
 """The pipeline bubble measured from per-stage busy time, next to the table's.
 
-    python bench/pipeline_bubble.py [--pp 4] [--microbatches 4 8 16] [--steps 3]
+    python -m bench.parallel.pipeline_bubble [--pp 4] [--microbatches 4 8 16] [--steps 3]
 
 For every schedule it compiles the full train step (pp stages, tp=1, dp=1), profiles `--steps`
 steps with `jax.profiler.trace` and cuts each device's HLO ops into the table's ticks at the
@@ -22,7 +22,6 @@ when other stages are busy too: the pattern is exact, the absolute times are con
 to bench/results/pipeline_bubble_<platform>.json.
 """
 
-import argparse
 import statistics
 import sys
 import tempfile
@@ -30,9 +29,9 @@ import time
 
 import jax
 
-from compiled_step import compile_train_step  # bench/compiled_step.py
-from pipeline import VARIANTS, configurations  # bench/pipeline.py
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+from bench.common import Bench
+from bench.parallel.compiled_step import compile_train_step
+from bench.parallel.pipeline import VARIANTS, configurations
 
 
 def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[list[float]], list[float], float]:
@@ -62,7 +61,7 @@ def profile_busy(compiled, ticks: int, stages: int, steps: int) -> tuple[list[li
 def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
     from megascale_jax.observe import device_profile
     from megascale_jax.parallel.pipeline import schedule_for
-    from megascale_jax.parallel.pipeline_schedule import bubble_closed_form
+    from megascale_jax.pipeline_schedule import bubble_closed_form
 
     compiled = compile_train_step([
         "mesh.dp=1", f"mesh.pp={args.pp}", "mesh.tp=1", f"mesh.cpu_devices={args.pp}", "train.eval_every=0",
@@ -90,16 +89,14 @@ def measure(schedule: str, virtual: int, stash: str, m: int, args) -> dict:
             "step_wall_s": wall, "busy_us": [[round(x) for x in row] for row in busy]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=4)
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
-    parser.add_argument("--steps", type=int, default=3)
-    add_output_flags(parser, "pipeline_bubble_<platform>")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "pipeline_bubble_<platform>")
+    bench.add_argument("--pp", type=int, default=4)
+    bench.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    bench.add_argument("--steps", type=int, default=3)
+    args = bench.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.pp)  # simulated devices if on CPU; before JAX starts
-    name = f"pipeline_bubble_{jax.default_backend()}"
-    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
+    bench.refuse_existing(f"pipeline_bubble_{jax.default_backend()}")
 
     rows = []
     print(f"{'schedule':<18}{'v':>3}{'stash':>11}{'m':>4}{'measured':>10}{'=idle':>7}{'+wait':>7}{'table':>7}"
@@ -111,7 +108,7 @@ def main() -> int:
               f"{r['bubble_idle_cells']:>7.1%}{r['bubble_imbalance']:>7.1%}{r['bubble_table']:>7.1%}"
               f"{r['forward_tick_us']:>8.0f}{r['backward_tick_us']:>8.0f}{r['idle_tick_us']:>9.0f}"
               f"{r['outside_loop_ms']:>11.1f}{r['lockstep_step_s']:>12.3f}{r['step_wall_s']:>8.3f}", flush=True)
-    write_result(name, {"pp": args.pp, "rows": rows}, args.out, args.overwrite)
+    bench.write({"pp": args.pp, "rows": rows})
     return 0
 
 

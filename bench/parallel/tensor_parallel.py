@@ -1,20 +1,19 @@
 """Tensor-parallel modes on the local devices: FLOPs and bytes from `cost_analysis()`, collective
 counts from the HLO, and step time per (block, tp_overlap, sequence_parallel).
 
-    python bench/tensor_parallel.py [--tp 8] [--steps 5]
+    python -m bench.parallel.tensor_parallel [--tp 8] [--steps 5]
 
 On simulated CPU devices the "devices" share the host's cores, so step times show the cost of
 each mode, not communication overlap. JSON goes to bench/results/tensor_parallel_<platform>.json.
 """
 
-import argparse
 import re
 import sys
 
 import jax
 
-from compiled_step import compile_train_step  # bench/compiled_step.py
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+from bench.common import Bench
+from bench.parallel.compiled_step import compile_train_step
 
 # (tp_overlap, sequence_parallel, collective-matmul pieces per device shard)
 MODES = [("none", False, 2), ("none", True, 2), ("collective_matmul", True, 1), ("collective_matmul", True, 2),
@@ -36,15 +35,13 @@ def measure(block: str, overlap: str, sp: bool, pieces: int, args) -> dict:
             "collectives_in_program": collectives, "step_time_s": compiled.median_time_s(args.steps)}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=5)
-    add_output_flags(parser, "tensor_parallel_<platform>")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "tensor_parallel_<platform>")
+    bench.add_argument("--tp", type=int, default=8)
+    bench.add_argument("--steps", type=int, default=5)
+    args = bench.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", args.tp)  # simulated devices if on CPU; before JAX starts
-    name = f"tensor_parallel_{jax.default_backend()}"
-    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
+    bench.refuse_existing(f"tensor_parallel_{jax.default_backend()}")
     rows = []
     print(f"{'block':<10}{'tp_overlap':<19}{'SP':<4}{'pieces':>7}{'GFLOP/layer':>12}{'MB/layer':>10}{'step s':>9}  collectives")
     for block in ("parallel", "serial"):
@@ -57,7 +54,7 @@ def main() -> int:
                   f"{r['bytes_per_layer'] / 1e6:>10.1f}{r['step_time_s']:>9.3f}  "
                   f"AR {c['all-reduce']} AG {c['all-gather']} RS {c['reduce-scatter']} CP {c['collective-permute']}",
                   flush=True)
-    write_result(name, {"rows": rows}, args.out, args.overwrite)
+    bench.write({"rows": rows})
     return 0
 
 

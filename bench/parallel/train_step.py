@@ -1,7 +1,7 @@
 """Step time, tokens/s and MFU of a real training run; prints a table and writes JSON.
 
-    python bench/train_step.py --config configs/tiny_cpu.yaml [--name tiny_cpu] [key=value ...]
-    python bench/train_step.py --config configs/gpt_1b.yaml --name gpt_1b_cudnn model.attention=cudnn
+    python -m bench.parallel.train_step --config configs/tiny_cpu.yaml [--name tiny_cpu] [key=value ...]
+    python -m bench.parallel.train_step --config configs/gpt_1b.yaml --name gpt_1b_cudnn model.attention=cudnn
 
 Runs `megascale_jax.train` in-process for the configured steps and summarises the steady state
 (the first `--skip` steps are dropped): median step time, tokens/s and MFU, the device's peak
@@ -9,28 +9,24 @@ memory in use (null where the device keeps no statistics, e.g. the CPU), with th
 jax/jaxlib versions and the exact command, into bench/results/<name>.json.
 """
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import tempfile
 
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+from bench.common import Bench
 
 
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--name", default=None, help="result file name (default: config name)")
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the summary")
-    parser.add_argument("--run-dir", default=None, help="the run's directory (default: a new temporary one)")
-    parser.add_argument("overrides", nargs="*")
-    add_output_flags(parser, "<name>")
-    args = parser.parse_intermixed_args()  # key=value overrides may follow options, as in train
-    name = args.name or os.path.splitext(os.path.basename(args.config))[0]
-    result_path(name, args.out, args.overwrite)  # refuse before the run, not after it
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "<name>")
+    bench.add_argument("--config", required=True)
+    bench.add_argument("--name", default=None, help="result file name (default: config name)")
+    bench.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the summary")
+    bench.add_argument("--run-dir", default=None, help="the run's directory (default: a new temporary one)")
+    bench.add_argument("overrides", nargs="*")
+    args = bench.parse_args(argv, intermixed=True)  # key=value overrides may follow options, as in train
+    bench.refuse_existing(args.name or os.path.splitext(os.path.basename(args.config))[0])
 
     from megascale_jax import train
 
@@ -62,7 +58,7 @@ def main() -> int:
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
     print(f"{os.path.basename(args.config):<28}{result['device'][:27]:<28}"
           f"{result['step_time_s']:>9.3f}{result['tokens_per_s']:>12.0f}{mfu:>8}")
-    write_result(name, result, args.out, args.overwrite)
+    bench.write(result)
     return 0
 
 

@@ -3,31 +3,26 @@ and Korthikanti et al. 2022's Table 5 (`megascale_jax/planner/published.py`, sou
 and, second, against this project's own H200 MFU ladder, one row of which the H200 calibration
 was fitted to (`megascale_jax/planner/measured.py`).
 
-    python bench/plan_validation.py [--out FILE] [--overwrite]
+    python -m bench.planner.plan_validation [--out FILE] [--overwrite]
 
 Prints published (or measured) vs predicted with the relative error, and writes
 bench/results/plan_validation_a100.json. No devices are used: the prediction is arithmetic.
 """
 
-import argparse
 import os
 import sys
 
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
+from bench.common import REPO, Bench
 from megascale_jax.planner import measured
 from megascale_jax.planner.published import validation_table
 
 H200_RUN = "bench/results/gpu_nvidia_h200_2026-11-23.json"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_output_flags(parser, "plan_validation_a100")
-    args = parser.parse_args()
-    result_path("plan_validation_a100", args.out, args.overwrite)
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "plan_validation_a100")
+    bench.parse_args(argv)
+    bench.refuse_existing()
     rows = validation_table("a100-80g")
     print(f"{'source':<32}{'model':>6}{'GPUs':>6}  {'metric':<40}{'published':>10}{'predicted':>10}{'error':>8}")
     for r in rows:
@@ -41,10 +36,8 @@ def main() -> int:
     print(f"{'row':<20}{'measured s':>11}{'predicted s':>12}{'error':>8}")
     for r in own:
         print(f"{r['row']:<20}{r['measured_s']:>11.3f}{r['predicted_s']:>12.3f}{r['error']:>+8.1%}")
-    write_result("plan_validation_a100", {**summary, "rows": rows,
-                                          "calibration": "configs/calibration.yaml, a100-80g entry",
-                                          "h200_own_runs": {"result": H200_RUN, "rows": own}},
-                 args.out, args.overwrite)
+    bench.write({**summary, "rows": rows, "calibration": "configs/calibration.yaml, a100-80g entry",
+                 "h200_own_runs": {"result": H200_RUN, "rows": own}})
     return 0
 
 

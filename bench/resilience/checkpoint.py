@@ -1,7 +1,7 @@
 """Two-stage checkpoint cost: blocking vs total save time and restore time per state size, and
 the data loader's throughput against the train step's consumption; prints tables, writes JSON.
 
-    python bench/checkpoint.py [--sizes-gb 0.1 1 4] [--repeats 3] [--dir /tmp/ckpt-bench]
+    python -m bench.resilience.checkpoint [--sizes-gb 0.1 1 4] [--repeats 3] [--dir /tmp/ckpt-bench]
 
 The state is a dict of float32 arrays sharded over 8 simulated CPU devices (dp=8 on the first
 axis, like ZeRO-1 moments), saved through `megascale_jax.training.checkpoint.Checkpointer` exactly as
@@ -11,14 +11,13 @@ checksums computed on the device; the checksum is timed alone too, because on th
 "device" is the host's two cores (~1 s/GB here), while on a GPU it runs at memory bandwidth.
 """
 
-import argparse
 import os
 import shutil
 import statistics
 import sys
 import time
 
-from provenance import add_output_flags, result_path, write_result  # bench/provenance.py
+from bench.common import Bench
 
 ARRAY_MB = 64  # the state is split into arrays of this size, like a model's layers
 
@@ -117,14 +116,13 @@ def measure_loader(cfg, steps):
         loader.close()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 1.0, 4.0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--dir", default="/tmp/megascale-ckpt-bench")
-    add_output_flags(parser, "checkpoint_cpu")
-    args = parser.parse_args()
-    result_path("checkpoint_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "checkpoint_cpu")
+    bench.add_argument("--sizes-gb", type=float, nargs="+", default=[0.1, 1.0, 4.0])
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--dir", default="/tmp/megascale-ckpt-bench")
+    args = bench.parse_args(argv)
+    bench.refuse_existing()
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # this CLI measures the CPU (before JAX starts)
     import jax
@@ -147,12 +145,12 @@ def main() -> int:
     tiny = load_config(None, [])
     loader_steps_per_s = measure_loader(tiny, 200)
     print(f"loader (tiny_cpu, grain, prefetch={tiny.data.prefetch}): {loader_steps_per_s:.0f} batches/s")
-    write_result("checkpoint_cpu", {
+    bench.write({
         "state": f"float32 arrays of {ARRAY_MB} MB sharded dp=8 over 8 simulated CPU devices",
         "repeats": args.repeats, "sizes": rows,
         "loader": {"config": "configs/tiny_cpu.yaml", "batches_per_s": loader_steps_per_s,
                    "note": "compare with 1/step_time_s of bench/results/tiny_cpu.json"},
-        "cpu_count": os.cpu_count()}, args.out, args.overwrite)
+        "cpu_count": os.cpu_count()})
     return 0
 
 

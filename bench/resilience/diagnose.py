@@ -1,6 +1,6 @@
 """Diagnostics after a fault, in cold processes and in warm standby ones, on this machine.
 
-    python bench/diagnose.py [--nprocs 4] [--repeats 5]
+    python -m bench.resilience.diagnose [--nprocs 4] [--repeats 5]
 
 The supervisor runs `megascale_jax.supervise.diagnose` on every fault's ranks before it restarts.
 Cold: N fresh `python -m megascale_jax.diagnose --worker` processes, each importing jax first.
@@ -12,33 +12,27 @@ its imports before a warm run, as it has during training.
 Writes bench/results/diagnose_cpu.json.
 """
 
-import argparse
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from provenance import add_output_flags, result_path, write_result  # noqa: E402
-
-from megascale_jax.config import load_config  # noqa: E402
-from megascale_jax.supervise import diagnose  # noqa: E402
-from megascale_jax.supervise.redis_server import EmbeddedRedis  # noqa: E402
-from megascale_jax.supervise.workers import StandbyPool, per_process_overrides, worker_env  # noqa: E402
+from bench.common import Bench
+from megascale_jax.config import load_config
+from megascale_jax.supervise import diagnose
+from megascale_jax.supervise.redis_server import EmbeddedRedis
+from megascale_jax.supervise.workers import StandbyPool, per_process_overrides, worker_env
 
 POOL_SETTLE_S = 10.0  # a standby's imports take ~1-2 s of CPU each; N of them share the cores
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=5)
-    add_output_flags(parser, "diagnose_cpu")
-    args = parser.parse_args()
-    result_path("diagnose_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "diagnose_cpu")
+    bench.add_argument("--nprocs", type=int, default=4)
+    bench.add_argument("--repeats", type=int, default=5)
+    args = bench.parse_args(argv)
+    bench.refuse_existing()
     overrides = [f"mesh.dp={args.nprocs}", "mesh.tp=1", "mesh.pp=1"]
     worker_args = per_process_overrides(load_config(None, overrides), overrides, args.nprocs)
     env, work = worker_env(), tempfile.mkdtemp(prefix="bench-diagnose-")
@@ -64,11 +58,11 @@ def main():
     summary = {mode: {"median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)} for mode, t in times.items()}
     print(f"diagnostics at {args.nprocs} processes: cold median {summary['cold']['median_s']:.2f}s, "
           f"warm median {summary['warm']['median_s']:.2f}s")
-    path = write_result("diagnose_cpu", {
+    bench.write({
         "nprocs": args.nprocs, "repeats": args.repeats, "mesh": overrides, "summary": summary, "runs_s": times,
-        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()}, args.out, args.overwrite)
-    print(f"wrote {path}")
+        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

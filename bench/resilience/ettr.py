@@ -1,8 +1,8 @@
 """Effective training time ratio (ETTR) of a supervised job under a stream of faults, on this machine.
 
-    python bench/ettr.py [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
-    python bench/ettr.py --reference-for bench/results/ettr_cpu.json   # step 2 later, for a --no-reference run
-    python bench/ettr.py --recount bench/results/ettr_cpu.json   # per-fault rows and budget again
+    python -m bench.resilience.ettr [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
+    python -m bench.resilience.ettr --reference-for bench/results/ettr_cpu.json  # step 2 of a --no-reference run
+    python -m bench.resilience.ettr --recount bench/results/ettr_cpu.json        # per-fault rows and budget again
 
 1. Calibrate: a short fault-free launch measures the step time (or `--step-s` gives it), which
    sets `train.steps` so the drilled run lasts about `--minutes`, and `checkpoint.every` so a
@@ -26,7 +26,6 @@ replicas, more microbatches) the reduction order changes, so the relative differ
 Writes bench/results/ettr_cpu.json.
 """
 
-import argparse
 import glob
 import json
 import os
@@ -38,9 +37,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from provenance import add_output_flags, result_path, write_result  # noqa: E402
+from bench.common import Bench
 
 KINDS = ("kill", "stop", "slow", "faulty", "redis", "corrupt", "nan")
 RANKLESS = ("redis", "corrupt")
@@ -284,31 +281,32 @@ def summary_of_comparison(result: dict) -> str:
             + (f"a fault every >= {mtbf / 60:.1f} min" if mtbf else "no fault rate (the reference is below 95%)"))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=30.0, help="length of the drilled run (about)")
-    parser.add_argument("--nprocs", type=int, default=4)
-    parser.add_argument("--spares", type=int, default=2)
-    parser.add_argument("--fault-every", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN_S", "MAX_S"))
-    parser.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
-    parser.add_argument("--snapshot-s", type=float, default=0.0,
-                        help="seconds of training between memory snapshots (0 = none)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--step-s", type=float, metavar="SECONDS",
-                        help="the step time to plan with, instead of calibrating (a short launch on a busy "
-                             "machine can misjudge it by 2x: the 20-min run measured 2.5 s for a 1.5 s step)")
-    parser.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
-    parser.add_argument("--reference-for", metavar="RESULT_JSON",
-                        help="only run the fault-free run of a --no-reference result and add it there")
-    parser.add_argument("--recount", metavar="RESULT_JSON",
-                        help="only recompute a result's per-fault rows and budget from its run directory")
-    add_output_flags(parser, "ettr_cpu")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "ettr_cpu")
+    bench.add_argument("--minutes", type=float, default=30.0, help="length of the drilled run (about)")
+    bench.add_argument("--nprocs", type=int, default=4)
+    bench.add_argument("--spares", type=int, default=2)
+    bench.add_argument("--fault-every", type=float, nargs=2, default=(120.0, 300.0), metavar=("MIN_S", "MAX_S"))
+    bench.add_argument("--checkpoint-s", type=float, default=30.0, help="seconds of training between checkpoints")
+    bench.add_argument("--snapshot-s", type=float, default=0.0,
+                       help="seconds of training between memory snapshots (0 = none)")
+    bench.add_argument("--seed", type=int, default=0)
+    bench.add_argument("--step-s", type=float, metavar="SECONDS",
+                       help="the step time to plan with, instead of calibrating (a short launch on a busy "
+                            "machine can misjudge it by 2x: the 20-min run measured 2.5 s for a 1.5 s step)")
+    bench.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
+    bench.add_argument("--reference-for", metavar="RESULT_JSON",
+                       help="only run the fault-free run of a --no-reference result and add it there")
+    bench.add_argument("--recount", metavar="RESULT_JSON",
+                       help="only recompute a result's per-fault rows and budget from its run directory")
+    args = bench.parse_args(argv)
     if args.reference_for:
-        return reference_for(args.reference_for)
+        reference_for(args.reference_for)
+        return 0
     if args.recount:
-        return recount(args.recount)
-    result_path("ettr_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+        recount(args.recount)
+        return 0
+    bench.refuse_existing()
     work = tempfile.mkdtemp(prefix="bench-ettr-")
     print(f"work directory: {work}", flush=True)
 
@@ -378,8 +376,9 @@ def main():
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, relaunched {row['relaunched_s']} s, "
               f"resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
-    print(f"wrote {write_result('ettr_cpu', result, args.out, args.overwrite)}")
+    bench.write(result)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,19 +1,19 @@
 """A fault-free start of the ETTR drill's job: where the cold start goes and what each save blocks.
 
-    python bench/startup.py [--nprocs 4] [--steps 60] [--checkpoint-every 5] [--repeats 2]
+    python -m bench.resilience.startup [--nprocs 4] [--steps 60] [--checkpoint-every 5] [--repeats 2]
 
-Runs the drill's model (`bench/ettr.py`'s MODEL, dp = N processes on this machine) under
-`python -m megascale_jax.launch`, without faults, `--repeats` times, each in a fresh run
+Runs the drill's model (`bench/resilience/ettr.py`'s MODEL, dp = N processes on this machine)
+under `python -m megascale_jax.launch`, without faults, `--repeats` times, each in a fresh run
 directory (so every compilation is cold). Per run: the slowest process's start-up phases (each
 process's `start-up phases:` line), their compilation part (checkpoint checksums, initial state,
 train step, evaluation), how many executables each process loaded from process 0 instead of
 compiling, the wall from the launch to training (the supervisor's `started` event), and each
 checkpoint's blocking time with its parts (previous save, checksums, orbax), as medians. The git
-commit is recorded, so that a run on an older checkout (copy this file there) is the baseline.
+commit is recorded, so that a run on an older checkout (copy bench/__init__.py, bench/common.py
+and bench/resilience/ there) is the baseline.
 Writes bench/results/startup_cpu.json.
 """
 
-import argparse
 import os
 import re
 import statistics
@@ -21,20 +21,16 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from ettr import MODEL, launch, read_jsonl, startup_phases  # noqa: E402
-from provenance import add_output_flags, result_path, write_result  # noqa: E402
+from bench.common import REPO, Bench
+from bench.resilience.ettr import MODEL, launch, read_jsonl, startup_phases
 
 COMPILATION = ("checkpoint_compile", "state", "train_step", "eval_loss")
 FROM_PROCESS_0 = re.compile(r"compilation cache: \d+ hits, \d+ misses \((\d+) loaded from process 0\)")
 
 
 def commit() -> str:
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo,
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                            capture_output=True, text=True)
     return head.stdout.strip() + (" with uncommitted changes" if dirty.stdout.strip() else "")
 
@@ -64,22 +60,23 @@ def one_run(work: str, nprocs: int, steps: int, every: int) -> dict:
             "checkpoint_total_s_median": median([s["total_s"] for s in saves if "total_s" in s])}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--nprocs", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--checkpoint-every", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2)
-    add_output_flags(parser, "startup_cpu")
-    args = parser.parse_args()
-    result_path("startup_cpu", args.out, args.overwrite)  # refuse before the runs, not after them
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "startup_cpu")
+    bench.add_argument("--nprocs", type=int, default=4)
+    bench.add_argument("--steps", type=int, default=60)
+    bench.add_argument("--checkpoint-every", type=int, default=5)
+    bench.add_argument("--repeats", type=int, default=2)
+    args = bench.parse_args(argv)
+    bench.refuse_existing()
     work = tempfile.mkdtemp(prefix="bench-startup-")
     runs = [one_run(work, args.nprocs, args.steps, args.checkpoint_every) for _ in range(args.repeats)]
     for run in runs:
         print(f"compilation {run['compilation_s']} s, launch to training {run['launch_to_training_s']} s, "
               f"checkpoint blocking {run['checkpoint_block_s_median']} s {run['checkpoint_block_parts_s_median']}")
-    print(f"wrote {write_result('startup_cpu', {'commit': commit(), 'nprocs': args.nprocs, 'steps': args.steps, 'checkpoint_every': args.checkpoint_every, 'config': MODEL, 'cpu_cores': os.cpu_count(), 'runs': runs}, args.out, args.overwrite)}")
+    bench.write({"commit": commit(), "nprocs": args.nprocs, "steps": args.steps,
+                 "checkpoint_every": args.checkpoint_every, "config": MODEL, "cpu_cores": os.cpu_count(), "runs": runs})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

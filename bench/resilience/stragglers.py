@@ -1,6 +1,6 @@
 """Straggler sensitivity on this machine: the smallest slowdown flagged reliably, and no other rank.
 
-    python bench/stragglers.py [--nprocs-list 4 8] [--slow 0 0.02 0.05 0.1 0.2] [--trials 10] [--window 10]
+    python -m bench.resilience.stragglers [--nprocs-list 4 8] [--slow 0 0.02 0.05 0.1 0.2] [--trials 10] [--window 10]
 
 For each (N, slowdown) it launches `python -m megascale_jax.launch --nprocs N` (one CPU device per
 worker, dp=N, a small model) with the last rank sleeping `slowdown` × its recent step time before
@@ -15,19 +15,15 @@ the largest healthy lateness (the margin to a false positive) and, per N, the sm
 flagged slowdown. Writes bench/results/stragglers_cpu.json.
 """
 
-import argparse
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from provenance import add_output_flags, result_path, write_result  # noqa: E402
-
-from megascale_jax.observe import stragglers  # noqa: E402
-from megascale_jax.observe.timings import read_timings  # noqa: E402
+from bench.common import Bench
+from megascale_jax.observe import stragglers
+from megascale_jax.observe.timings import read_timings
 
 # A small model, one CPU device per worker (mesh and batch are set per run, below), no
 # checkpoints, no supervisor straggler check (the bench judges the timings itself).
@@ -63,16 +59,15 @@ def run(nprocs: int, slow: float, args) -> dict:
             "step_time_s": float(statistics.median(t.duration[t.select("step")]))}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs-list", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--slow", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.2])
-    parser.add_argument("--trials", type=int, default=10, help="judged windows per run")
-    parser.add_argument("--window", type=int, default=10)
-    parser.add_argument("--threshold", type=float, default=0.05)
-    add_output_flags(parser, "stragglers_cpu")
-    args = parser.parse_args()
-    result_path("stragglers_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "stragglers_cpu")
+    bench.add_argument("--nprocs-list", type=int, nargs="+", default=[4, 8])
+    bench.add_argument("--slow", type=float, nargs="+", default=[0.0, 0.02, 0.05, 0.1, 0.2])
+    bench.add_argument("--trials", type=int, default=10, help="judged windows per run")
+    bench.add_argument("--window", type=int, default=10)
+    bench.add_argument("--threshold", type=float, default=0.05)
+    args = bench.parse_args(argv)
+    bench.refuse_existing()
     rows = []
     print(f"{'N':>3}{'injected':>10}{'measured':>10}{'flagged':>9}{'healthy max':>13}{'healthy flags':>15}"
           f"{'step s':>8}")
@@ -92,8 +87,8 @@ def main() -> int:
                                  "baseline_false_positives": sum(r["healthy_flagged"] for r in baseline)}
         print(f"N={nprocs}: smallest slowdown flagged in >= 90% of {args.trials} trials with no false positive: "
               f"{smallest[str(nprocs)]['smallest_reliable_slowdown']}", flush=True)
-    write_result("stragglers_cpu", {"threshold": args.threshold, "window": args.window, "trials": args.trials,
-                                    "smallest": smallest, "rows": rows}, args.out, args.overwrite)
+    bench.write({"threshold": args.threshold, "window": args.window, "trials": args.trials,
+                 "smallest": smallest, "rows": rows})
     return 0
 
 

@@ -1,7 +1,7 @@
 """Supervisor drills on this machine: job start time vs N, and detection latency, fault-to-resumed
 time and steps lost for crashes (kill -9), hangs (SIGSTOP) and a dead Redis, from events.jsonl.
 
-    python bench/supervisor.py [--nprocs-list 1 2 4 8] [--repeats 2] [--drill-rounds 2]
+    python -m bench.resilience.supervisor [--nprocs-list 1 2 4 8] [--repeats 2] [--drill-rounds 2]
 
 Start time = spawning N bare workers (1 CPU device each) until every one has finished the Redis
 rendezvous and `jax.distributed.initialize`; the rendezvous alone is reported beside it. Drills
@@ -20,13 +20,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-
-from provenance import add_output_flags, result_path, write_result  # noqa: E402
-
-from megascale_jax.cluster import rendezvous  # noqa: E402
-from megascale_jax.supervise.redis_server import EmbeddedRedis  # noqa: E402
+from bench.common import REPO, Bench, python_module, with_repo_on_path
+from megascale_jax.cluster import rendezvous
+from megascale_jax.supervise.redis_server import EmbeddedRedis
 
 DRILL_JOB = ["--nprocs", "2", "--spares", "1", "--config", "configs/tiny_cpu.yaml", "train.steps=60",
              "checkpoint.every=5", "supervisor.hang_timeout_s=6"]
@@ -52,10 +48,11 @@ def probe(args) -> None:
 
 
 def start_time(url: str, nprocs: int, job: str) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = with_repo_on_path({**os.environ, "JAX_PLATFORMS": "cpu"})
     start = time.time()
-    procs = [subprocess.Popen([sys.executable, __file__, "--probe", "--redis", url, "--job", job, "--nprocs",
-                               str(nprocs), "--process-id", str(i)], env=env) for i in range(nprocs)]
+    # this bench again, as a bare worker: `python -m bench.resilience.supervisor --probe ...`
+    procs = [subprocess.Popen(python_module(__spec__.name, "--probe", "--redis", url, "--job", job, "--nprocs",
+                                            str(nprocs), "--process-id", str(i)), env=env) for i in range(nprocs)]
     codes = [p.wait(timeout=300) for p in procs]
     assert codes == [0] * nprocs, codes
     rows = [json.loads(v) for v in rendezvous.connect(url).hgetall(rendezvous.key(job, "probe")).values()]
@@ -88,21 +85,21 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nprocs-list", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--drill-rounds", type=int, default=2)
-    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--redis", help=argparse.SUPPRESS)
-    parser.add_argument("--job", help=argparse.SUPPRESS)
-    parser.add_argument("--nprocs", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
-    add_output_flags(parser, "supervisor_cpu")
-    args = parser.parse_args()
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "supervisor_cpu")
+    bench.add_argument("--nprocs-list", type=int, nargs="+", default=[1, 2, 4, 8])
+    bench.add_argument("--repeats", type=int, default=2)
+    bench.add_argument("--drill-rounds", type=int, default=2)
+    bench.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    bench.add_argument("--redis", help=argparse.SUPPRESS)
+    bench.add_argument("--job", help=argparse.SUPPRESS)
+    bench.add_argument("--nprocs", type=int, help=argparse.SUPPRESS)
+    bench.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    args = bench.parse_args(argv)
     if args.probe:
-        return probe(args)
-    result_path("supervisor_cpu", args.out, args.overwrite)  # refuse before the run, not after it
+        probe(args)
+        return 0
+    bench.refuse_existing()
     work = tempfile.mkdtemp(prefix="bench-supervisor-")
     server = EmbeddedRedis(os.path.join(work, "redis"))
     try:
@@ -128,12 +125,12 @@ def main():
             drills[mode][kind] = {k: summary([r[kind][k] for r in rounds[mode] if r[kind].get(k) is not None])
                                   for k in sorted(keys)}
             print(mode, kind, {k: round(v["median"], 2) for k, v in drills[mode][kind].items()})
-    path = write_result("supervisor_cpu", {
+    bench.write({
         "start_time_vs_nprocs": start_table, "start_time_runs": starts, "drills": drills, "drill_rounds": rounds,
         "drill_job": DRILL_JOB, "drills_fired": DRILLS,
-        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()}, args.out, args.overwrite)
-    print(f"wrote {path}")
+        "cpu_cores": os.cpu_count(), "load_average_at_end": os.getloadavg()})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

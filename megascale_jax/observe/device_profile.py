@@ -10,7 +10,7 @@ count once and collectives, which mostly wait for peers, count as idle.
 tick ends with the same number of permutes (activations forward, cotangents back),
 so the k-th group of them closes tick k. From the busy time of every (stage, tick),
 `lockstep_bubble` is the bubble of the table's lockstep execution with the measured costs: each
-tick lasts as long as its busiest stage (`bench/pipeline_bubble.py` compares it with the table).
+tick lasts as long as its busiest stage (`bench/parallel/pipeline_bubble.py` compares it with the table).
 
 `StepProfiler` samples the train loop (`observe.profile_every`): one step in N is traced and
 every device's compute, collective and span seconds go to the timings as device rows, so the

@@ -7,7 +7,7 @@ Three kinds of value, each marked in the file:
 * a priori estimates (the matmul efficiency curve, the achieved share of link bandwidth, the
   elementwise HBM passes), written down before the planner was first compared with the published
   runs in tests/planner/published.py and not tuned to them since.
-When this project measures a GPU (bench/gpu_campaign.py), its numbers replace the estimates.
+When this project measures a GPU (`python -m bench.campaign`), its numbers replace the estimates.
 """
 
 from __future__ import annotations

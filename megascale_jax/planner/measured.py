@@ -1,5 +1,5 @@
 """This project's own GPU measurements as planner workloads: the MFU ladder of the GPU campaign
-(`bench/gpu_campaign.py`, results in bench/results/gpu_<device>_<date>.json).
+(`python -m bench.campaign`, results in bench/results/gpu_<device>_<date>.json).
 
 Each measured ladder row is the ladder's config file (recorded in the result) with the row's
 overrides, batch and microbatches on one GPU. `validation_table(path, gpu_key)` predicts every row's step time and
