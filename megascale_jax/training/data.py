@@ -16,6 +16,7 @@ Design:
   `jax.Array` with `jax.make_array_from_process_local_data`.
 * `Prefetcher` is a grain pipeline that builds the next `data.prefetch` batches on a
   background thread while the step runs; its iterator state is checkpointed with the model.
+  `Feed` hands the loop each step's batch, and a replayed step's batch again.
 * User mistakes (missing/empty inputs, tokens >= vocab, too little data) raise `DataError`:
   one line naming the key or file and the fix. A `files` glob is read as a user means it: each
   file once however many symlinks lead to it, and files that are not text (a NUL byte or invalid
@@ -31,6 +32,7 @@ import glob
 import math
 import os
 import sysconfig
+import time
 from typing import Literal
 
 import grain
@@ -280,3 +282,30 @@ class Prefetcher:
 
 
 _ENDLESS = 1 << 62  # steps in the (lazy) dataset: more than any run takes
+
+
+class Feed:
+    """The batch of each step the loop runs, in order — and the same batch again for a step that
+    is replayed (training/triage.py): batches are kept until their step is recorded, because the
+    loop learns that a step was not finite one step late."""
+
+    def __init__(self, prefetcher: Prefetcher, start: int, watch):
+        self.prefetcher, self.watch = prefetcher, watch
+        self.first = prefetcher.get()  # fetched before compiling: the step is lowered for its shape
+        self.kept = {start + 1: self.first}
+        self.wait_s = 0.0  # how long the last `batch` waited for the prefetcher
+
+    def batch(self, step: int) -> jax.Array:
+        t_data, wall_data = time.perf_counter(), time.time()
+        batch = self.kept[step] if step in self.kept else self.prefetcher.get()
+        self.kept[step] = batch
+        self.wait_s = time.perf_counter() - t_data
+        self.watch.phase(step, "data_wait", wall_data, self.wait_s)
+        return batch
+
+    def recorded_before(self, step: int) -> None:
+        """Steps before `step` are recorded (finite): their batches will not run again."""
+        self.kept = {s: b for s, b in self.kept.items() if s >= step}
+
+    def close(self) -> None:
+        self.prefetcher.close()

@@ -12,10 +12,19 @@ A record is `{step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, data_wa
 step however the host and devices overlapped; an evaluation or a checkpoint's blocking between two
 steps is not in it (`restart_clock` after them). A non-finite loss or gradient norm raises
 `NonFiniteStep` (a `TrainingDiverged`) naming the step; the loop replays it once (triage.py).
+
+Throughput (`tokens_per_s`, `mfu`) is over the last `THROUGHPUT_WINDOW` recorded steps of this
+process, not over one step's time: "finished" means "seen finished by the host", and a host that
+looks late (a GC pause, a background thread holding the GIL, a restore still releasing buffers)
+makes one step look long and the next, already done on the devices, look nearly free — one step's
+rate read 25-50x the steady rate right after a resume (issue 43). Over a window such a pair's sum
+is right. The window starts empty in every process, so a resumed run's rate counts only steps it
+ran itself.
 """
 
 from __future__ import annotations
 
+import collections
 import math
 import time
 from typing import Callable
@@ -35,6 +44,9 @@ class NonFiniteStep(TrainingDiverged):
         self.step, self.values = step, values
 
 
+THROUGHPUT_WINDOW = 8  # steps: short enough that a change of pace shows within a log interval
+
+
 def itstime(step: int, every: int, last: int) -> bool:
     """The cadence of every periodic action: every `every` steps (0 = never) and at the last step."""
     return step == last or (every > 0 and step % every == 0)
@@ -49,6 +61,7 @@ class MetricsRecorder:
         self.watch, self.evaluate, self.on_record = watch, evaluate, on_record
         self.held: tuple | None = None  # (step, metrics, data_wait) not fetched yet
         self.last_finish = time.perf_counter()
+        self.recent_step_times: collections.deque[float] = collections.deque(maxlen=THROUGHPUT_WINDOW)
 
     def restart_clock(self) -> None:
         """The next step's time starts now (after compiling and restoring)."""
@@ -72,9 +85,10 @@ class MetricsRecorder:
             raise NonFiniteStep(f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: "
                                 f"training diverged; {self.lr_hint}", step,
                                 {"loss": values["loss"], "grad_norm": values["grad_norm"]})
-        record = {"step": step, **values, "step_time_s": step_time,
-                  "tokens_per_s": self.tokens_per_step / step_time,
-                  "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * self.tokens_per_step / step_time,
+        self.recent_step_times.append(step_time)
+        tokens_per_s = self.tokens_per_step * len(self.recent_step_times) / sum(self.recent_step_times)
+        record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
+                  "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * tokens_per_s,
                   "data_wait_s": data_wait}
         if params is not None:  # left out of the step time: the clock restarts after it
             self.watch.state("evaluating", step)

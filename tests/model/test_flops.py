@@ -221,7 +221,7 @@ def test_parameter_estimate_matches_the_real_per_device_shards(layout):
     import math
 
     from megascale_jax.parallel.mesh import make_mesh
-    from megascale_jax.train import build_trainer
+    from megascale_jax.training.trainer import build_trainer
 
     cfg = load_config(None, ["model.layers=8", "model.d_model=64", "model.heads=4", "model.kv_heads=2",
                              "model.seq_len=32", "train.global_batch=8", *layout])
@@ -232,7 +232,7 @@ def test_parameter_estimate_matches_the_real_per_device_shards(layout):
 
 
 def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
-    """The pre-flight check on XLA's own buffer assignment (train.check_compiled_memory): a step
+    """The pre-flight check on XLA's own buffer assignment (training.trainer.check_compiled_memory): a step
     whose compiled peak exceeds the limit is refused naming both sizes; one that fits passes."""
     import jax.numpy as jnp
     import numpy as np

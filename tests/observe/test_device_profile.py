@@ -17,7 +17,7 @@ from megascale_jax.parallel import pipeline
 from megascale_jax.config import load_config
 from megascale_jax.observe.device_profile import Op
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 
 def test_busy_is_the_union_of_compute_ops():

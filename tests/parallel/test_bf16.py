@@ -1,7 +1,7 @@
 """bf16, the dtype every GPU config trains in, on every kind of layout on the CPU.
 
 XLA:CPU aborts the process on some bf16 all-reduces at tp > 1 unless its all-reduce-promotion
-pass is skipped (`train.compiler_options`); these runs are the proof that the workaround holds,
+pass is skipped (`training.trainer.compiler_options`); these runs are the proof that the workaround holds,
 for data, tensor (plain, sequence-parallel, collective matmul) and pipeline parallelism (three
 schedules) and the Pallas kernels.
 
@@ -25,7 +25,7 @@ import pytest
 from megascale_jax.training import data
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 BF16_LAYOUTS = 5e-4
 BF16_VS_F32 = 1e-3
@@ -96,7 +96,7 @@ def test_bf16_trains_on_every_layout_like_one_device(one_device_bf16, layout):
 
 
 def test_the_cpu_workaround_leaves_gpu_compilation_alone():
-    from megascale_jax.train import compiler_options
+    from megascale_jax.training.trainer import compiler_options
 
     assert compiler_options("cpu") == {"xla_disable_hlo_passes": "all-reduce-promotion"}
     assert compiler_options("gpu") is None and compiler_options("cuda") is None

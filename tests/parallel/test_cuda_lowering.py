@@ -25,7 +25,7 @@ import pytest
 
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 TINY = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
         "model.window=12", "train.global_batch=8", "train.steps=2"]

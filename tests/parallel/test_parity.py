@@ -15,7 +15,7 @@ import pytest
 from megascale_jax.training import data
 from megascale_jax.config import Config, load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 SMALL = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.kv_heads=4", "model.seq_len=32",
          "model.window=12", "train.global_batch=16", "train.steps=5", "optim.warmup=2", "optim.lr=1e-2"]

@@ -13,7 +13,7 @@ from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.model.transformer import loss_fn
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=16",
          "model.window=6", "train.global_batch=8"]

@@ -16,7 +16,7 @@ from megascale_jax.model import transformer
 from megascale_jax.parallel import sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 # tiny_cpu: layers 4, d_model 128, heads 4, kv_heads 2, head_dim 32, mlp 512, vocab 256.
 PARAM_SPECS = {

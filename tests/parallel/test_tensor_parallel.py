@@ -19,7 +19,7 @@ from megascale_jax.parallel import sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.model.transformer import loss_fn
-from megascale_jax.train import build_trainer
+from megascale_jax.training.trainer import build_trainer
 
 MODEL = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.kv_heads=8", "model.seq_len=32",
          "model.window=10", "train.global_batch=8", "parallel.zero1=false"]

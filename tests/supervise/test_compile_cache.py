@@ -195,7 +195,7 @@ def test_building_the_trainer_compiles_nothing(optimizer):
     restart by each process the compilation cache cannot serve."""
     from megascale_jax.config import load_config
     from megascale_jax.parallel.mesh import make_mesh
-    from megascale_jax.train import build_trainer
+    from megascale_jax.training.trainer import build_trainer
 
     cfg = load_config(None, [f"optim.name={optimizer}", "parallel.zero1=true", "train.global_batch=8"])
     mesh = make_mesh(cfg.mesh)

@@ -42,10 +42,32 @@ def test_a_step_is_recorded_once_the_next_was_dispatched_or_when_flushed():
     first, second = records
     assert (first["loss"], first["data_wait_s"], "val_loss" in first) == (5.0, 0.01, False)
     assert (second["loss"], second["val_loss"], second["grad_norm"], second["lr"]) == (4.5, 3.25, 2.0, pytest.approx(1e-3))
-    for r in records:
-        assert r["tokens_per_s"] == pytest.approx(1024 / r["step_time_s"])
+    for k, r in enumerate(records, 1):  # throughput over the steps recorded so far (a window of up to 8)
+        assert r["tokens_per_s"] == pytest.approx(1024 * k / sum(x["step_time_s"] for x in records[:k]))
         assert r["mfu"] == pytest.approx(1e-6 * r["tokens_per_s"])
     assert [c for c in watch.calls if c[0] in ("step", "record")] == [("step", 1), ("record", 1), ("step", 2), ("record", 2)]
+
+
+def test_a_host_that_sees_a_step_finish_late_makes_no_throughput_outlier(monkeypatch):
+    """Steps take 0.1 s on the devices; the host sees step 3 finish 0.15 s late, when step 4 is
+    done too. One step's time reads 0.25 s then ~0 s; the rate stays within 2x of the steady one."""
+    from megascale_jax.training import metrics as metrics_module
+    clock = {"now": 0.0}
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock["now"])
+    recorder, records, _ = make()
+    # when the host fetches step k - 1 (pushing step k): 0.1 s apart, but step 3 is seen at 0.45
+    seen = {2: 0.1, 3: 0.2, 4: 0.45, 5: 0.4501, **{k: 0.4501 + 0.1 * (k - 5) for k in range(6, 14)}}
+    for step in range(1, 13):
+        clock["now"] = seen.get(step, 0.0)
+        recorder.push(step, metrics(5.0), 0.0)
+    clock["now"] = seen[13]
+    recorder.flush()
+    times = [r["step_time_s"] for r in records]
+    assert times[3] == pytest.approx(0.0001)  # the step the host saw late-and-done: raw, as measured
+    steady = 1024 / 0.1
+    assert all(0.5 * steady <= r["tokens_per_s"] <= 2 * steady for r in records), [r["tokens_per_s"] for r in records]
+    assert records[-1]["tokens_per_s"] == pytest.approx(steady)  # 8 steady steps: the window forgot the pair
+    assert records[3]["tokens_per_s"] == pytest.approx(1024 * 4 / sum(times[:4]))
 
 
 def test_a_non_finite_loss_names_its_step():

@@ -14,6 +14,7 @@ from megascale_jax.observe.timings import read_timings
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.training import data
+from megascale_jax.training.trainer import build_trainer
 from megascale_jax.training.triage import release
 
 SMALL = ["model.layers=2", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=40",
@@ -26,7 +27,7 @@ def leaves(state):
 
 def test_a_non_finite_step_holds_the_state_until_released():
     cfg = load_config(None, SMALL + ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=4"])
-    trainer = train.build_trainer(cfg, make_mesh(cfg.mesh))
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
     batch = [data.make_global_batch(batches, i, trainer.batch_sharding) for i in range(3)]
     state, _ = trainer.train_step(trainer.init(), batch[0])

@@ -1,0 +1,80 @@
+"""What a run tells its user as it goes: start-up laps, one log line every `train.log_every`
+steps (and at evaluations), the metrics records in `metrics.jsonl`, a progress bar on a
+terminal, and the one summary line every run ends with.
+
+Only process 0 writes `metrics.jsonl` and draws the bar; every process keeps its records (the
+loop returns them).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.training.hooks import Hooks
+from megascale_jax.training.metrics import itstime
+
+
+class StartupClock:
+    """Seconds spent in each phase of a start or restart, in order, for the log."""
+
+    def __init__(self):
+        self.laps: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.laps[phase] = now - self._last
+        self._last = now
+
+    def summary(self) -> str:
+        return "start-up phases: " + ", ".join(f"{phase} {s:.2f}s" for phase, s in self.laps.items())
+
+
+class Progress:
+    """The records of the steps this process ran, and their lines, file and bar."""
+
+    def __init__(self, run_dir: str, start: int, last: int, is_main: bool, log: Callable[[str], None]):
+        from tqdm import tqdm
+
+        self.run_dir, self.start, self.is_main, self.log = run_dir, start, is_main, log
+        self.records: list[dict] = []
+        if is_main:  # records after the step resumed from belong to a run that no checkpoint holds
+            run_dirs.keep_records_up_to(run_dirs.metrics_path(run_dir), start)
+        # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
+        self.bar = tqdm(total=last, initial=start, disable=not (is_main and sys.stderr.isatty()),
+                        unit="step", dynamic_ncols=True)
+
+    def add_hooks(self, hooks: Hooks, log_every: int, eval_every: int) -> None:
+        hooks.add_record("metrics", 1, self.keep)
+        hooks.add_record("log", log_every, self.log_line)
+        hooks.add_record("log evaluation", eval_every,  # evaluated steps between log lines
+                         lambda r: None if itstime(r["step"], log_every, hooks.last) else self.log_line(r))
+
+    def keep(self, record: dict) -> None:
+        """metrics.jsonl and the progress bar."""
+        self.records.append(record)
+        if self.is_main:
+            run_dirs.append_jsonl(run_dirs.metrics_path(self.run_dir), [record])
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
+
+    def log_line(self, record: dict) -> None:
+        val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
+        self.log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
+                 f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def run_summary(records: list[dict], start: int, wall_s: float, tokens_per_step: int) -> str:
+    """The one line every run ends with: steps, wall time, final losses, mean throughput."""
+    if not records:
+        return f"nothing to train: already at step {start}"
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    tokens_per_s = tokens_per_step * len(records) / sum(r["step_time_s"] for r in records)
+    return (f"done: steps {start + 1}-{records[-1]['step']} in {wall_s:.1f}s; final loss {records[-1]['loss']:.4f}"
+            + (f", val_loss {val[-1]:.4f}" if val else "") + f"; mean {tokens_per_s:.0f} tokens/s")

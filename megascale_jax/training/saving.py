@@ -1,0 +1,142 @@
+"""A run's saved states: orbax checkpoints on disk (`checkpoint.every`) and memory snapshots
+(`checkpoint.memory_every`) — what a start restores from, the hooks that save on their cadence,
+and the save an interrupt asks for.
+
+Three rules tie them to the loop:
+* a save records the step's metrics first (`recorder.flush`): a checkpoint is never newer than
+  the metrics on disk, and a snapshot is never of a step whose loss was not seen finite;
+* a save's blocking is not the next step's time (`recorder.restart_clock` after it): tokens/s and
+  MFU stay the training's, and ETTR (the ETTR bench) counts the blocking as the overhead it is;
+* the data position saved is the step's, counted from the start (`data_state`), never the
+  prefetcher's, which runs ahead (and a replayed step fetched ahead again).
+Checkpoints hold the canonical layer order (`to_canonical`), snapshots the stored one.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import jax
+
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import Config
+from megascale_jax.parallel import layout
+from megascale_jax.training import checkpoint, compile_cache, snapshot
+from megascale_jax.training.hooks import Hooks
+
+
+class Saves:
+    def __init__(self, cfg: Config, run_dir: str, to_canonical: Callable, abstract_state: Any,
+                 warn: Callable[[str], None], clock):
+        """Opens the checkpointer and the snapshot store `cfg` asks for, compiled for
+        `abstract_state` before anything is restored (the restore's verification runs it)."""
+        self.run_dir, self.is_main = run_dir, jax.process_index() == 0
+        self.ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=warn) \
+            if cfg.checkpoint.every else None
+        self.to_canonical = to_canonical
+        if self.ckpt:
+            self.ckpt.compile(abstract_state)
+            if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
+                self.to_canonical = compile_cache.compile(to_canonical.lower(abstract_state), "to_canonical")
+            clock.lap("checkpoint_compile")
+        # With background_host_copy, snapshots copy on the device with the checkpointer's compiled
+        # program (without checkpoints, the first snapshot compiles it).
+        self.snapshots = snapshot.Snapshots(
+            cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=warn,
+            device_copy=self.ckpt.device_copy if self.ckpt else checkpoint.device_copy) \
+            if cfg.checkpoint.memory_every else None
+        self.every, self.memory_every = cfg.checkpoint.every, cfg.checkpoint.memory_every
+        self.saved_step: int | None = None
+        self.start = self.data_position = 0  # the step and data index this run started from
+
+    # ---- the start
+    def restore(self, abstract_state: Any, clock) -> tuple[Any, int, int, str] | None:
+        """The newest saved state, as `(state in stored order?, step, data index, source)`, or None.
+        A memory snapshot is used when newer than the newest checkpoint; snapshots after the
+        step restored are dropped (a later run would otherwise find them)."""
+        restored, source = None, None
+        if self.snapshots:
+            committed = run_dirs.committed_steps(self.ckpt.directory) if self.ckpt else []
+            restored = self.snapshots.restore(abstract_state, newer_than=committed[-1] if committed else 0)
+            source = "memory snapshot" if restored is not None else None
+            clock.lap("snapshot_restore")
+        if self.ckpt and not restored:
+            restored = self.ckpt.restore_latest(abstract_state)
+            source = "checkpoint" if restored else None
+            clock.lap("restore")
+        step = restored[1]["step"] if restored else 0
+        if self.snapshots:
+            self.snapshots.discard_after(step)
+        if not restored:
+            return None
+        return restored[0], step, restored[1]["data_state"]["next_index"], source
+
+    def begin(self, start: int, data_position: int, recorder, watch) -> None:
+        """Training starts after step `start`, at data index `data_position`."""
+        self.start, self.data_position, self.recorder, self.watch = start, data_position, recorder, watch
+
+    def data_state(self, step: int) -> dict:
+        return {"next_index": self.data_position + step - self.start}
+
+    # ---- on a cadence
+    def add_hooks(self, hooks: Hooks) -> None:
+        if self.ckpt:
+            hooks.add("checkpoint", self.every, self.checkpoint)
+        if self.snapshots:
+            hooks.add("memory snapshot", self.memory_every, self.snapshot, at_last=False)
+
+    def checkpoint(self, step: int, state) -> None:
+        self.recorder.flush()
+        self.watch.state("checkpointing", step)
+        t_save = time.time()
+        self._log_saves(self.ckpt.save(step, self.to_canonical(state), self.data_state(step)))
+        self.watch.phase(step, "checkpoint", t_save, time.time() - t_save)
+        self.watch.state("training", step)
+        self.saved_step = step
+        self.recorder.restart_clock()
+
+    def snapshot(self, step: int, state) -> None:
+        if step == self.saved_step:
+            return  # just checkpointed
+        self.recorder.flush()
+        wall = time.time()
+        block_s = self.snapshots.save(step, state, self.data_state(step)["next_index"])
+        self.watch.phase(step, "snapshot", wall, block_s)
+        if self.is_main:
+            run_dirs.append_jsonl(run_dirs.snapshots_path(self.run_dir), [{"step": step, "block_s": round(block_s, 4)}])
+        self.recorder.restart_clock()
+
+    def poll(self) -> None:
+        """Logs the background saves that finished since the last poll."""
+        if self.ckpt:
+            self._log_saves(self.ckpt.poll())
+
+    # ---- stopping
+    def for_interrupt(self, step: int, state) -> bool:
+        """Checkpoints step `step` (if its hook did not) and waits until it is committed, as the
+        interrupt's message promises; True if it is on disk. Snapshots then have nothing to add."""
+        saved = False
+        if self.ckpt:
+            if self.saved_step != step:
+                self.checkpoint(step, state)
+            self._log_saves(self.ckpt.poll(wait=True))
+            saved = step in run_dirs.committed_steps(self.ckpt.directory)
+        if saved and self.snapshots:
+            self.snapshots.remove_all()
+        return saved
+
+    def close(self) -> None:
+        """Waits for the saves in flight (the loop ended, normally or not)."""
+        if self.ckpt:
+            self._log_saves(self.ckpt.close())
+
+    def finished(self) -> None:
+        """The run reached its last step: the final state is in the last checkpoint, or nowhere by request."""
+        if self.snapshots:
+            self.snapshots.remove_all()
+
+    def _log_saves(self, saves: list[dict]) -> None:
+        """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
+        if self.is_main and saves:
+            run_dirs.append_jsonl(run_dirs.saves_path(self.run_dir), saves)
