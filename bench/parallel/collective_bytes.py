@@ -2,6 +2,12 @@
 the compiled train step (`observe/collectives.py`), on 8 simulated CPU devices.
 
     python -m bench.parallel.collective_bytes [--out FILE] [--overwrite]
+    python -m bench.parallel.collective_bytes --layout "mesh.dp=2 mesh.tp=4 parallel.zero1=true"
+
+With `--layout` (repeatable; any `section.key=value` overrides on the bench's model shape) it
+measures only those layouts and prints one JSON row each — measured, planned and ideal bytes per
+axis and measured/ideal — writing a result file only with `--out`. A layout that is not a valid
+config for the 8 devices is the trainer's own one-line error, exit 2.
 
 The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` holds to 5%. The last three
 show what the runtime still pays at pp = 1; their `ideal` column is the planner with one
@@ -10,6 +16,8 @@ bench/results/collective_bytes_cpu.json.
 """
 
 import dataclasses
+import json
+import shlex
 import sys
 
 import jax
@@ -58,13 +66,35 @@ def measure(overrides: list[str]) -> dict:
     w = from_config(cfg, gpus=8)
     planned = traffic.bytes_per_axis(w)
     ideal = traffic.bytes_per_axis(dataclasses.replace(w, dp_reduce_per_microbatch=False))
-    return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal}
+    ratio = {axis: measured[axis] / ideal[axis] for axis in ("tp", "pp", "dp") if measured.get(axis) and ideal.get(axis)}
+    return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal, "measured_over_ideal": ratio}
+
+
+def measure_given(layouts: list[str], bench: Bench) -> int:
+    """`--layout`: one JSON row per layout on stdout (and a result file only with --out)."""
+    from megascale_jax import cli
+    from megascale_jax.config import ConfigError
+
+    rows = {}
+    for layout in layouts:
+        try:
+            rows[layout] = measure(shlex.split(layout))
+        except ConfigError as e:
+            return cli.user_error(e)
+        print(json.dumps({"layout": layout, **rows[layout]}), flush=True)
+    if bench.args.out:
+        bench.write({"devices": "8 simulated CPU devices", "rows": rows})
+    return 0
 
 
 def main(argv=None) -> int:
     bench = Bench(__doc__, "collective_bytes_cpu")
-    bench.parse_args(argv)
+    bench.add_argument("--layout", action="append", default=[], metavar="OVERRIDES",
+                       help='measure this layout only (repeatable), e.g. "mesh.dp=2 mesh.tp=4 parallel.zero1=true"')
+    args = bench.parse_args(argv)
     jax.config.update("jax_num_cpu_devices", 8)  # before JAX starts
+    if args.layout:
+        return measure_given(args.layout, bench)
     bench.refuse_existing()
     rows = {}
     print(f"{'layout':<42}{'axis':>5}{'measured B':>12}{'planned B':>12}{'error':>8}{'ideal B':>12}{'measured/ideal':>16}")

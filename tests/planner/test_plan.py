@@ -2,7 +2,10 @@
 to, and its agreement with this project's own schedule tables and sharded arrays."""
 
 import json
+import os
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import jax
@@ -258,3 +261,22 @@ def test_a_swiglu_model_keeps_its_flops_in_the_planner():
         times[activation] = predict.layer_times(w, gpu)["forward"]
     gate = costs.matmul_s(2 * w.microbatch_seqs * w.seq_len * w.d_model * 8192, gpu)  # one (d x f) GEMM more
     assert times["swiglu"] - times["gelu_tanh"] == pytest.approx(gate, rel=1e-9), times
+
+
+def test_collective_bytes_measures_a_layout_given_on_the_command_line(capsys):
+    """`collective_bytes --layout "..."` prints one JSON row: measured bytes per axis and their
+    ratio to the ideal, which for plain dp × tp (no accumulation) is one gradient all-reduce."""
+    bench = types.SimpleNamespace(args=types.SimpleNamespace(out=None))
+    assert collective_bytes.measure_given(["mesh.dp=4 mesh.tp=2 parallel.zero1=false"], bench) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert row["layout"] == "mesh.dp=4 mesh.tp=2 parallel.zero1=false"
+    assert set(row["measured_over_ideal"]) == {"dp", "tp"}
+    assert row["measured_over_ideal"]["dp"] == pytest.approx(1.0, abs=0.02)
+    assert row["measured_over_ideal"]["dp"] == pytest.approx(row["measured"]["dp"] / row["ideal"]["dp"])
+
+
+def test_collective_bytes_refuses_a_layout_the_devices_cannot_hold():
+    r = subprocess.run([sys.executable, "-m", "bench.parallel.collective_bytes", "--layout", "mesh.dp=3 mesh.tp=2"],
+                       capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "mesh.dp" in r.stderr, r.stderr
