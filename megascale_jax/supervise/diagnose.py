@@ -113,7 +113,7 @@ def _allreduce_bandwidth(mesh, axis: str, reps: int = 3) -> dict:
 def warm_up() -> None:
     """What a diagnostics worker imports only once it runs, imported ahead by a warm standby
     process (cluster/standby.py; the supervisor keeps one per active slot), so that diagnostics
-    after a fault pay for no imports (`python bench/diagnose.py`). The backend is not started:
+    after a fault pay for no imports (`python -m bench.resilience.diagnose`). The backend is not started:
     the device count is still free."""
     import jax.numpy  # noqa: F401
     import jax.sharding  # noqa: F401

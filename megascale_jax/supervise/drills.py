@@ -1,4 +1,4 @@
-"""Faults the driver injects on purpose (`launch --drill`, tests, bench/ettr.py), and the state
+"""Faults the driver injects on purpose (`launch --drill`, tests, bench/resilience/ettr.py), and the state
 they leave behind: slots a `faulty` drill broke (they fail diagnostics from then on) and slots a
 `slow` drill made stragglers (whichever worker runs there is slowed, attempt after attempt).
 
@@ -20,7 +20,7 @@ from megascale_jax.config import Config
 
 @dataclasses.dataclass(frozen=True)
 class Drill:
-    """A fault the driver injects on purpose (tests, bench/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
+    """A fault the driver injects on purpose (tests, bench/resilience/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
     step (fires when a heartbeat first reports it) or `t` + seconds since the launch; drills fire
     once, in the order given.
     * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;

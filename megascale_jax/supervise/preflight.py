@@ -39,7 +39,7 @@ from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import rendezvous
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise import diagnose
-from megascale_jax.supervise.supervisor import EventLog
+from megascale_jax.supervise.events import EventLog
 
 FAULTY_EXIT = 3
 

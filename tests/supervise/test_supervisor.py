@@ -23,7 +23,7 @@ from megascale_jax.cluster import rendezvous
 from megascale_jax.cluster.rendezvous import heartbeat_key
 from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.drills import Drill
-from megascale_jax.supervise.supervisor import HeartbeatMonitor
+from megascale_jax.supervise.detect import HeartbeatMonitor
 
 # ============================================================================ fast: pieces
 
@@ -725,7 +725,8 @@ def test_a_raised_loop_defers_to_a_peer_that_exits_a_moment_later():
     """Rank 1 is SIGKILLed; rank 0's collectives fail and its `failed` heartbeat can be read
     before rank 1's exit is reaped (once in CI, on a loaded machine): the fault is rank 1's exit,
     not rank 0's exception. A loop that raised on its own, with no peer exiting, stays the fault."""
-    from megascale_jax.supervise.supervisor import Fault, Supervisor
+    from megascale_jax.supervise.detect import Fault
+    from megascale_jax.supervise.supervisor import Supervisor
 
     class Group:  # rank 1's exit becomes visible 0.2 s after the first look
         def __init__(self, exits_at):
