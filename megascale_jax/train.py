@@ -219,7 +219,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="python -m megascale_jax.train", description=__doc__.splitlines()[0],
         epilog="Config keys: sections mesh, model, parallel, optim, train, data, checkpoint, supervisor, observe; "
-               "every key is documented in megascale_jax/config.py (and README.md, 'Configuring a run'). "
+               "every key is documented in megascale_jax/config.py (and docs/configuring.md). "
                "--print-config shows them all with their resolved values.")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")

@@ -1,7 +1,7 @@
 """bench/'s shape: packages run as `python -m bench.<group>.<name>` from the checkout's root,
 without editing sys.path, and every bench command the docs name is a module that exists. The
-README names them in prose, where tests/test_readme.py does not run them, so a bench moved
-without its docs would otherwise go unnoticed."""
+README and the docs/ pages name them in prose, where tests/test_readme.py does not run them, so a
+bench moved without its docs would otherwise go unnoticed."""
 
 import importlib.util
 import re

@@ -1,9 +1,13 @@
-"""What a user types is a test: every `python -m megascale_jax.<cmd>` in README.md's code blocks,
-run exactly as written from a scratch copy of the checkout (so relative paths such as
-`runs/...` and `configs/...` behave as they do for a user), in README order.
+"""What a user types is a test: every `python -m megascale_jax.<cmd>` in the code blocks of
+README.md and then of each docs/*.md page (pages in name order), run exactly as written from a
+scratch copy of the checkout (so relative paths such as `runs/...` and `configs/...` behave as they
+do for a user), in that order. The commands of all the files are one list, so a command that reads
+what a command on another page wrote still runs after it, in the same chain.
 
 The only change allowed is a shorter `train.steps=` appended to commands that train. Blocks
 whose first line starts with `# on NVIDIA GPU hosts` are skipped (they need a GPU or a cluster).
+Every relative link in README.md and docs/ must name a file that exists and, after `#`, one of its
+headings (GitHub's anchors).
 """
 
 import json
@@ -25,9 +29,14 @@ SHORT_STEPS = "train.steps=6"
 TIMEOUT_S = 600
 
 
+def documented_files(root: Path = REPO) -> list[Path]:
+    """README.md, then the docs/ pages in name order: the order their commands run in."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def readme_commands(text: str) -> list[str]:
-    """The `python -m megascale_jax.*` commands of README.md's code blocks, continuation lines
-    joined and comments dropped, outside blocks marked as needing a GPU."""
+    """The `python -m megascale_jax.*` commands of a Markdown text's code blocks, continuation
+    lines joined and comments dropped, outside blocks marked as needing a GPU."""
     commands, blocks, block = [], [], None
     for line in text.splitlines():
         if line.startswith("```") and block is None:  # opens a block: ```bash, ```python, ...
@@ -48,13 +57,54 @@ def readme_commands(text: str) -> list[str]:
     return commands
 
 
+def documented_commands(root: Path = REPO) -> list[str]:
+    """The commands of README.md and every docs/ page, in `documented_files` order."""
+    return [c for path in documented_files(root) for c in readme_commands(path.read_text())]
+
+
 def test_readme_commands_are_found():
     """The parser sees the commands a user sees (a parser that finds nothing would pass vacuously)."""
-    commands = readme_commands((REPO / "README.md").read_text())
+    commands = documented_commands()
     modules = {shlex.split(c)[2] for c in commands}
     assert {"megascale_jax.train", "megascale_jax.launch", "megascale_jax.report", "megascale_jax.diagnose",
-            "megascale_jax.flops"} <= modules
+            "megascale_jax.flops", "megascale_jax.plan", "megascale_jax.tokenize", "megascale_jax.sample",
+            "megascale_jax.export_hf"} <= modules  # most of them live in docs/ pages, not README.md
     assert not any("gpt_1b" in c for c in commands)  # the GPU blocks are skipped
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target), the text possibly over several lines
+
+
+def prose(text: str) -> str:
+    """The text outside code blocks (where `[x](y)` is code, not a link)."""
+    return "\n".join(line for i, line in enumerate(re.split(r"^```.*$", text, flags=re.M)) if i % 2 == 0)
+
+
+def heading_anchors(text: str) -> set[str]:
+    """GitHub's anchors for the headings: lower case, punctuation dropped, spaces as hyphens, and
+    `-1`, `-2` ... after a repeated one."""
+    anchors, seen = set(), {}
+    for title in re.findall(r"^#{1,6} +(.+?) *#*$", prose(text), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+        anchors.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_relative_link_resolves():
+    """Every relative link in README.md and docs/ names a file that exists and, after `#`, one of
+    its headings, so moving a section between pages cannot leave a dead link behind."""
+    links, broken = 0, []
+    for path in documented_files():
+        for target in LINK.findall(prose(path.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            links += 1
+            name, _, anchor = target.partition("#")
+            dest = (path.parent / name).resolve() if name else path
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text())):
+                broken.append(f"{path.relative_to(REPO)}: {target}")
+    assert links > 10 and not broken, broken
 
 
 def scratch_checkout(dest: Path) -> Path:
@@ -91,7 +141,7 @@ def chains(commands: list[str]) -> list[list[str]]:
 def test_readme_chains_keep_each_command_after_the_ones_it_reads():
     """The grouping the README test runs apart: what reads an earlier command's output is in that
     command's group, after it; independent commands are apart."""
-    groups = chains(readme_commands((REPO / "README.md").read_text()))
+    groups = chains(documented_commands())
 
     def where(fragment: str) -> tuple[int, int]:  # (group, position in it) of the command holding `fragment`
         return next((g, i) for g, chain in enumerate(groups) for i, c in enumerate(chain) if fragment in c)
@@ -111,7 +161,7 @@ NEEDS = {"megascale_jax.tokenize": "tokenizers", "megascale_jax.export_hf": "saf
 # What a chain's run directories must hold afterwards, where a user would look (relative to the checkout).
 EXPECTED_FILES = {"runs/exp1": ["metrics.jsonl"],
                   "runs/supervised": ["report/summary.txt", "redis/redis.log"]}
-CHAINS = chains(readme_commands((REPO / "README.md").read_text()))
+CHAINS = chains(documented_commands())
 
 
 @pytest.mark.slow
