@@ -87,7 +87,7 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
         dp_overlap="backward" if mesh.pp > 1 else "none",
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla", gspmd_edges=True,
-        dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
+        dp_reduce_per_microbatch=mesh.pp == 1,
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
 
 
