@@ -193,7 +193,8 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class SupervisorConfig:
-    """Heartbeats and recovery (`python -m megascale_jax.launch`; megascale_jax/supervise/supervisor.py)."""
+    """Heartbeats and recovery (`python -m megascale_jax.launch`; in megascale_jax/supervise/,
+    detect.py finds faults and policy.py decides what to do)."""
 
     heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
     hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung

@@ -20,7 +20,8 @@ ENTRY_POINTS = ("train", "launch", "report", "diagnose", "preflight", "flops", "
 # whose jax crashed: the straggler statistic and hang analysis read the run's files there too.
 DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.preflight", "megascale_jax.supervise.preflight",
           "megascale_jax.supervise.launch",
-          "megascale_jax.supervise.supervisor", "megascale_jax.supervise.workers",
+          "megascale_jax.supervise.supervisor", "megascale_jax.supervise.detect", "megascale_jax.supervise.policy",
+          "megascale_jax.supervise.transport", "megascale_jax.supervise.events", "megascale_jax.supervise.workers",
           "megascale_jax.supervise.redis_server", "megascale_jax.supervise.diagnose",
           "megascale_jax.supervise.drills", "megascale_jax.supervise.placement",
           "megascale_jax.observe.stragglers", "megascale_jax.observe.hangs", "megascale_jax.observe.timings",

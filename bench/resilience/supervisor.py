@@ -5,7 +5,7 @@ time and steps lost for crashes (kill -9), hangs (SIGSTOP) and a dead Redis, fro
 
 Start time = spawning N bare workers (1 CPU device each) until every one has finished the Redis
 rendezvous and `jax.distributed.initialize`; the rendezvous alone is reported beside it. Drills
-run the README's supervised job (`python -m megascale_jax.launch --nprocs 2 --spares 1 --config
+run the supervised job of docs/supervision.md (`python -m megascale_jax.launch --nprocs 2 --spares 1 --config
 configs/tiny_cpu.yaml`, checkpoints every 5 steps) with a kill, a stop and a Redis kill per
 round, once with the diagnostics every fault runs and once `--no-diagnose`.
 Writes bench/results/supervisor_cpu.json.

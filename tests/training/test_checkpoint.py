@@ -1,7 +1,7 @@
 """Checkpoints, exact resume, resume on another mesh, faults, and the prefetching data pipeline.
 
 * In-process: checksums, corrupt-checkpoint fallback, prefetch order and latency hiding, and the
-  README's orbax-only restore snippet (run in a subprocess that never imports megascale_jax).
+  orbax-only restore snippet of docs/checkpoints.md (run in a subprocess that never imports megascale_jax).
 * Real processes (the CLI): a reference run; a run SIGKILLed while its step-15 checkpoint is
   still being written, then resumed (bitwise identical steps 11-20); resumes of a dp=8
   checkpoint on other meshes (rel <= 1e-5); a run whose files are capped by RLIMIT_FSIZE, so its
@@ -291,7 +291,7 @@ def test_data_iterator_state_is_saved_by_grain_and_checked_against_meta(tmp_path
 
 
 def test_interop_snippet_restores_with_orbax_alone(tmp_path):
-    """The README snippet: no megascale_jax import, arrays come back as plain numpy/jax arrays."""
+    """The docs/checkpoints.md snippet: no megascale_jax import, arrays come back as plain numpy/jax arrays."""
     cfg = tiny_cfg()
     mesh = make_mesh(cfg.mesh)
     ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
