@@ -1,13 +1,16 @@
 """`python -m megascale_jax.plan --config CONFIG --gpus N --gpu {a100-80g,h100-sxm,h200}
-[--nic-gbps 8x200] [--json] [--search] [--plot OUT.png] [section.key=value ...]`
+[--nic-gbps 8x200] [--json] [--explain] [--search] [--plot OUT.png] [section.key=value ...]`
 
 Predicts the iteration time of the config's layout on N GPUs before a GPU-hour is spent: its
 breakdown (compute, pipeline bubble, exposed tp/pp/dp communication, optimizer, data), MFU,
 tokens/s and memory per device (`megascale_jax.planner`). dp is N / (tp·pp); a `mesh.dp=`
 override must agree with it (a config file's own mesh.dp is replaced). `--search` ranks every
 valid layout for N GPUs; `--plot` draws MFU and iteration time against GPU count for the layout's
-family (the same tp, pp, v and microbatch size, dp varied). Validated against published
-Megatron-LM runs: `python -m bench.planner.plan_validation`.
+family (the same tp, pp, v and microbatch size, dp varied). `--explain` prints one prediction's
+parts: compute by kind, exposed communication per axis, bubble, optimizer, data. A layout that
+does not fit in memory, or a model the planner cannot price (float32 math), is refused with one
+line and exit 2 (`--search` still ranks the layouts that do fit). Validated against published runs,
+each source held out: `python -m bench.planner.plan_validation`.
 """
 
 from __future__ import annotations
@@ -62,6 +65,25 @@ def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
     return "\n".join(lines)
 
 
+def explain(p: Plan) -> str:
+    """One prediction's seconds, finer than the breakdown (`Prediction.parts`), with what each is."""
+    pr = p.prediction
+    what = {"compute gemm": "the layers' matmuls (forward, backward, recompute)",
+            "compute attention": "attention scores and weighted sums (kernel or batched GEMMs + score passes)",
+            "compute elementwise": "norms, GeLU, dropout, residual adds: HBM passes",
+            "compute lm head": "the logits GEMMs and the loss on the last stage",
+            "tp layers": "tp collectives of the layers not hidden by collective matmul",
+            "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
+            "bubble": "pipeline warm-up and cool-down",
+            "pp sends": "pipeline sends not hidden behind a tick's compute",
+            "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute",
+            "optimizer": "the update: one HBM pass over its parameters, gradients and moments",
+            "data": "loader time on the critical path (charged 0: prefetched)"}
+    lines = [f"explain: {layout_name(p)}, iteration {pr.iteration_s:.3f} s"]
+    lines += [f"  {k:<24} {v:9.3f} s {v / pr.iteration_s:6.1%}  {what[k]}" for k, v in pr.parts.items()]
+    return "\n".join(lines)
+
+
 def draw(plans: list[Plan], out: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -86,6 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--gpu", required=True, help="a100-80g, h100-sxm or h200 (configs/calibration.yaml)")
     parser.add_argument("--nic-gbps", default=None, help="NICs per node x Gb/s, e.g. 8x400 (default: the GPU's system)")
     parser.add_argument("--json", action="store_true", help="print the prediction as JSON")
+    parser.add_argument("--explain", action="store_true", help="print the prediction's parts and what each is")
     parser.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     parser.add_argument("--plot", default=None, help="draw MFU and iteration time against GPU count to this PNG")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.tp=8 mesh.pp=8")
@@ -114,16 +137,27 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         validate(cfg, planning=True)  # the layout on this many GPUs (batch split over dp, ...)
     except ConfigError as e:
         return cli.user_error(e)
+    if cfg.model.dtype != "bfloat16":  # the calibration is bf16 tensor-core math; fp32 would be priced wrongly
+        return cli.user_error(f"model.dtype={cfg.model.dtype} is not priced by the planner (bf16 tensor-core "
+                              f"rates only); set model.dtype=bfloat16")
 
     chosen = plan(cfg, args.gpus, gpu)
     ranked = search(cfg, args.gpus, gpu) if args.search else []
+    if not chosen.fits and not args.search:
+        return cli.user_error(f"layout {layout_name(chosen)} needs {chosen.memory['total'] / GIB:.1f} GiB per GPU, more "
+                              f"than the {0.75 * gpu.hbm_bytes / GIB:.1f} GiB XLA may use on a {gpu.name}; "
+                              f"raise mesh.pp or mesh.tp, or try --search")
     if args.json:
         out = as_json(chosen)
+        if args.explain:
+            out["parts"] = chosen.prediction.parts
         if args.search:
             out["search"] = [as_json(p) for p in ranked[:10]]
         print(json.dumps(out, indent=1))
     else:
         print(report(chosen, args.gpus, gpu))
+        if args.explain:
+            print(explain(chosen))
         if args.search:
             print(f"\nbest layouts for {args.gpus} GPUs ({len(ranked)} valid, by predicted tokens/s):")
             print(f"  {'layout':<52}{'tokens/s':>12}{'MFU':>7}{'iter s':>9}{'GiB':>7}  fits")

@@ -63,12 +63,19 @@ def load(path: str = DEFAULT_FILE) -> dict[str, dict]:
         return yaml.safe_load(f)["gpus"]
 
 
-def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE) -> Gpu:
-    """The calibrated GPU `key` (e.g. 'h100-sxm'), its NICs overridden by `nic` ('8x400')."""
+def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: str | None = None) -> Gpu:
+    """The calibrated GPU `key` (e.g. 'h100-sxm'), its NICs overridden by `nic` ('8x400').
+
+    `held_out` names a validation source (`validation.SOURCES`) the caller will predict: the
+    calibration must not have been fitted to it. Each GPU's `fitted_to` lists every source any of
+    its values was fitted to; a calibration fitted to the held-out source is refused (ValueError),
+    so a leave-one-source-out prediction can never silently use its own answers."""
     table = load(path)
     if key not in table:
         raise ValueError(f"--gpu {key!r} is not one of {', '.join(table)} (configs/calibration.yaml)")
     g = table[key]
+    if held_out is not None and held_out in g.get("fitted_to", []):
+        raise ValueError(f"the {key} calibration was fitted to {held_out!r}; it cannot predict it held out")
     count, gbps = parse_nic(nic or g["nic"])
     eff = g["link_efficiency"]
     # The node's NIC bandwidth shared by its GPUs (each GPU drives its own rail in a DGX).

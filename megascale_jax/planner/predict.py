@@ -41,6 +41,8 @@ class Prediction:
     tokens_per_s: float
     model_flops: float  # per iteration: 3 × forward, window-aware (MFU's numerator)
     mfu: float
+    # the same seconds finer (`--explain`): compute by kind, exposed communication by axis and part
+    parts: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def context(w: Workload) -> int:
@@ -48,13 +50,18 @@ def context(w: Workload) -> int:
 
 
 def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
-    """Seconds of one layer for one microbatch on one GPU: forward, backward, recompute, and the
-    GEMM time collective matmul can hide tp transfers behind."""
+    """Seconds of one layer for one microbatch on one GPU: forward, backward, recompute, the GEMM
+    time collective matmul can hide tp transfers behind, and the same work split by kind (gemm,
+    attention, elementwise: forward + backward + recompute) for `--explain`."""
     tokens = w.microbatch_seqs * w.seq_len
     d, h, k, hd, f, tp = w.d_model, w.heads, w.kv_heads, w.head_dim, w.mlp_dim, w.tp
     up_matrices = 2 if w.gated_mlp else 1  # SwiGLU's gate and up projections
-    gemms = [2 * tokens * d * (h + 2 * k) * hd / tp, 2 * tokens * h * hd * d / tp,
-             *[2 * tokens * d * f / tp] * up_matrices, 2 * tokens * f * d / tp]
+    qkv, up = 2 * tokens * d * (h + 2 * k) * hd / tp, 2 * tokens * d * f / tp
+    if w.block == "parallel" and w.fused_block_gemms:  # one GEMM reads the shared norm's output
+        gemms = [qkv + up_matrices * up]
+    else:
+        gemms = [qkv, *[up] * up_matrices]
+    gemms += [2 * tokens * h * hd * d / tp, 2 * tokens * f * d / tp]  # attention out, MLP down
     gemm = sum(costs.matmul_s(g, gpu) for g in gemms)
     ctx = context(w)
     heads_here = h / tp
@@ -69,19 +76,27 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
         attention_backward = 2.5 * attention  # the kernel recomputes the scores in its backward
         score_bytes = 0.0
     else:  # batched GEMMs per (sequence, head) and the scores written and read back from HBM.
-        # Every (query, key) score is computed and then masked: a window saves no work here (on
-        # an H200, XLA attention ran 0.331 s/step with a 512 window and 0.335 s without).
-        per_head = 2 * w.seq_len * w.seq_len * hd
-        attention = 2 * w.microbatch_seqs * heads_here * costs.matmul_s(per_head, gpu)
+        # Every (query, key) score is computed and then masked (on an H200, XLA attention ran
+        # 0.331 s/step with a 512 window and 0.335 s without), unless the implementation computes
+        # only the band inside the window (`banded_window`).
+        keys = ctx if w.banded_window else w.seq_len
+        per_head = 2 * w.seq_len * keys * hd
+        attention = 2 * costs.matmul_s(w.microbatch_seqs * heads_here * per_head, gpu)  # one batched GEMM each
         attention_backward = 2 * attention
-        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * w.seq_len * flops.XLA_SCORE_VALUES \
+        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * keys * flops.XLA_SCORE_VALUES \
             * w.activation_bytes
-    elementwise = costs.hbm_s(gpu.elementwise_passes * (act_values * w.activation_bytes + score_bytes), gpu)
+    # The scores' passes are the attention's; the rest (norms, GeLU, dropout, residuals) elementwise.
     score_pass = costs.hbm_s(gpu.elementwise_passes * score_bytes, gpu)
+    elementwise = costs.hbm_s(gpu.elementwise_passes * act_values * w.activation_bytes, gpu)
+    attention += score_pass
+    attention_backward += 2 * score_pass
     forward = gemm + attention + elementwise
     backward = 2 * gemm + attention_backward + 2 * elementwise
-    recompute = {"none": 0.0, "selective": attention + score_pass, "full": forward}[w.recompute]
-    return {"forward": forward, "backward": backward, "recompute": recompute, "gemm": gemm}
+    redo = {"none": (0.0, 0.0, 0.0), "selective": (0.0, attention, 0.0),
+            "full": (gemm, attention, elementwise)}[w.recompute]
+    return {"forward": forward, "backward": backward, "recompute": sum(redo), "gemm": gemm,
+            "kind": {"gemm": 3 * gemm + redo[0], "attention": attention + attention_backward + redo[1],
+                     "elementwise": 3 * elementwise + redo[2]}}
 
 
 def tp_collective_s(w: Workload, gpu: Gpu) -> float:
@@ -113,43 +128,75 @@ def head_s(w: Workload, gpu: Gpu) -> float:
     return 3 * gemm + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu)
 
 
+def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
+    """Seconds of pipeline sends per iteration: every tick sends one activation forward and one
+    cotangent back; blocking sends (Megatron's batched send/recv) cost both, asynchronous ones
+    (MegaScale §3.2, this project's ppermute) only what the tick's compute cannot hide."""
+    if w.pp == 1:
+        return 0.0
+    link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    send = costs.p2p_s(traffic.boundary_bytes(w), link)
+    ticks = w.microbatches * w.virtual + w.pp - 1
+    return ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)
+
+
+def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
+    """Seconds of exposed dp communication per iteration: the gradients' reduction (a
+    reduce-scatter with ZeRO-1, else an all-reduce) and, with ZeRO-1, the parameters' all-gather.
+    * "none": both after the backward, exposed;
+    * "backward": the reduction hides behind one microbatch's backward of the stage, the gather not;
+    * "chunks": each of the v chunks gathers before its first forward and reduce-scatters after its
+      last backward, behind the stage's compute; the first gather and the last reduce-scatter
+      cannot hide, 1/(2v) of the traffic (MegaScale §3.2: "reducing the communication time by a
+      factor of 1/(2*vpp_size)")."""
+    if w.dp == 1:
+        return 0.0
+    link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
+    grads = stage_params(w) * w.grad_bytes
+    if w.zero1:
+        reduce = costs.ring_all_gather_s(grads, w.dp, link)
+        gather = costs.ring_all_gather_s(stage_params(w) * w.param_bytes, w.dp, link)
+    else:
+        reduce, gather = costs.ring_all_reduce_s(grads, w.dp, link), 0.0
+    if w.dp_overlap == "chunks":
+        total = reduce + gather
+        edge = total / (2 * w.virtual)
+        return edge + costs.exposed_s(total - edge, compute_s)
+    if w.dp_overlap == "backward":
+        return costs.exposed_s(reduce, backward_s) + gather
+    return reduce + gather
+
+
 def predict(w: Workload, gpu: Gpu) -> Prediction:
     m, stage_layers = w.microbatches, w.layers // w.pp
     t = layer_times(w, gpu)
     tp_comm = tp_collective_s(w, gpu)
     tp_exposed = costs.exposed_s(tp_comm, t["gemm"] * (3 if w.recompute == "full" else 2)) if w.tp_overlap else tp_comm
-    per_microbatch = stage_layers * (t["forward"] + t["backward"] + t["recompute"]) + head_s(w, gpu)
+    head = head_s(w, gpu)
+    layer = t["forward"] + t["backward"] + t["recompute"]
+    # The pipeline runs at the pace of its busiest stage: usually the last (its layers + the head)
+    last_layers = stage_layers if w.last_stage_layers is None else w.last_stage_layers
+    if stage_layers * layer > last_layers * layer + head:
+        last_layers, head = stage_layers, 0.0
+    stage_layers = last_layers
+    per_microbatch = stage_layers * layer + head
     compute = m * per_microbatch
-    tp = m * stage_layers * tp_exposed + edge_tp_s(w, gpu)
+    tp_layers, tp_edges = m * stage_layers * tp_exposed, edge_tp_s(w, gpu)
+    tp = tp_layers + tp_edges
     bubble_share = costs.bubble_fraction(w.schedule, w.pp, w.virtual, m,
                                          t["forward"], t["backward"] + t["recompute"])
     bubble = (compute + tp) * bubble_share / (1 - bubble_share)
-
-    pp = 0.0
-    if w.pp > 1:
-        link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
-        send = costs.p2p_s(traffic.boundary_bytes(w), link)
-        ticks = m * w.virtual + w.pp - 1
-        tick_compute = (per_microbatch + stage_layers * tp_exposed) / w.virtual
-        pp = ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)
-
-    dp = 0.0
-    if w.dp > 1:
-        link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
-        grads = stage_params(w) * w.grad_bytes
-        if w.zero1:
-            reduce = costs.ring_all_gather_s(grads, w.dp, link)
-            gather = costs.ring_all_gather_s(stage_params(w) * w.param_bytes, w.dp, link)
-        else:
-            reduce, gather = costs.ring_all_reduce_s(grads, w.dp, link), 0.0
-        window = stage_layers * t["backward"] if w.dp_overlap == "backward" else 0.0
-        dp = costs.exposed_s(reduce, window) + gather
-
+    pp = pp_s(w, gpu, (per_microbatch + stage_layers * tp_exposed) / w.virtual)
+    dp = dp_s(w, gpu, stage_layers * t["backward"], compute)
     optimizer = costs.hbm_s(stage_params(w) / (w.dp if w.zero1 else 1) * OPTIMIZER_BYTES_PER_PARAM, gpu)
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}
+    runs = m * stage_layers
+    parts = {**{f"compute {kind}": runs * s for kind, s in t["kind"].items()}, "compute lm head": m * head,
+             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp,
+             "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())
     tokens = w.global_batch * w.seq_len
     model_flops = tokens * flops.model_flops_per_token(model_config(w))
     return Prediction(iteration_s=iteration, breakdown=breakdown, tokens_per_s=tokens / iteration,
-                      model_flops=model_flops, mfu=model_flops / (iteration * w.gpus * gpu.peak_flops))
+                      model_flops=model_flops, mfu=model_flops / (iteration * w.gpus * gpu.peak_flops), parts=parts)

@@ -96,9 +96,10 @@ def pp_bytes(w: Workload) -> dict[str, float]:
 def dp_bytes(w: Workload) -> dict[str, float]:
     """dp, per iteration: the gradients' all_reduce(P · grad bytes) — with ZeRO-1 their
     reduce-scatter and the updated parameters' all-gather, gather(P · grad bytes) +
-    gather(P · param bytes). With `dp_reduce_per_microbatch` (this project at pp = 1, where GSPMD
-    places the reduction inside the microbatch and layer loops) each of the m microbatches
-    all-reduces its gradients, ZeRO-1 or not, and ZeRO-1 adds the parameters' all-gather."""
+    gather(P · param bytes). With `dp_reduce_per_microbatch` (a runtime that leaves the reduction
+    to GSPMD inside the accumulation loop, as this project did at pp = 1 before
+    parallel/microbatches.py) each of the m microbatches all-reduces its gradients, ZeRO-1 or not,
+    and ZeRO-1 adds the parameters' all-gather."""
     if w.dp == 1:
         return {"gradients": 0.0, "parameters": 0.0}
     params = stage_params(w)

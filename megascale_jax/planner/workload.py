@@ -43,7 +43,12 @@ class Workload:
     pp_split_over_tp: bool  # each tp rank sends 1/tp of the boundary activation (sequence parallel,
                             # or Megatron's scatter/gather), instead of all of it
     edge_on_every_stage: bool  # embedding + head stored (and reduced over dp) on every pp stage
-    dp_overlap: Literal["none", "backward"]  # gradient reduction overlapping backward work, or after it
+    # when the dp reduction runs: after the backward ("none"); overlapping one microbatch's
+    # backward ("backward", this project's pipeline); or chunk by chunk, each chunk's parameters
+    # all-gathered before its first forward and its gradients reduce-scattered after its last
+    # backward, so only the first gather and the last reduce-scatter are exposed ("chunks":
+    # MegaScale §3.2, PyTorch FSDP; predict.dp_s)
+    dp_overlap: Literal["none", "backward", "chunks"]
     # how this project's runtime communicates (False for published Megatron runs)
     masked_idle_ticks: bool = False  # pp > 1 with explicit tp collectives: idle ticks run masked chunks
     gspmd_edges: bool = False  # embedding and head partitioned by GSPMD (traffic.tp_bytes says how)
@@ -52,6 +57,15 @@ class Workload:
     grad_bytes: int = 4  # gradients reduced in fp32
     param_bytes: int = 4  # fp32 parameters (all-gathered in full after a ZeRO-1 update)
     gated_mlp: bool = False  # SwiGLU: three MLP matrices (gate, up, down) instead of two
+    # Unfused attention computes only the scores inside the window (a banded matmul, Beltagy et al.
+    # 2020) instead of all of them and masking (XLA's attention, measured on our H200)
+    banded_window: bool = False
+    # Parallel block with fused GEMMs: the QKV and MLP-up projections read the one shared norm's
+    # output and run as one GEMM (MegaScale §3.1, Figure 3) instead of two
+    fused_block_gemms: bool = False
+    # Layers on the stage that also runs the LM head, when the model's split gives it fewer
+    # (Llama 3 drops one layer from the first and the last stage); None: layers / pp like the rest
+    last_stage_layers: Optional[int] = None
 
     @property
     def dp(self) -> int:
@@ -87,7 +101,7 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
         dp_overlap="backward" if mesh.pp > 1 else "none",
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla", gspmd_edges=True,
-        dp_reduce_per_microbatch=mesh.pp == 1,
+        dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
 
 

@@ -18,7 +18,9 @@ from megascale_jax.model import flops
 from megascale_jax.observe import collectives
 from megascale_jax.parallel import pipeline
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.planner import calibration, costs, published, traffic
+import dataclasses
+
+from megascale_jax.planner import calibration, costs, predict, published, traffic, validation
 from megascale_jax.planner.search import candidates, plan as plan_layout
 from megascale_jax.planner.workload import from_config
 from megascale_jax.training.trainer import build_trainer
@@ -38,18 +40,95 @@ def run(capsys, *argv):
 # ------------------------------------------------------------------ validation
 
 
-def test_predictions_match_published_runs_within_the_target():
-    """18 published points (Megatron-LM SC'21 Table 1, Korthikanti et al. 2022 Table 5): mean
-    error ≤ 5%, max ≤ 10%, and the committed bench result is what the planner predicts today."""
-    rows = published.validation_table()
-    errors = [abs(r["error"]) for r in rows]
-    assert len(rows) == 18
-    assert np.mean(errors) <= 0.05 and max(errors) <= 0.10, [(r["model"], r["metric"], r["error"]) for r in rows]
-    # Independent of the planner: the published values themselves (README table of NVIDIA/Megatron-LM).
-    assert [r["published"] for r in rows[:10]] == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
-    committed = json.load(open(REPO / "bench" / "results" / "plan_validation_a100.json"))
-    assert [r["predicted"] for r in committed["rows"]] == [r["predicted"] for r in rows], \
-        "re-run python -m bench.planner.plan_validation --overwrite after changing the planner or its calibration"
+def test_every_source_is_predicted_held_out_and_the_committed_result_is_todays():
+    """Leave-one-source-out: each source's rows come from a calibration whose `fitted_to` does not
+    name it; the published values are the papers' (checked against the papers' own other columns
+    below); the committed bench result is what the planner predicts today."""
+    table = validation.held_out_table()
+    assert set(table) == {"narayanan2021", "korthikanti2022", "megascale2024", "llama3_2024"}
+    assert [table[k]["points"] for k in table] == [10, 8, 16, 2]
+    assert [r["published"] for r in table["narayanan2021"]["rows"]] == [137, 138, 142, 135, 138, 140, 148, 155, 163, 163]
+    committed = json.load(open(REPO / "bench" / "results" / "plan_validation.json"))
+    for key, source in table.items():
+        assert [r["predicted"] for r in committed["held_out"][key]["rows"]] == [r["predicted"] for r in source["rows"]], \
+            "re-run python -m bench.planner.plan_validation --overwrite after changing the planner or its calibration"
+    # What the planner achieves today, per source (the issue's target is the xfail test below).
+    assert table["korthikanti2022"]["mean_abs_error"] <= 0.05 and table["korthikanti2022"]["max_abs_error"] <= 0.10
+    assert table["narayanan2021"]["max_abs_error"] <= 0.11
+    megatron_rows = [r for r in table["megascale2024"]["rows"] if "Megatron-LM" in r["metric"]]
+    assert max(abs(r["error"]) for r in megatron_rows) <= 0.14
+
+
+@pytest.mark.xfail(strict=True, reason="issue 40's target is not met yet: MegaScale rows are predicted 10-23% too fast "
+                   "and Llama 3's H100 rate 24-26% too high (docs/planner.md, 'Not yet')")
+def test_every_held_out_point_is_within_10_percent_and_the_mean_within_5():
+    errors = [abs(r["error"]) for s in validation.held_out_table().values() for r in s["rows"]]
+    assert max(errors) <= validation.TARGET_MAX and sum(errors) / len(errors) <= validation.TARGET_MEAN
+
+
+def test_a_calibration_fitted_to_a_source_cannot_predict_it_held_out(tmp_path):
+    text = (REPO / "configs" / "calibration.yaml").read_text().replace(
+        "fitted_to: []               #", "fitted_to: [megascale2024] #", 1)
+    path = tmp_path / "calibration.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match="fitted to 'megascale2024'"):
+        calibration.gpu("a100-80g", path=str(path), held_out="megascale2024")
+    calibration.gpu("a100-80g", path=str(path), held_out="narayanan2021")  # another source: allowed
+    # The shipped calibration is fitted to none of the published sources.
+    for key in calibration.load():
+        assert not set(calibration.load()[key].get("fitted_to", [])) & set(validation.SOURCES), key
+
+
+def test_megascale_table_2_transcription_agrees_with_its_own_throughput_column():
+    """Guard on the transcription: batch x 2048 / iteration s is the table's tokens/s column (to its rounding)."""
+    throughput = [(39.3e3, 49.0e3), (74.1e3, 95.1e3), (103.8e3, 136.7e3), (132.7e3, 176.9e3),
+                  (433.6e3, 531.9e3), (851.6e3, 1030.9e3), (1027.9e3, 1315.6e3), (1466.8e3, 1984.0e3)]
+    for (batch, _, megatron_s, megascale_s), (megatron_tps, megascale_tps) in zip(published.MEGASCALE_TAB2, throughput):
+        assert batch * 2048 / megatron_s == pytest.approx(megatron_tps, rel=0.005)
+        assert batch * 2048 / megascale_s == pytest.approx(megascale_tps, rel=0.005)
+    # Table 3's last row is Table 2's 256-GPU MegaScale row (batch 768), and its baseline Megatron-LM.
+    assert published.MEGASCALE_TAB3[-1][1] == published.MEGASCALE_TAB2_MFU[0][1] == 65.3
+    # Llama 3: TFLOP/s per GPU over the H100's 989 is the table's BF16 MFU column (43%, 41%).
+    assert [round(100 * r[-1] / 989) for r in published.LLAMA3_TAB4] == [43, 40]
+
+
+def test_megascale_table_3_gains_have_the_papers_sign_and_lie_within_3_mfu_points():
+    """Each optimization priced by its mechanism (published.MEGASCALE_STEPS) buys a gain of the
+    paper's sign within 3 MFU points of Table 3's; the data pipeline / misc row is not priced (0)."""
+    rows = published.megascale_ablation(calibration.gpu("a100-80g", held_out="megascale2024"))
+    assert [r["published_mfu"] for r in rows] == [47.7, 52.3, 53.3, 55.5, 58.0, 59.5, 61.2, 62.3, 65.3]
+    for r in rows[1:]:
+        assert abs(r["predicted_gain"] - r["published_gain"]) <= 3.0, r
+        if r["step"].startswith("(7)"):
+            assert r["predicted_gain"] == pytest.approx(0.0, abs=1e-9)
+        else:
+            assert r["predicted_gain"] > 0, r
+
+
+def test_dp_chunks_expose_one_gather_and_one_reduce_scatter_of_2v():
+    """MegaScale §3.2: with the per-chunk overlap only the first all-gather and the last
+    reduce-scatter are exposed, 1/(2v) of the dp traffic, when the compute can hide the rest."""
+    gpu = calibration.gpu("a100-80g")
+    w = published.megascale_workload(256, 768)
+    assert w.dp_overlap == "chunks" and w.virtual == 6
+    none = predict.dp_s(dataclasses.replace(w, dp_overlap="none"), gpu, 0.0, 0.0)
+    # a hand check of the exposed reduce-scatter + all-gather: params per GPU on the last stage,
+    # fp32 gradients and bf16 parameters, ring over dp = 4 on one NIC rail
+    params = 12 * 12 * 12288**2 / 8 + 64000 * 12288 / 8  # 12 layers and the LM head, over tp (norms, biases: <1%)
+    nic = 8 * 200 / 8 * 1e9 / 8 * 0.8
+    hand = 3 / 4 * params * (4 + 2) / nic + 2 * 3 * 20e-6
+    assert none == pytest.approx(hand, rel=0.01)
+    assert predict.dp_s(w, gpu, 0.0, compute_s=100.0) == pytest.approx(none / 12)
+
+
+def test_a_banded_window_cuts_unfused_attention_in_proportion():
+    gpu = calibration.gpu("a100-80g")
+    w = published.megascale_baseline(256, 256)
+    full = predict.layer_times(dataclasses.replace(w, window=1024), gpu)["kind"]["attention"]
+    banded = predict.layer_times(dataclasses.replace(w, window=1024, banded_window=True), gpu)["kind"]["attention"]
+    masked = predict.layer_times(w, gpu)["kind"]["attention"]
+    assert full == masked  # a mask alone saves nothing
+    assert banded == pytest.approx(masked / 2, rel=0.05)  # half the keys: half the score work and passes
 
 
 def test_the_transcribed_per_gpu_rates_add_up_to_the_tables_aggregate_column():
@@ -163,6 +242,17 @@ def test_the_report_breaks_the_iteration_down_and_the_json_has_the_keys(capsys):
                                         / (data["iteration_s"] * 1536 * 989e12))
 
 
+def test_explain_prints_every_part_and_the_parts_add_up(capsys):
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "a100-80g", "--explain", "--json")
+    assert code == 0, err
+    data = json.loads(out)
+    assert {"compute gemm", "compute attention", "compute elementwise", "compute lm head", "tp layers",
+            "tp embedding+head", "bubble", "pp sends", "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
+    assert sum(data["parts"].values()) == pytest.approx(data["iteration_s"])
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "a100-80g", "--explain")
+    assert code == 0 and "explain:" in out and "dp gradients+parameters" in out
+
+
 def test_search_ranks_valid_layouts_and_marks_what_does_not_fit(capsys, tmp_path):
     code, out, err = run(capsys, *GPT_175B, "--gpus", "512", "--gpu", "a100-80g", "--json", "--search",
                          "--plot", str(tmp_path / "scaling.png"))
@@ -176,8 +266,8 @@ def test_search_ranks_valid_layouts_and_marks_what_does_not_fit(capsys, tmp_path
     cfg = load_config(str(REPO / "configs" / "gpt_175b.yaml"), ["train.global_batch=1536"], planning=True)
     layouts = list(candidates(cfg, 512, 8))
     assert layouts and all(c.mesh.dp * c.mesh.pp * c.mesh.tp == 512 for c in layouts)
-    # On 64 GPUs with no pipeline, 175B cannot fit: reported as such, not predicted as if it fit.
-    code, out, err = run(capsys, *GPT_175B, "--gpus", "64", "--gpu", "a100-80g", "mesh.pp=1", "--json")
+    # On 64 GPUs with no pipeline, 175B cannot fit: --search reports it, never recommends it
+    code, out, err = run(capsys, *GPT_175B, "--gpus", "64", "--gpu", "a100-80g", "mesh.pp=1", "--json", "--search")
     assert code == 0 and json.loads(out)["fits"] is False
 
 
@@ -189,6 +279,8 @@ BAD = [
     (["--gpus", "1536", "--gpu", "v100"], "--gpu 'v100' is not one of"),
     (["--gpus", "1536", "mesh.dp=8"], "disagrees with --gpus=1536"),
     (["--gpus", "1536", "--nic-gbps", "fast"], "must look like 8x200"),
+    (["--gpus", "64", "mesh.pp=1"], "GiB per GPU, more than the"),  # a layout that does not fit
+    (["--gpus", "1536", "model.dtype=float32"], "model.dtype=float32 is not priced"),
 ]
 
 
@@ -280,3 +372,13 @@ def test_collective_bytes_refuses_a_layout_the_devices_cannot_hold():
                        capture_output=True, text=True, timeout=120, cwd=REPO, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "mesh.dp" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("name", ["dp4 tp2, 2 accumulation steps, ZeRO-1", "dp2 tp4, SP + collective matmul, serial"])
+def test_pp1_gradients_cross_dp_once_per_step(name):
+    """At pp = 1 the gradients are accumulated per dp replica and reduced once per step (into the
+    ZeRO-1 shard where on): the compiled step's dp bytes are those of one reduction, where GSPMD's
+    own placement moved 2.4x (a reduction per microbatch) and 7.1x (one per collective-matmul ring
+    step). The ideal is the ring formula, 2(dp-1)/dp x the gradient bytes."""
+    row = collective_bytes.measure(collective_bytes.LAYOUTS[name])
+    assert row["measured"]["dp"] <= 1.03 * row["ideal"]["dp"], row
