@@ -4,7 +4,9 @@
 #   bash configs/cluster/jobset_worker.sh CONFIG [overrides...]
 #
 # The JobSet gives every pod REDIS_URL, RUN_DIR, NUM_PROCESSES, its completion index
-# (JOB_COMPLETION_INDEX), the set's name and restart attempt, and the node it runs on (NODE_NAME).
+# (JOB_COMPLETION_INDEX), the set's name and restart attempt, and the node it runs on (NODE_NAME);
+# the Redis password comes from a Secret, as the file MEGASCALE_REDIS_PASSWORD_FILE names (never
+# on a command line: `ps` shows those to every user of the node).
 # 1. `python -m megascale_jax.preflight` runs the device and collective checks on all pods
 #    together. A node found faulty (or already listed in RUN_DIR/excluded_hosts.txt) is appended
 #    to that file (an `evict` event in RUN_DIR/events.jsonl) and labelled
@@ -13,6 +15,10 @@
 #    not run (Redis, the rendezvous) exclude nobody and exit 1: the set restarts as it was.
 # 2. Training resumes from the newest checkpoint on the shared volume.
 set -euo pipefail
+if [ -z "${MEGASCALE_REDIS_PASSWORD_FILE:-}${MEGASCALE_REDIS_PASSWORD:-}" ]; then
+  echo "error: the job's Redis needs a password: set MEGASCALE_REDIS_PASSWORD_FILE to a file holding it (a Secret volume)" >&2
+  exit 2
+fi
 CONFIG=${1:?usage: jobset_worker.sh CONFIG [overrides...]}
 shift
 JOB="$JOBSET_NAME-$JOBSET_RESTART_ATTEMPT"

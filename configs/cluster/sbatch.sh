@@ -1,9 +1,16 @@
 #!/bin/bash
 # SLURM: one megascale_jax.train worker per node (all of the node's GPUs), rendezvous and
-# heartbeats through an external Redis.
+# heartbeats through an external Redis that requires a password, over TLS.
 #
-#   REDIS_URL=redis://redis.example:6379 sbatch configs/cluster/sbatch.sh configs/gpt_1b.yaml mesh.dp=16
+#   export REDIS_URL='rediss://megascale@redis.example:6380?ssl_ca_certs=/shared/redis/ca.crt'
+#   export MEGASCALE_REDIS_PASSWORD_FILE=$HOME/.megascale/redis-password   # chmod 600
+#   sbatch configs/cluster/sbatch.sh configs/gpt_1b.yaml mesh.dp=16
 #
+# The password travels in the environment (srun passes it on), never on a command line, where `ps`
+# would show it to every user of the nodes; a URL holding one is refused. `megascale@` names the
+# job's Redis ACL user; plain redis://HOST:PORT works too when the server has only a requirepass
+# password. Whoever lacks the password cannot reach the job's keys, and the coordinator record the
+# workers meet at is signed with it (docs/supervision.md, "Who may talk to the job's Redis").
 # Every worker gets the same job id ($SLURM_JOB_ID) and its rank from SLURM_PROCID, joins through
 # Redis, learns rank 0's coordinator address there and starts jax.distributed with it. (Without
 # --redis, `jax.distributed.initialize()` with no arguments auto-detects SLURM itself — cluster
@@ -24,7 +31,12 @@
 #SBATCH --requeue
 #SBATCH --output=logs/%x-%j-%t.log
 set -euo pipefail
-: "${REDIS_URL:?set REDIS_URL=redis://host:port}"
+: "${REDIS_URL:?set REDIS_URL=rediss://[USER@]host:port?ssl_ca_certs=/path/ca.crt (or redis://[USER@]host:port)}"
+# Checked here, not by every worker: a job step that fails is diagnosed and requeued, forever.
+if [ -z "${MEGASCALE_REDIS_PASSWORD_FILE:-}${MEGASCALE_REDIS_PASSWORD:-}" ]; then
+  echo "error: the job's Redis needs a password: set MEGASCALE_REDIS_PASSWORD_FILE to a file (chmod 600) holding it" >&2
+  exit 2
+fi
 CONFIG=${1:?usage: sbatch sbatch.sh CONFIG [overrides...]}
 shift
 RUN_DIR=${RUN_DIR:-/shared/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}

@@ -6,25 +6,45 @@ also carries the heartbeats (heartbeat.py), so a job needs exactly one external 
 keys of a job live under `megascale:<job>:` and expire after a day, so stale jobs clean
 themselves up. A job id is used by one set of workers only: the launcher gives every restart
 attempt its own.
+
+The coordinator record is verified, not trusted (Redis itself admits only holders of the job's
+password: redis_auth.py). Every worker registers with a fresh random nonce; once all have, rank 0
+signs {job, coordinator, every rank's nonce} with an HMAC-SHA256 keyed by the job's password and
+hands one copy to each other rank. A rank accepts the record only if the HMAC verifies (not
+forged by someone without the password), the job is its own (not another job's record copied
+in) and its own nonce is in it at its rank (not a replay of an earlier join under the same job
+id); anything else is refused in one line (`RendezvousRefused`; train exits 2, which the
+supervisor counts as a fault at once rather than waiting for a hang).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
+import secrets
 import socket
 import time
 import urllib.parse
 
 import redis
 
+from megascale_jax.cluster import redis_auth
+from megascale_jax.cluster.redis_auth import connect, redact  # noqa: F401 — rendezvous.connect is the client everyone uses
+
 KEY_TTL_S = 24 * 3600
 
 
 class RendezvousError(RuntimeError):
-    """The job could not assemble (Redis unreachable, too many workers, a barrier timed out)."""
+    """The job could not assemble (Redis unreachable or refusing us, too many workers, a barrier
+    timed out)."""
+
+
+class RendezvousRefused(RendezvousError):
+    """The coordinator record read from Redis is not one this job's rank 0 wrote for this join."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +71,6 @@ def heartbeat_key(job: str, rank: int) -> str:
     return key(job, "heartbeat", rank)
 
 
-def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
-    """A client for `redis://HOST:PORT`; `timeout_s` bounds each command (None: blocking waits allowed)."""
-    return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s or 5.0)
-
-
 def job_id_from_env() -> str:
     """The job id a cluster scheduler gives all workers of one job attempt alike. A requeued SLURM
     job keeps its SLURM_JOB_ID and a restarted JobSet its name, so the restart count is part of
@@ -75,27 +90,83 @@ def join(url: str, job: str, nprocs: int, rank: int | None = None, timeout_s: fl
 
     `rank` is the scheduler's process index when it has one (SLURM_PROCID, a JobSet completion
     index); without, ranks are handed out in order of arrival."""
-    client = connect(url)
+    if not job or ":" in job:  # keys are megascale:<job>:...: a colon would reach into another job's keys
+        raise RendezvousError(f"job id {job!r} must be non-empty and free of ':'")
     try:
-        client.ping()
+        client = connect(url)
+        redis_auth.verify(client, url)
+        secret = redis_auth.password()
+    except redis_auth.RedisAuthError as e:
+        raise RendezvousError(str(e)) from None
     except redis.RedisError as e:
-        raise RendezvousError(f"cannot reach Redis at {url}: {e}; start it or fix --redis") from None
+        raise RendezvousError(f"cannot reach Redis at {redact(url)}: {e}; start it or fix --redis") from None
     if rank is None:
         rank = client.incr(key(job, "next_rank")) - 1
         client.expire(key(job, "next_rank"), KEY_TTL_S)
     if not 0 <= rank < nprocs:
         raise RendezvousError(f"job {job!r} has {nprocs} workers but this one got rank {rank}; "
                               "use a fresh job id for every launch")
+    nonce = secrets.token_hex(16)
     client.hset(key(job, "members"), str(rank), json.dumps(
-        {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time()}))
+        {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "nonce": nonce}))
     client.expire(key(job, "members"), KEY_TTL_S)
-    if rank == 0:
-        address = f"{_advertised_host(url)}:{free_port()}"
-        client.set(key(job, "coordinator"), address, ex=KEY_TTL_S)
     start = time.perf_counter()
     barrier(client, job, "joined", nprocs, timeout_s)
-    coordinator = client.get(key(job, "coordinator")).decode()
+    if rank == 0:
+        coordinator = f"{_advertised_host(url)}:{free_port()}"
+        publish_coordinator(client, secret, job, nprocs, coordinator)
+    else:
+        popped = client.blpop([key(job, "coordinator")], timeout=timeout_s)
+        if popped is None:
+            raise RendezvousError(f"job {job!r}: rank 0 published no coordinator within {timeout_s:.0f}s")
+        coordinator = verified_coordinator(popped[1], secret, job, rank, nonce)
     return Membership(rank=rank, nprocs=nprocs, coordinator=coordinator, wait_s=time.perf_counter() - start)
+
+
+def publish_coordinator(client: redis.Redis, secret: str, job: str, nprocs: int, coordinator: str) -> None:
+    """Rank 0, after every rank registered: the signed record, one copy per other rank (each
+    takes one with BLPOP, so nobody polls)."""
+    members = {int(r): json.loads(v) for r, v in client.hgetall(key(job, "members")).items()}
+    record = {"job": job, "coordinator": coordinator, "nonces": [members.get(r, {}).get("nonce") for r in range(nprocs)]}
+    if nprocs > 1:
+        client.rpush(key(job, "coordinator"), *[json.dumps(sign(secret, record))] * (nprocs - 1))
+        client.expire(key(job, "coordinator"), KEY_TTL_S)
+
+
+def sign(secret: str, record: dict) -> dict:
+    """`record` with its HMAC-SHA256 under `secret`, over its canonical JSON."""
+    return {"record": record, "hmac": _mac(secret, record)}
+
+
+def _mac(secret: str, record: dict) -> str:
+    canonical = json.dumps(record, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(secret.encode(), canonical, hashlib.sha256).hexdigest()
+
+
+def verified_coordinator(raw: bytes, secret: str, job: str, rank: int, nonce: str) -> str:
+    """The coordinator address of a record rank `rank` (registered with `nonce`) of `job` read
+    from Redis, or RendezvousRefused saying why it is not to be trusted."""
+    try:
+        signed = json.loads(raw)
+        record, mac = signed["record"], signed["hmac"]
+        coordinator, nonces = record["coordinator"], record["nonces"]
+        if not (isinstance(mac, str) and isinstance(coordinator, str) and isinstance(nonces, list)):
+            raise TypeError
+    except (ValueError, TypeError, KeyError):
+        raise RendezvousRefused(f"the coordinator record of job {job!r} in Redis is malformed, not one a rank 0 "
+                                "signs: someone else writes to this Redis; give the job a password of its own "
+                                f"({redis_auth.PASSWORD_FILE_ENV})") from None
+    if not hmac.compare_digest(mac, _mac(secret, record)):
+        raise RendezvousRefused(f"the coordinator record of job {job!r} fails its HMAC (it points at "
+                                f"{coordinator!r}): it was not signed with this job's Redis password; if another "
+                                "job shares this Redis, give each job a password (ACL user) of its own")
+    if record.get("job") != job:
+        raise RendezvousRefused(f"the coordinator record read for job {job!r} belongs to job {record.get('job')!r}: "
+                                "give every job its own id (--job) and its own Redis password")
+    if rank >= len(nonces) or nonces[rank] != nonce:
+        raise RendezvousRefused(f"the coordinator record of job {job!r} does not carry this rank's nonce: a replay "
+                                "of an earlier join under the same job id; use a fresh job id for every launch")
+    return coordinator
 
 
 def start_distributed(coordinator: str, nprocs: int, rank: int) -> None:

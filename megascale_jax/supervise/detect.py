@@ -14,7 +14,8 @@ injection, else the last sign of health):
   self-test failed is a `device` fault), non-finite again → `diverged`, below
   (`log_worker_events`).
 * diverged — exit code 3 (non-finite loss, again when replayed).
-* config_error — exit code 2: a user mistake.
+* config_error — exit code 2: a user mistake, or a control plane the worker refused to trust (a
+  Redis password refused, a coordinator record that fails verification: cluster/rendezvous.py).
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
   the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
   (rank, step window) as a `straggler` event, and each device that computes slowly in profiled

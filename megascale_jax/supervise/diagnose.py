@@ -34,7 +34,7 @@ import time
 import redis
 
 from megascale_jax import cli, run_dir as run_dirs
-from megascale_jax.cluster import rendezvous
+from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.cluster.self_test import device_self_test, fastest_seconds
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
@@ -205,6 +205,7 @@ def run(args: list[str], nprocs: int, redis_url: str, job: str, env: dict, log_d
     `pool` of warm processes (module megascale_jax.supervise.diagnose), rank i runs in slot
     `slots[i]`'s."""
     start = time.time()
+    env = {**env, **redis_auth.credentials_env()}  # this process's way to the password (an `env` taken earlier lacks it)
     group = WorkerGroup("megascale_jax.diagnose", ["--worker", "--redis", redis_url, "--job", job,
                                                    "--num-processes", str(nprocs), *args],
                         nprocs, env, log_dir, "diagnose", header=f"diagnostics, job {job}", pool=pool, slots=slots)
@@ -256,7 +257,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megascale_jax.diagnose", description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=1, help="processes sharing mesh.cpu_devices")
     parser.add_argument("--config", default=None, help="YAML config whose mesh is tested (default: tiny_cpu)")
-    parser.add_argument("--redis", default=None, help="redis://HOST:PORT (default: an embedded server)")
+    parser.add_argument("--redis", default=None, help="redis://[USER@]HOST:PORT or rediss://..., its password in "
+                                                      f"${redis_auth.PASSWORD_FILE_ENV} or ${redis_auth.PASSWORD_ENV} "
+                                                      "(default: an embedded server)")
     parser.add_argument("--run-dir", default=None, help="where the worker logs go (default: a temporary directory)")
     parser.add_argument("--collect", metavar="JOB", default=None,
                         help="only read the results of job JOB's --worker processes (started by a scheduler) "
@@ -286,16 +289,17 @@ def main(argv=None) -> int:
         if args.collect:
             if not args.redis:
                 raise ConfigError("--collect reads the workers' results from Redis: give --redis redis://HOST:PORT")
+            redis_auth.verify(rendezvous.connect(args.redis, timeout_s=5.0), args.redis)
             report = collect(args.redis, args.collect, args.nprocs)
             print(report.table())
             return _exclude(report, hosts, args.excluded_hosts)
         cfg = load_config(args.config, args.overrides)
         worker_args = ([] if args.config is None else ["--config", args.config]) + \
             per_process_overrides(cfg, args.overrides, args.nprocs)
-    except ConfigError as e:
+    except (ConfigError, redis_auth.RedisAuthError) as e:
         return cli.user_error(e)
     except redis.RedisError as e:
-        return cli.user_error(f"cannot read the diagnostics results from {args.redis}: {e}")
+        return cli.user_error(f"cannot read the diagnostics results from {redis_auth.redact(args.redis)}: {e}")
     run_dir = args.run_dir or tempfile.mkdtemp(prefix="megascale-diagnose-")
     server = None if args.redis else EmbeddedRedis(run_dirs.redis_dir(run_dir))
     try:

@@ -20,7 +20,7 @@ jobset_worker.sh). Each worker, before it trains:
    checks.
 
 Exit 1 when the checks could not run here (the rendezvous timed out, Redis is down): nobody is
-blamed for that. Exit 2 for bad input.
+blamed for that. Exit 2 for bad input, a Redis password that is missing or refused included.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import time
 import redis
 
 from megascale_jax import cli, run_dir as run_dirs
-from megascale_jax.cluster import rendezvous
+from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise import diagnose
 from megascale_jax.supervise.events import EventLog
@@ -100,7 +100,8 @@ def exclude(found: dict[str, str], args) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megascale_jax.preflight", description=__doc__.splitlines()[0])
-    parser.add_argument("--redis", required=True, help="redis://HOST:PORT")
+    parser.add_argument("--redis", required=True, help="redis://[USER@]HOST:PORT or rediss://..., its password in "
+                                                       f"${redis_auth.PASSWORD_FILE_ENV} or ${redis_auth.PASSWORD_ENV}")
     parser.add_argument("--job", required=True, help="this check's job id, the same for all workers and new for "
                                                      "every attempt (not the training's)")
     parser.add_argument("--num-processes", type=int, required=True)
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
     checks = None
     try:
         client = rendezvous.connect(args.redis, timeout_s=5.0)
+        redis_auth.verify(client, args.redis)
         client.set(host_key(args.job, args.process_id), args.host, ex=rendezvous.KEY_TTL_S)
         checks = run_checks(args)
         wait_for_reports(client, args, checks)
@@ -136,8 +138,10 @@ def main(argv=None) -> int:
             return cli.user_error("no worker reported (the rendezvous or Redis failed): nothing is excluded", 1)
         hosts = [None if h is None else h.decode() for h in
                  client.mget([host_key(args.job, r) for r in range(args.num_processes)])]
+    except redis_auth.RedisAuthError as e:  # the job's credentials, not the node: fix them, nobody is blamed
+        return cli.user_error(e)
     except redis.RedisError as e:
-        return cli.user_error(f"preflight cannot use Redis at {args.redis}: {cli.one_line(e)}", 1)
+        return cli.user_error(f"preflight cannot use Redis at {redis_auth.redact(args.redis)}: {cli.one_line(e)}", 1)
     finally:
         if checks is not None:
             stop(checks)

@@ -6,14 +6,15 @@ their next heartbeats land in it (nothing is persisted: heartbeats carry a TTL a
 keys are per attempt). Meanwhile silence proves nothing: the monitor's clocks restart
 (`HeartbeatMonitor.grace`), and one `heartbeats_resumed` event says when every running rank
 was heard from again. With an external Redis (`launch --redis`) there is no server to restart.
+A restarted server keeps its port and password (supervise/redis_server.py): neither the workers
+nor this client need to hear of it.
 """
 
 from __future__ import annotations
 
 import time
 
-import redis
-
+from megascale_jax.cluster.rendezvous import connect
 from megascale_jax.supervise.detect import HeartbeatMonitor
 from megascale_jax.supervise.events import EventLog
 
@@ -23,7 +24,7 @@ class RedisLink:
 
     def __init__(self, url: str, events: EventLog, server=None):
         self.url, self.server, self.events = url, server, events  # server: a redis_server.EmbeddedRedis
-        self.client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.client = connect(url, timeout_s=1.0)  # with the job's password (cluster/redis_auth.py)
         self.restarted_at: float | None = None  # until every heartbeat reached the new server
 
     def keep_alive(self, monitor: HeartbeatMonitor, now: float, died_at: float) -> None:

@@ -23,8 +23,12 @@ def fake(bin_dir, name, body):
 NODES = ["node0", "node1"]
 
 
+# The password of a Redis the fakes never reach; tests of a real server pass its `env` instead.
+UNUSED_PASSWORD = {"MEGASCALE_REDIS_PASSWORD": "never-sent"}
+
+
 def sbatch(tmp_path, srun_exit: int, excluded: list[str] | None, srun: str | None = None,
-           python: str | None = None, redis_url: str = "redis://r:6379", overrides=()):
+           python: str | None = None, redis_url: str = "redis://r:6379", overrides=(), redis_env=UNUSED_PASSWORD):
     """Run sbatch.sh with fake srun/scontrol (and, unless given, a fake `python` that does
     nothing); returns (exit code, scontrol calls other than `show hostnames`, stdout)."""
     bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
@@ -37,12 +41,25 @@ def sbatch(tmp_path, srun_exit: int, excluded: list[str] | None, srun: str | Non
     fake(bin_dir, "python", f'exec {python} "$@"\n' if python else "exit 0\n")  # a symlink would leave the venv
     if excluded is not None:
         (run_dir / "excluded_hosts.txt").write_text("".join(h + "\n" for h in excluded))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
-           "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "j", "SLURM_NTASKS": str(len(NODES)),
-           "SLURM_JOB_NODELIST": "node[0-1]", "JAX_PLATFORMS": "cpu"}
+    env = {**without_redis_credentials(os.environ), **redis_env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+           "REDIS_URL": redis_url, "RUN_DIR": str(run_dir), "SLURM_JOB_ID": "42", "SLURM_JOB_NAME": "j",
+           "SLURM_NTASKS": str(len(NODES)), "SLURM_JOB_NODELIST": "node[0-1]", "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(["bash", os.path.join(REPO, "configs/cluster/sbatch.sh"), "configs/tiny_cpu.yaml",
                            *overrides], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     return done.returncode, calls.read_text().splitlines() if calls.exists() else [], done.stdout + done.stderr
+
+
+def without_redis_credentials(env) -> dict:
+    """`env` less what an embedded server of this test process exported: each test says its own."""
+    return {k: v for k, v in env.items() if k not in ("MEGASCALE_REDIS_PASSWORD", "MEGASCALE_REDIS_PASSWORD_FILE")}
+
+
+def test_sbatch_without_a_redis_password_stops_before_any_step(tmp_path):
+    """Checked once, before srun: a failed step would be diagnosed and requeued over and over."""
+    code, calls, out = sbatch(tmp_path, 0, None, srun="echo srun ran\n", redis_env={})
+    assert code == 2 and out.strip().splitlines() == [
+        "error: the job's Redis needs a password: set MEGASCALE_REDIS_PASSWORD_FILE to a file (chmod 600) holding it"]
+    assert calls == []
 
 
 def test_a_failed_job_is_requeued_without_the_excluded_hosts(tmp_path):
@@ -85,7 +102,7 @@ def test_a_failed_job_diagnoses_its_nodes_and_excludes_the_faulty_one_on_requeue
     server = EmbeddedRedis(str(tmp_path / "redis"))
     try:
         code, calls, out = sbatch(tmp_path, 1, ["node7"], srun=DIAGNOSING_SRUN, python=sys.executable,
-                                  redis_url=server.url, overrides=["mesh.dp=2", "mesh.tp=1",
+                                  redis_url=server.url, redis_env=server.env, overrides=["mesh.dp=2", "mesh.tp=1",
                                                                    "model.layers=2", "model.d_model=64"])
     finally:
         server.stop()
@@ -102,7 +119,8 @@ def test_diagnostics_that_could_not_run_exclude_no_node(tmp_path):
 
     server = EmbeddedRedis(str(tmp_path / "redis"))
     try:
-        code, calls, out = sbatch(tmp_path, 1, None, python=sys.executable, redis_url=server.url)
+        code, calls, out = sbatch(tmp_path, 1, None, python=sys.executable, redis_url=server.url,
+                                  redis_env=server.env)
     finally:
         server.stop()
     assert code == 1 and "FAIL: no result" in out and "unchanged" in out, out
@@ -136,7 +154,26 @@ def test_the_jobset_keeps_pods_off_the_nodes_its_pods_label():
     assert {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]} in docs["ClusterRole"]["rules"]
 
 
-def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, overrides=()):
+def test_the_cluster_recipes_reach_redis_with_a_password_from_a_secret_over_tls():
+    """The examples a user copies: TLS with the CA named, a user but no password in the URL, the
+    password a file on a Secret volume; SLURM's reads it from a file in the environment too."""
+    import urllib.parse
+
+    pod = jobset_documents()["JobSet"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    url = urllib.parse.urlsplit(env["REDIS_URL"])
+    assert url.scheme == "rediss" and url.username and url.password is None
+    ca = urllib.parse.parse_qs(url.query)["ssl_ca_certs"][0]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secret = next(v for v in pod["volumes"] if "secret" in v)
+    assert os.path.dirname(ca) == os.path.dirname(env["MEGASCALE_REDIS_PASSWORD_FILE"]) == mounts[secret["name"]]
+    with open(os.path.join(REPO, "configs/cluster/sbatch.sh")) as f:
+        text = f.read()
+    assert "export REDIS_URL='rediss://" in text and "MEGASCALE_REDIS_PASSWORD_FILE=" in text
+
+
+def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, overrides=(), redis_env=UNUSED_PASSWORD):
     """Run configs/cluster/jobset_worker.sh as the JobSet's pods on NODES, all at once, with a fake
     `kubectl` (its calls recorded) and a `python` whose training only says it started; returns
     (exit code per pod, kubectl calls, output per pod, excluded_hosts.txt's lines)."""
@@ -151,7 +188,8 @@ def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, ove
         (run_dir / "excluded_hosts.txt").write_text("".join(h + "\n" for h in excluded))
     pods = []
     for index, node in enumerate(NODES):
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
+        env = {**without_redis_credentials(os.environ), **redis_env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+               "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
                "NUM_PROCESSES": str(len(NODES)), "JOB_COMPLETION_INDEX": str(index), "NODE_NAME": node,
                "JOBSET_NAME": "js", "JOBSET_RESTART_ATTEMPT": "0", "JAX_PLATFORMS": "cpu",
                "MEGASCALE_DIAG_FAULT": "1"}  # node 1's device computes wrong values in every collective
@@ -175,7 +213,7 @@ def test_jobset_pods_exclude_the_faulty_node_before_training(tmp_path):
 
     server = EmbeddedRedis(str(tmp_path / "redis"))
     try:
-        codes, calls, outs, excluded = jobset_pods(tmp_path, server.url, overrides=SMALL)
+        codes, calls, outs, excluded = jobset_pods(tmp_path, server.url, overrides=SMALL, redis_env=server.env)
     finally:
         server.stop()
     assert codes == [0, 3], outs
@@ -242,6 +280,7 @@ def test_preflight_names_a_peer_that_hangs_in_its_checks(tmp_path, monkeypatch, 
         return started[-1]
 
     monkeypatch.setattr(preflight, "run_checks", checks_that_report_then_linger)
+    monkeypatch.setenv("MEGASCALE_REDIS_PASSWORD_FILE", server.password_file)
     try:
         rendezvous.connect(server.url).set(preflight.host_key("j", 1), "node1")  # rank 1 registered, then hung
         excluded = tmp_path / "excluded_hosts.txt"
