@@ -9,10 +9,12 @@ measures only those layouts and prints one JSON row each — measured, planned a
 axis and measured/ideal — writing a result file only with `--out`. A layout that is not a valid
 config for the 8 devices is the trainer's own one-line error, exit 2.
 
-The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` holds to 5%. The last three
-show what the runtime still pays at pp = 1; their `ideal` column is the planner with one
-gradient reduction per step (`dp_reduce_per_microbatch` off). Writes
-bench/results/collective_bytes_cpu.json.
+The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` holds to 5%; the
+rest are the layouts issue 38 names. `ideal` is the planner's formula per axis with one gradient
+reduction per step (`planner/traffic.py`): dp, ring all-reduce of the gradient bytes P once per
+step (P: every parameter one device holds, counted from the compiled state), 2(dp-1)/dp x P (with ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the
+parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them.
+Writes bench/results/collective_bytes_cpu.json.
 """
 
 import dataclasses
@@ -21,6 +23,7 @@ import shlex
 import sys
 
 import jax
+import numpy as np
 
 from bench.common import Bench
 from bench.parallel.compiled_step import compile_train_step
@@ -41,7 +44,6 @@ CHECKED = {
 }
 LAYOUTS = {
     **CHECKED,
-    # what the runtime still pays at pp = 1
     "dp4 tp2, 2 accumulation steps, ZeRO-1": ["mesh.dp=4", "mesh.tp=2", "parallel.microbatches=2",
                                               "parallel.zero1=true"],
     "dp2 tp4, SP + collective matmul, serial": ["mesh.dp=2", "mesh.tp=4", "parallel.sequence_parallel=true",
@@ -49,6 +51,19 @@ LAYOUTS = {
                                                 "parallel.zero1=false"],
     "dp1 pp4 tp2, SP": ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.microbatches=4",
                         "parallel.sequence_parallel=true"],
+    "dp8, ZeRO-1": ["mesh.dp=8", "mesh.tp=1", "parallel.zero1=true"],
+    "pp4 tp2, interleaved v2, 4 microbatches": ["mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.microbatches=4",
+                                                "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
+                                                "model.layers=8"],
+    "tp8, SP + collective matmul": ["mesh.dp=1", "mesh.tp=8", "model.heads=8", "model.kv_heads=8",
+                                    "parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul"],
+    "dp2 pp2 tp2, interleaved, SP + collective matmul, ZeRO-1": [
+        "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2", "parallel.pp_schedule=interleaved_1f1b",
+        "parallel.pp_virtual=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
+        "parallel.zero1=true"],
+    "Llama-style dp2 tp4 (serial, RMSNorm, SwiGLU, GQA kv_heads=2)": [
+        "mesh.dp=2", "mesh.tp=4", "model.block=serial", "model.norm=rmsnorm", "model.activation=swiglu",
+        "model.kv_heads=2"],
 }
 
 
@@ -65,7 +80,9 @@ def measure(overrides: list[str]) -> dict:
     measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
     w = from_config(cfg, gpus=8)
     planned = traffic.bytes_per_axis(w)
-    ideal = traffic.bytes_per_axis(dataclasses.replace(w, dp_reduce_per_microbatch=False))
+    # the ideal's gradient bytes: exactly the parameters one device holds (norms and biases too)
+    held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(compiled.state.params))
+    ideal = traffic.bytes_per_axis(dataclasses.replace(w, dp_reduce_per_microbatch=False), params=held)
     ratio = {axis: measured[axis] / ideal[axis] for axis in ("tp", "pp", "dp") if measured.get(axis) and ideal.get(axis)}
     return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal, "measured_over_ideal": ratio}
 

@@ -64,6 +64,7 @@ from megascale_jax.config import Config
 from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_head, lm_logits, run_layers
 from megascale_jax.parallel import sharding
 from megascale_jax.parallel.pipeline_stash import STASHES, NoStash
+from megascale_jax.parallel.reduce_scatter import reduce_scatter
 from megascale_jax.pipeline_schedule import Schedule, build, forward_only
 
 FIELDS = ("valid", "mb", "chunk", "slot")
@@ -177,7 +178,7 @@ def reduce_over_dp(x, dim: int | None, tp_spec: P = P()):
     if dim is None:
         op = lambda y: jax.lax.psum(y, "dp")
     else:
-        op = lambda y: jax.lax.psum_scatter(y, "dp", scatter_dimension=dim, tiled=True)
+        op = lambda y: reduce_scatter(y, "dp", dim)
     if all(a is None for a in tp_spec):
         return op(x)
     return jax.shard_map(op, in_specs=tp_spec, out_specs=tp_spec, axis_names={"tp"}, check_vma=False)(x)
@@ -226,11 +227,11 @@ class Stage:
 
     def head_loss(self, final_norm, head, y, mb):
         """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`."""
-        return self.scale * cross_entropy(lm_logits(self.cfg.model, final_norm, head, y), self.targets[mb])
+        return self.scale * cross_entropy(lm_logits(self.cfg.model, final_norm, head, y, self.cfg.parallel), self.targets[mb])
 
     def forward_input(self, f, act_in):
         """The embedding of microbatch f.mb for the first chunk, otherwise the activation received last tick."""
-        embed = lambda: embed_tokens(self.cfg.model, self.embed, self.inputs[f["mb"]])
+        embed = lambda: embed_tokens(self.cfg.model, self.embed, self.inputs[f["mb"]], self.cfg.parallel)
         return jax.lax.cond(self.is_first_chunk(f), scoped("pp_embed", embed), lambda: act_in)
 
     def forward(self, stash, f, f_valid, act_in, kept):
@@ -339,7 +340,7 @@ class TrainingTick:
     def embedding_grad(self, b, dx):
         """The embedding's gradient from the first chunk's input cotangent `dx`; zeros elsewhere."""
         s = self.stage
-        embed = lambda e: embed_tokens(s.cfg.model, e, s.inputs[b["mb"]])
+        embed = lambda e: embed_tokens(s.cfg.model, e, s.inputs[b["mb"]], s.cfg.parallel)
         return jax.lax.cond(s.is_first_chunk(b), scoped("pp_embed_grad", lambda dx: jax.vjp(embed, s.embed)[1](dx)[0]),
                             lambda dx: jnp.zeros_like(s.embed), dx)
 

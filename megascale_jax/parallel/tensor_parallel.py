@@ -172,3 +172,42 @@ def row_matmul(inputs, weights, parallel: ParallelConfig):
     run = jax.shard_map(local, in_specs=(*[P(None, None, AXIS)] * len(inputs), *[P(AXIS, None)] * len(weights)),
                         out_specs=out, axis_names={AXIS}, check_vma=True)
     return run(*inputs, *weights)
+
+
+# ----------------------------------------------------------------------------- the vocabulary edges
+
+
+def vocab_edges_manual(parallel: ParallelConfig) -> bool:
+    """Whether the embedding lookup and the LM head run as Megatron's vocab-parallel edges
+    (`embed_lookup`, `vocab_logits`): with sequence parallelism on tp > 1, unless XLA is left the
+    einsums (`tp_overlap=xla`)."""
+    return parallel.sequence_parallel and parallel.tp_overlap != "xla" and _tp_size() > 1
+
+
+def embed_lookup(table, tokens, dtype):
+    """tokens (b, s) in a vocabulary-split table (V, d) -> (b, s, d) in `dtype`, the sequence
+    split over tp. Each rank looks up the tokens of its slice of the vocabulary (zeros for the
+    others) and the partial sums leave through one reduce-scatter over the sequence — an
+    all-gather in the backward, whose result each rank adds into its own rows. Left to GSPMD, the
+    lookup all-gathered the whole table and all-reduced its gradient (the table's bytes, not the
+    activation's: 1.04-1.06x the ideal tp bytes of the bench's SP layouts, far more at scale)."""
+    def local(table, tokens):
+        rows = table.shape[0]
+        index = tokens - jax.lax.axis_index(AXIS) * rows
+        mine = (index >= 0) & (index < rows)
+        x = jnp.take(table, jnp.where(mine, index, 0), axis=0).astype(dtype)
+        return scatter_seq(jnp.where(mine[..., None], x, 0))
+
+    return jax.shard_map(local, in_specs=(P(AXIS, None), P()), out_specs=P(None, AXIS, None),
+                         axis_names={AXIS}, check_vma=False)(table, tokens)
+
+
+def vocab_logits(x, head):
+    """x (b, s, d), the sequence split over tp, times a vocabulary-split head (d, V) -> float32
+    logits (b, s, V), the vocabulary split over tp: the sequence all-gathered in the forward and
+    the input's gradient reduce-scattered in the backward — where GSPMD all-reduced it whole."""
+    def local(x, head):
+        return jnp.einsum("bsd,dv->bsv", gather_seq(x), head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+    return jax.shard_map(local, in_specs=(P(None, AXIS, None), P(None, AXIS)), out_specs=P(None, None, AXIS),
+                         axis_names={AXIS}, check_vma=False)(x, head)

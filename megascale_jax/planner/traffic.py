@@ -62,7 +62,9 @@ def tp_bytes(w: Workload) -> dict[str, float]:
       all-reduces of one value per token;
     * embedding (pp = 1: the last stage is also the first), per microbatch: the lookup's
       all_reduce(A), or, under sequence parallelism with `gspmd_edges`, the vocab-split table
-      all-gathered and its float32 gradient all-reduced; Megatron's lookup reduce-scatters A.
+      all-gathered and its float32 gradient all-reduced; Megatron's lookup (this project's with
+      sequence parallelism, `tensor_parallel.embed_lookup`) reduce-scatters A, and its backward
+      all-gathers the gradient.
     """
     n = w.tp
     if n == 1:
@@ -78,7 +80,7 @@ def tp_bytes(w: Workload) -> dict[str, float]:
         if w.sequence_parallel and w.gspmd_edges:
             embedding = m * (gather(table, n) + all_reduce(table, n))
         else:
-            embedding = m * (gather(a, n) if w.sequence_parallel else all_reduce(a, n))
+            embedding = m * (2 * gather(a, n) if w.sequence_parallel else all_reduce(a, n))
     return {"layers": layers, "head": head, "embedding": embedding}
 
 
@@ -93,7 +95,7 @@ def pp_bytes(w: Workload) -> dict[str, float]:
     return {"sends": 2 * ticks(w) * boundary_bytes(w), "edge_gradients": all_reduce(edge, w.pp) if w.edge_on_every_stage else 0.0}
 
 
-def dp_bytes(w: Workload) -> dict[str, float]:
+def dp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
     """dp, per iteration: the gradients' all_reduce(P · grad bytes) — with ZeRO-1 their
     reduce-scatter and the updated parameters' all-gather, gather(P · grad bytes) +
     gather(P · param bytes). With `dp_reduce_per_microbatch` (a runtime that leaves the reduction
@@ -102,7 +104,7 @@ def dp_bytes(w: Workload) -> dict[str, float]:
     and ZeRO-1 adds the parameters' all-gather."""
     if w.dp == 1:
         return {"gradients": 0.0, "parameters": 0.0}
-    params = stage_params(w)
+    params = stage_params(w) if params is None else params  # given: the exact count one device holds
     grads = params * w.grad_bytes
     if w.dp_reduce_per_microbatch:
         return {"gradients": w.microbatches * all_reduce(grads, w.dp),
@@ -112,6 +114,8 @@ def dp_bytes(w: Workload) -> dict[str, float]:
     return {"gradients": all_reduce(grads, w.dp), "parameters": 0.0}
 
 
-def bytes_per_axis(w: Workload) -> dict[str, float]:
-    """{'tp': ..., 'pp': ..., 'dp': ...}: each axis's components summed."""
-    return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()), "dp": sum(dp_bytes(w).values())}
+def bytes_per_axis(w: Workload, params: float | None = None) -> dict[str, float]:
+    """{'tp': ..., 'pp': ..., 'dp': ...}: each axis's components summed; `params`: the parameters
+    one device holds, where known exactly (else the workload's count, which leaves out norms and
+    biases)."""
+    return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()), "dp": sum(dp_bytes(w, params).values())}

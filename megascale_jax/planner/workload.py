@@ -100,7 +100,8 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
         pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
         dp_overlap="backward" if mesh.pp > 1 else "none",
-        masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla", gspmd_edges=True,
+        masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla",
+        gspmd_edges=par.tp_overlap == "xla",  # else Megatron's vocab-parallel edges (tensor_parallel.embed_lookup)
         dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
 

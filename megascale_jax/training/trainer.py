@@ -79,12 +79,12 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         return start_from(nn.unbox(model.init(jax.random.key(cfg.train.seed), dummy()))["params"])
 
     def loss_and_grads(params, batch):
+        # The moments' sharding: the gradients' tp split and, with ZeRO-1, the dp split the
+        # pipeline or the accumulation reduce-scatters them to.
+        grad_specs = jax.tree.map(lambda s: s.spec, moment_shardings)
         if cfg.mesh.pp > 1:
-            # The moments' sharding: the gradients' tp split and, with ZeRO-1, the dp split the
-            # pipeline reduce-scatters them to.
-            grad_specs = jax.tree.map(lambda s: s.spec, moment_shardings)
             return pipeline.loss_and_grads(cfg, mesh, params, batch, grad_specs)
-        return microbatches.loss_and_grads(model, mesh, params, batch, cfg.parallel.microbatches)
+        return microbatches.loss_and_grads(cfg, model, mesh, params, batch, cfg.parallel.microbatches, grad_specs)
 
     def eval_loss(params, batch):
         # At pp > 1 through the pipeline, forward only: the plain model under GSPMD would gather

@@ -374,11 +374,18 @@ def test_collective_bytes_refuses_a_layout_the_devices_cannot_hold():
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and "mesh.dp" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("name", ["dp4 tp2, 2 accumulation steps, ZeRO-1", "dp2 tp4, SP + collective matmul, serial"])
-def test_pp1_gradients_cross_dp_once_per_step(name):
-    """At pp = 1 the gradients are accumulated per dp replica and reduced once per step (into the
-    ZeRO-1 shard where on): the compiled step's dp bytes are those of one reduction, where GSPMD's
-    own placement moved 2.4x (a reduction per microbatch) and 7.1x (one per collective-matmul ring
-    step). The ideal is the ring formula, 2(dp-1)/dp x the gradient bytes."""
+@pytest.mark.parametrize("name", ["dp4 tp2, 2 accumulation steps, ZeRO-1", "dp2 tp4, SP + collective matmul, serial",
+                                  "Llama-style dp2 tp4 (serial, RMSNorm, SwiGLU, GQA kv_heads=2)"])
+def test_every_axis_moves_at_most_1_02x_its_ideal_bytes(name):
+    """The formerly worst layouts, each axis within 1.02x its ideal (issue 38):
+    * pp = 1 with accumulation: the gradients are accumulated per dp replica and reduced once per
+      step (into the ZeRO-1 shard), where GSPMD's own placement moved 2.4x (a reduction per
+      microbatch) and 7.1x with collective matmul (one per ring step); ideal 2(dp-1)/dp x P;
+    * sequence parallelism: Megatron's vocab-parallel embedding and head (a reduce-scatter / an
+      all-gather of the activation), where GSPMD gathered the table and all-reduced the head's
+      input gradient (1.04x);
+    * GQA with kv_heads < tp: each rank computes the kv head it uses, where GSPMD gathered k and v
+      in every layer (1.27x)."""
     row = collective_bytes.measure(collective_bytes.LAYOUTS[name])
-    assert row["measured"]["dp"] <= 1.03 * row["ideal"]["dp"], row
+    for axis, ideal in row["ideal"].items():
+        assert row["measured"].get(axis, 0.0) <= 1.02 * ideal, (axis, row)
