@@ -156,6 +156,10 @@ class TrainConfig:
     # Keep compiled executables in RUN_DIR/compile_cache, so a restart loads them instead of
     # compiling (training/compile_cache.py; not used by a CPU job of several processes).
     compile_cache: bool = True
+    # At the end of the run, print what the trained model writes after `sample_prompt`: this many
+    # new tokens, sampled from a fixed seed (training/sample_at_end.py). 0 = off.
+    sample_at_end: int = 0
+    sample_prompt: str = "def "
 
 
 @dataclass(frozen=True)
@@ -186,9 +190,13 @@ class CheckpointConfig:
     background_host_copy: bool = False
     # Every N steps each process copies its shards to a file in RAM (training/snapshot.py): a
     # restart resumes from the newest snapshot every process holds, if newer than the newest
-    # checkpoint. Survives the process, not the machine. Costs 3x this process's state in RAM.
+    # checkpoint. Survives the process; with `peer_copy`, the machine too. Costs 3x this process's state in RAM.
     memory_every: int = 0  # 0 = off
     memory_dir: Optional[str] = None  # default: /dev/shm/megascale_jax-<user>/<hash of the run directory>
+    # Each snapshot is also sent to a process on another host and held in its RAM, so a lost
+    # machine's state comes back from that peer, not from disk (training/peer_copy.py). Costs one
+    # more process's snapshots (3 steps) in each host's RAM; nothing with every process on one host.
+    peer_copy: bool = True
 
 
 @dataclass(frozen=True)

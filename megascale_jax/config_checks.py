@@ -139,6 +139,9 @@ def check_train(t, m, p) -> None:
     require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
     require(t.eval_batches >= 1, f"train.eval_batches={t.eval_batches} must be >= 1")
     require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
+    require(t.sample_at_end >= 0, f"train.sample_at_end={t.sample_at_end} must be >= 0 (0 = no sample)")
+    require(t.sample_at_end == 0 or t.sample_prompt != "",
+            "train.sample_prompt is empty; give the text the end-of-run sample continues (or train.sample_at_end=0)")
     per_step = m.dp * p.microbatches
     require(t.global_batch % per_step == 0,
             f"train.global_batch={t.global_batch} must be divisible by mesh.dp*parallel.microbatches="

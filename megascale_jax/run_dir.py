@@ -30,6 +30,7 @@ import getpass
 import hashlib
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -118,6 +119,37 @@ def snapshot_dir(cfg: Config, run_dir: str) -> str:
     ram = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
     run = hashlib.sha1(os.path.abspath(run_dir).encode()).hexdigest()[:16]
     return os.path.join(ram, f"megascale_jax-{getpass.getuser()}", run)
+
+
+HOST_ENV = "MEGASCALE_HOST"  # the host a worker stands for: the local launcher's slot, `<hostname>/slot<k>`
+
+
+def host_snapshot_dir(root: str, host: str | None) -> str:
+    """A host's memory snapshot directory under `root`: per simulated host (`MEGASCALE_HOST`), so
+    that a host's loss can take exactly its files; `root` itself on a real machine."""
+    return os.path.join(root, re.sub(r"[^\w.-]", "_", host)) if host else root
+
+
+def recoverable_snapshot_steps(directory: str, processes: int | None = None) -> list[int]:
+    """Steps for which each of `processes` processes (None: any process) has a memory snapshot
+    file — its own or a peer copy (training/peer_copy.py) — in `directory` or in a simulated
+    host's directory below it."""
+    owners: dict[int, set[int]] = {}
+    hosts = [directory] + [os.path.join(directory, d) for d in _listdir(directory) if not d.isdigit()]
+    for host in hosts:
+        for step in committed_steps(host):
+            for name in _listdir(os.path.join(host, str(step))):
+                match = re.match(r"^(?:peer_)?process_(\d+)-of-(\d+)\.npz$", name)
+                if match and processes in (None, int(match.group(2))):
+                    owners.setdefault(step, set()).add(int(match.group(1)))
+    return sorted(step for step, found in owners.items() if processes is None or len(found) == processes)
+
+
+def _listdir(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 def snapshot_steps(directory: str, processes: int | None = None) -> list[int]:

@@ -29,7 +29,7 @@ from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel.mesh import check_forced_cpu_devices, make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.training import checkpoint, compile_cache, data, progress, tokenizer
+from megascale_jax.training import checkpoint, compile_cache, data, progress, sample_at_end, tokenizer
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged
@@ -144,6 +144,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     saves.finished()
     watch.state("done", last)
     logger.info(progress.run_summary(shown.records, start.step, time.perf_counter() - t0, recorder.tokens_per_step))
+    if cfg.train.sample_at_end:  # a few lines the trained model writes: what the loss means
+        logger.info(sample_at_end.sample_text(cfg, run_dir, trainer, state))
     return shown.records
 
 
@@ -275,7 +277,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
         if os.path.exists(run_dirs.metrics_path(run_dir)):
             # A run directory with checkpoints is resumed (train() restores the newest good one).
             steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
-            held = cfg.checkpoint.memory_every and run_dirs.snapshot_steps(run_dirs.snapshot_dir(cfg, run_dir))
+            held = cfg.checkpoint.memory_every and run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, run_dir))
             if not (steps or held):
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
                                   "to resume from; pass a new --run-dir")

@@ -12,7 +12,8 @@
    compilation and checkpoints cost alone, and its final loss is the one to reproduce.
 3. Drilled: `python -m megascale_jax.launch --nprocs N --spares K` with a fault every U(a, b)
    seconds, the kinds in a seeded shuffled cycle: kill -9, SIGSTOP (a hang), a slow rank (a
-   straggler, evicted), a faulty rank (fails diagnostics, evicted), a killed Redis, a corrupted
+   straggler, evicted), a faulty rank (fails diagnostics, evicted), a lost host (a faulty rank
+   whose memory snapshots are wiped too: its spare restores from a peer's copy), a killed Redis, a corrupted
    newest checkpoint (plus a kill, so the restart must fall back), a transient NaN. The faults
    are the launcher's own `--drill KIND:RANK@tSECONDS`.
 
@@ -39,7 +40,7 @@ import time
 
 from bench.common import Bench
 
-KINDS = ("kill", "stop", "slow", "faulty", "redis", "corrupt", "nan")
+KINDS = ("kill", "stop", "slow", "faulty", "host", "redis", "corrupt", "nan")
 RANKLESS = ("redis", "corrupt")
 # A model whose step takes ~1 s on 4 CPU processes of this 2-core machine; stragglers are judged
 # over 10-step windows every 5 s, and a straggler is evicted (its slot excluded, a spare promoted).

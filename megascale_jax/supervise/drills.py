@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import time
 
@@ -26,10 +27,14 @@ class Drill:
     * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
     * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
       every time they run there;
+    * `host:RANK` loses the rank's whole host: as `faulty`, and the host's memory snapshots are
+      wiped (a machine's RAM goes with it), so its state must come from a peer's copy or disk;
     * `slow:RANK` makes the rank's slot a straggler: from now on whichever worker runs there
       arrives late at every step (it sleeps half a step before each, `MEGASCALE_FAULT_SLOW`);
-    * `corrupt` damages the newest committed checkpoint, then SIGKILLs rank 0: the restart must
-      find the damage and fall back to the previous checkpoint;
+    * `corrupt` damages the newest committed checkpoint, wipes every host's memory snapshots (the
+      whole job rescheduled on fresh machines: else a newer snapshot would be restored and the
+      damage never read), then SIGKILLs rank 0: the restart must find the damage and fall back to
+      the previous checkpoint;
     * `nan:RANK` makes the rank corrupt one batch (a one-off NaN, `MEGASCALE_FAULT_NAN`): at a step,
       that step's batch (armed in the workers' environment); at a time, the next batch (SIGUSR1)."""
 
@@ -38,7 +43,7 @@ class Drill:
     step: int | None = None
     at_s: float | None = None
 
-    KINDS = ("kill", "stop", "faulty", "slow", "nan", "redis", "corrupt")
+    KINDS = ("kill", "stop", "faulty", "host", "slow", "nan", "redis", "corrupt")
     RANKLESS = ("redis", "corrupt")
 
     @classmethod
@@ -52,7 +57,7 @@ class Drill:
             at = None
         if kind not in cls.KINDS or at is None or at < 0 or (kind not in cls.RANKLESS) != rank.isdigit():
             raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
-                             "kill, stop, faulty, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
+                             "kill, stop, faulty, host, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
         return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
 
     def due(self, step: int, elapsed_s: float) -> bool:
@@ -123,11 +128,18 @@ class Drills:
             self.broken_slots.add(placement.active[rank])
             group.signal(rank, signal.SIGKILL)
             what = f"broke the slot of rank {rank} ({host}): killed, and it fails diagnostics from now on"
+        elif drill.kind == "host":  # a lost machine: its processes and its RAM
+            self.broken_slots.add(placement.active[rank])
+            group.signal(rank, signal.SIGKILL)
+            ram = run_dirs.host_snapshot_dir(run_dirs.snapshot_dir(self.cfg, self.run_dir), host)
+            shutil.rmtree(ram, ignore_errors=True)
+            what = f"lost the host of rank {rank} ({host}): killed, its memory snapshots wiped ({ram})"
         elif drill.kind == "slow":  # signalled by slow_down, armed in every attempt's environment
             self.slow_slots.add(placement.active[rank])
             what = f"made the slot of rank {rank} ({host}) a straggler: {SLOW_FRACTION:.0%} of a step late"
         elif drill.kind == "corrupt":
-            what = f"damaged {damage_newest_checkpoint(self.cfg, self.run_dir)} and killed rank 0"
+            shutil.rmtree(run_dirs.snapshot_dir(self.cfg, self.run_dir), ignore_errors=True)
+            what = f"damaged {damage_newest_checkpoint(self.cfg, self.run_dir)}, wiped the memory snapshots and killed rank 0"
             group.signal(0, signal.SIGKILL)
         elif drill.kind == "nan":  # armed in the worker's environment at the attempt's start
             if drill.step is None:

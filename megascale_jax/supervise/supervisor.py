@@ -185,7 +185,8 @@ class Supervisor:
                                                     self.redis.url, "--job", job_id, "--num-processes", str(nprocs)],
                             nprocs, env, run_dirs.logs_dir(job.run_dir), "worker",
                             header=f"attempt {number}, job {job_id}, slots {self.placement.active}",
-                            pool=self.pool, slots=self.placement.active)
+                            pool=self.pool, slots=self.placement.active,
+                            hosts=[self.placement.hosts[slot] for slot in self.placement.active])
         monitor = HeartbeatMonitor(self.redis.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time(), sv.stall_steps)
         self.drill_at = None
@@ -393,11 +394,11 @@ class Supervisor:
     def _prepare_restart(self, restarts: int) -> tuple[int, str | None]:
         """The step the next attempt resumes from and what from ("checkpoint", "memory snapshot",
         None for step 0): the newest of the committed checkpoints and of the memory snapshots
-        every process of the next attempt holds on this host (training/snapshot.py; the workers
-        may still reject one and fall back)."""
+        of which every process of the next attempt has a file or a peer's copy (training/snapshot.py;
+        the workers may still reject one and fall back)."""
         cfg = self.job.cfg
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
-        held = run_dirs.snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
+        held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
             if cfg.checkpoint.memory_every else []
         if held and (not steps or held[-1] > steps[-1]):
             return held[-1], "memory snapshot"

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.config import Config, ConfigError
 
 
@@ -85,10 +86,12 @@ class StandbyPool:
 
 class WorkerGroup:
     """`python -m <module> <args> --process-id i` for i in 0..n-1, logging to `<log_dir>/<name><i>.log`;
-    with a `pool`, rank i runs in the warm process of slot `slots[i]`."""
+    with a `pool`, rank i runs in the warm process of slot `slots[i]`; with `hosts`, rank i is told
+    it stands for host `hosts[i]` (run_dir.HOST_ENV)."""
 
     def __init__(self, module: str, args: list[str], nprocs: int, env: dict, log_dir: str, name: str,
-                 header: str = "", pool: StandbyPool | None = None, slots: list[int] | None = None):
+                 header: str = "", pool: StandbyPool | None = None, slots: list[int] | None = None,
+                 hosts: list[str] | None = None):
         os.makedirs(log_dir, exist_ok=True)
         self.log_paths = [os.path.join(log_dir, f"{name}{i}.log") for i in range(nprocs)]
         self.processes = []
@@ -98,11 +101,13 @@ class WorkerGroup:
                     log.write(f"===== {header} =====\n")
                     log.flush()
                 argv = [*args, "--process-id", str(i)]
+                # the host rank i stands for: where its memory snapshots live (run_dir.HOST_ENV)
+                rank_env = {**env, run_dirs.HOST_ENV: hosts[i]} if hosts else env
                 if pool is not None:
-                    self.processes.append(pool.start(slots[i], argv, path, env))
+                    self.processes.append(pool.start(slots[i], argv, path, rank_env))
                 else:
                     self.processes.append(subprocess.Popen(
-                        [sys.executable, "-m", module, *argv], env=env,
+                        [sys.executable, "-m", module, *argv], env=rank_env,
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
 
     def exit_codes(self) -> dict[int, int]:

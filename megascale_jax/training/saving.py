@@ -46,6 +46,8 @@ class Saves:
             cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=warn,
             device_copy=self.ckpt.device_copy if self.ckpt else checkpoint.device_copy) \
             if cfg.checkpoint.memory_every else None
+        if self.snapshots:
+            self.snapshot_bytes = self.snapshots.check_room(abstract_state)
         self.every, self.memory_every = cfg.checkpoint.every, cfg.checkpoint.memory_every
         self.saved_step: int | None = None
         self.start = self.data_position = 0  # the step and data index this run started from

@@ -9,24 +9,29 @@ steps each process copies its own shards of the state (each distinct index once,
 devices skipped) and a background thread writes them to one file in RAM (`/dev/shm`, a tmpfs),
 written to `.tmp` and renamed. With `checkpoint.background_host_copy` the blocking copy is one on
 the device (checkpoint.device_copy) and the host copy runs on the writer thread too. The file outlives the process (kill -9, a hang the supervisor
-killed, a crash) but not the machine: a lost machine, or a spare on another host, finds no file
-and every process falls back to the newest checkpoint. Recovery from the data-parallel peers'
-copies is not built yet.
+killed, a crash) but not the machine; so with `checkpoint.peer_copy` the writer also sends it to
+a process on another host, which holds it in its RAM (training/peer_copy.py): a lost machine's
+processes, restarted on a spare, restore from that peer, not from disk.
 
-Layout: `<root>/<step>/process_<i>-of-<n>.npz`, `<root>` = `checkpoint.memory_dir` or
-/dev/shm/megascale_jax-<user>/<hash of the run directory> (run_dir.snapshot_dir). Each file is a
+Layout: `<root>/<step>/process_<i>-of-<n>.npz` (and the copies held for peers,
+`peer_process_<j>-of-<n>.npz`), `<root>` = `checkpoint.memory_dir` or
+/dev/shm/megascale_jax-<user>/<hash of the run directory> (run_dir.snapshot_dir), plus the host's
+name when the launcher simulates hosts (`MEGASCALE_HOST`: each slot its own directory). Each file is a
 zip (numpy's .npz, each member with its CRC-32) of the shards as raw bytes and a JSON `meta`:
 step, data position, the config, each shard's leaf path, index and dtype. The newest three steps
 are kept per process: a process can be one snapshot ahead of a peer whose write is still in
 flight, so the newest step every process holds is at worst the third newest of the fastest.
 
-Restore (`restore`, before the checkpoint's): each process lists the steps whose file it holds,
-newer than the newest committed checkpoint; the processes agree through the coordination
-service's key-value store on the newest step all of them hold; each reads its own file, checks
-the CRCs (the zip's) and that it was written with this exact config (a changed config, or a
-shrunk mesh, uses the checkpoint), and places its shards with `make_array_from_callback` (no
-collective). A second round agrees that every process succeeded; otherwise all fall back to the
-checkpoint, and a process whose file was bad removes it. The state is the stored
+Restore (`restore`, before the checkpoint's): each process lists every file its host holds
+(its own and peer copies), newer than the newest committed checkpoint; the processes agree
+through the coordination service's key-value store on the newest step for which a file of every
+process exists somewhere; each reads its own file — or, where its host lost it, fetches the copy
+from the peer that holds it (the log names the peer) — checks the CRCs (the zip's), the step and
+that it was written with this exact config (a changed config, or a shrunk mesh, uses the
+checkpoint), and places its shards with `make_array_from_callback` (no collective). A second
+round agrees that every process succeeded; otherwise that step is given up — one warning, a bad
+own file removed — and the next source is tried: an older step every process holds, then the
+checkpoint. Two hosts lost with each other's copies leave a process with no file: the checkpoint. The state is the stored
 (pipeline-ordered) one, not the canonical: it is only ever restored into the same config.
 
 Whatever it resumes from, a run first removes its snapshots past that step: they belong to a
@@ -39,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 import zipfile
@@ -49,10 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from megascale_jax import cli
-from megascale_jax.config import Config
+from megascale_jax import run_dir as run_dirs
+from megascale_jax.config import Config, ConfigError
 from megascale_jax.run_dir import snapshot_steps
-from megascale_jax.training import checkpoint, compile_cache
+from megascale_jax.training import checkpoint, compile_cache, peer_copy
 
+logger = cli.get_logger("snapshot")
 KEEP = 3
 AGREE_TIMEOUT_MS = 30 * 60 * 1000  # peers reach the restore within their start-up skew
 _rounds = [0]  # agreements this process has run: keys stay distinct within one coordination service
@@ -65,10 +73,36 @@ class Snapshots:
                  device_copy: Callable = checkpoint.device_copy):
         """`device_copy`: with background_host_copy, the blocking copy on the device; the run
         passes the checkpointer's, compiled once for both."""
-        self.cfg, self.root, self.warn, self._device_copy = cfg, root, warn, device_copy
+        self.cfg, self.warn, self._device_copy = cfg, warn, device_copy
+        self.root = run_dirs.host_snapshot_dir(root, os.environ.get(run_dirs.HOST_ENV))
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._writer: threading.Thread | None = None
         self._error: str | None = None
+        self.link = None
+        if cfg.checkpoint.peer_copy and self.processes > 1:
+            self.link = peer_copy.PeerLink(self.root, self.process, self.processes, KEEP)
+            self.link.join(self._agree(self.link.record))
+
+    def check_room(self, abstract_state) -> int:
+        """The RAM this host's snapshots take, checked against what its snapshot filesystem has
+        free before the first step (ConfigError, one line, naming the fix); returns the bytes.
+        Per process: `KEEP` snapshots of its own shards and, with peer copies, `KEEP` of the
+        process it holds for — the same size at pp = tp = 1, about the same elsewhere."""
+        one = state_bytes(abstract_state)
+        here = 1 + (sum(host == self.link.peers()[self.process][0] for host, _ in self.link.peers()) - 1
+                    if self.link else 0)  # this process and the others on its host
+        copies = 2 if self.link and self.link.holder() is not None else 1
+        need = KEEP * copies * one * here
+        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.root) for f in files)
+        os.makedirs(self.root, exist_ok=True)
+        free = shutil.disk_usage(self.root).free + held  # what this run holds already is reused
+        if need > free:
+            raise ConfigError(
+                f"memory snapshots need {need / 2**30:.2f} GiB in {self.root} on this host ({KEEP} steps x "
+                f"{one / 2**20:.1f} MiB per process x {here} process(es)" + (" x 2 with peer copies" if copies == 2 else "")
+                + f"), {free / 2**30:.2f} GiB free; set checkpoint.memory_dir to a larger RAM disk, or "
+                "checkpoint.peer_copy=false, or checkpoint.memory_every=0")
+        return need
 
     def _file(self, step: int) -> str:
         return os.path.join(self.root, str(step), f"process_{self.process}-of-{self.processes}.npz")
@@ -121,6 +155,12 @@ class Snapshots:
             self._remove(lambda s: s < oldest_kept)
         except OSError as e:  # RAM disk full or not writable: training goes on, on checkpoints
             self._error = f"memory snapshot at step {step} not written ({path}): {cli.one_line(e)}"
+            return
+        if self.link:
+            try:
+                self.link.send(step, path)
+            except OSError as e:  # the peer is gone or full: this host's copy still stands
+                self._error = f"memory snapshot at step {step} not copied to its peer: {cli.one_line(e)}"
 
     def wait(self) -> None:
         """Until the write in flight is on disk; a failed write is one warning."""
@@ -134,13 +174,15 @@ class Snapshots:
     def _own_steps(self) -> list[int]:
         return [s for s in snapshot_steps(self.root) if os.path.exists(self._file(s))]
 
-    def _remove(self, which: Callable[[int], bool]) -> None:
-        """This process's files (and leftover .tmp) of the steps `which` picks; a step directory
-        goes when its last file does."""
+    def _remove(self, which: Callable[[int], bool], copies: bool = False) -> None:
+        """This process's files (and leftover .tmp) of the steps `which` picks, with `copies` also
+        the peer copies this host holds; a step directory goes when its last file does."""
         for s in snapshot_steps(self.root):
             if not which(s):
                 continue
-            for name in (self._file(s), self._file(s) + ".tmp"):
+            held = [os.path.join(self.root, str(s), name) for name in os.listdir(os.path.join(self.root, str(s)))
+                    if name.startswith("peer_")] if copies else []
+            for name in (self._file(s), self._file(s) + ".tmp", *held):
                 try:
                     os.remove(name)
                 except FileNotFoundError:
@@ -153,13 +195,14 @@ class Snapshots:
     def discard_after(self, step: int) -> None:
         """Training resumes from `step`: a snapshot past it is of a timeline this run no longer
         continues (its metrics after `step` were dropped), and must never be resumed from."""
-        self._remove(lambda s: s > step)
+        self._remove(lambda s: s > step, copies=True)
 
     def remove_all(self) -> None:
         """The run is over (or safely checkpointed): give the RAM back."""
         self.wait()
-        self._remove(lambda s: True)
-        for directory in (self.root, os.path.dirname(self.root)):  # by the last process out
+        self._remove(lambda s: True, copies=True)
+        parent = os.path.dirname(self.root)
+        for directory in (self.root, parent, os.path.dirname(parent)):  # by the last process out
             try:
                 os.rmdir(directory)
             except OSError:
@@ -168,32 +211,51 @@ class Snapshots:
     # ------------------------------------------------------------------ restore
 
     def restore(self, abstract_state, newer_than: int) -> tuple[Any, dict] | None:
-        """(state, {"step", "data_state"}) of the newest snapshot every process holds, newer
-        than step `newer_than`; None when there is none or it fails anywhere."""
-        mine = [s for s in self._own_steps() if s > newer_than]
-        held = self._agree(json.dumps(mine))
-        common = set(mine).intersection(*[set(json.loads(h)) for h in held])
-        if not common:
-            return None
-        step = max(common)
-        try:
-            state, meta = self._load(step, abstract_state)
-            problem = ""
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
-            problem = f"memory snapshot at step {step} ({self._file(step)}) unusable: {cli.one_line(e)}"
-        verdicts = self._agree(problem)
-        if any(verdicts):
+        """(state, {"step", "data_state"}) of the newest snapshot of which every process can read
+        its own file or a peer's copy, newer than step `newer_than`; None when there is none, or
+        every such step failed somewhere (then the caller uses the checkpoint)."""
+        given_up: set[int] = set()  # steps that failed on some process: every process skips them
+        while True:
+            mine = {p: [s for s in steps if s > newer_than]
+                    for p, steps in peer_copy.inventory(self.root, self.processes).items()}
+            reports = [{int(p): steps for p, steps in json.loads(r).items()} for r in self._agree(json.dumps(mine))]
+            step = peer_copy.newest_recoverable(reports, self.processes, given_up)
+            if step is None:
+                return None
+            holders = [q for q, r in enumerate(reports) if step in r.get(self.process, [])]
+            source, problem = "its own file", ""
+            try:
+                if not os.path.exists(self._file(step)):
+                    source = self._fetch(step, holders)
+                state, meta = self._load(step, abstract_state)
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile, peer_copy.Refused) as e:
+                problem = f"memory snapshot at step {step} ({source}) unusable: {cli.one_line(e)}"
+            verdicts = [json.loads(v) for v in self._agree(json.dumps([problem, source]))]
+            if not any(problem for problem, _ in verdicts):
+                for process, (_, where) in enumerate(verdicts):  # said once, by the process that logs
+                    if where != "its own file" and self.process == 0:
+                        logger.info(f"process {process} restored its memory snapshot of step {step} from {where}")
+                return state, {"step": step, "data_state": {"next_index": meta["next_index"]}}
+            given_up.add(step)
             if problem:
-                self.warn(f"warning: {problem}; removed, resuming from the newest checkpoint")
-                os.remove(self._file(step))
-            return None
-        return state, {"step": step, "data_state": {"next_index": meta["next_index"]}}
+                self.warn(f"warning: {problem}; removed, trying the next source (an older snapshot, then the checkpoint)")
+                if os.path.exists(self._file(step)):
+                    os.remove(self._file(step))
+
+    def _fetch(self, step: int, holders: list[int]) -> str:
+        """This process's file of `step`, from the peer that holds a copy; which peer."""
+        source = next((q for q in holders if q != self.process), None)
+        if self.link is None or source is None:
+            raise peer_copy.Refused("no peer holds a copy")
+        host = self.link.peers()[source][0]
+        os.makedirs(os.path.dirname(self._file(step)), exist_ok=True)
+        self.link.fetch(source, self.process, step, self._file(step))
+        return f"the copy held by process {source} ({host})"
 
     def _load(self, step: int, abstract_state):
         with np.load(self._file(step), allow_pickle=False) as f:
             meta = json.loads(str(f["meta"]))
-            if meta["config"] != self.cfg.to_dict():
-                raise ValueError("written with another config")
+            peer_copy.check_meta(meta, step, self.cfg.to_dict())
             shards: dict[tuple[str, str], np.ndarray] = {}
             for i, entry in enumerate(meta["shards"]):
                 shards[entry["leaf"], entry["index"]] = f[f"shard_{i}"].view(jnp.dtype(entry["dtype"]))
@@ -217,6 +279,15 @@ class Snapshots:
         prefix = f"megascale_jax/snapshot/{_rounds[0]}"
         client.key_value_set(f"{prefix}/{self.process}", mine)
         return [client.blocking_key_value_get(f"{prefix}/{p}", AGREE_TIMEOUT_MS) for p in range(self.processes)]
+
+
+def state_bytes(abstract_state) -> int:
+    """Bytes of this process's distinct shards of a state (what one snapshot file holds)."""
+    total = 0
+    for leaf in jax.tree.leaves(abstract_state):
+        indices = {_index(index, leaf.shape) for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()}
+        total += len(indices) * leaf.dtype.itemsize * int(np.prod(leaf.sharding.shard_shape(leaf.shape)))
+    return total
 
 
 def _index(index: tuple, shape: tuple) -> str:

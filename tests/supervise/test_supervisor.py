@@ -17,9 +17,8 @@ import time
 
 import numpy as np
 import pytest
-import redis
 
-from megascale_jax.cluster import rendezvous
+from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.cluster.rendezvous import heartbeat_key
 from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.drills import Drill
@@ -36,8 +35,15 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture
-def client(server):
-    return redis.Redis.from_url(server.url)
+def auth(server, monkeypatch):
+    """This process's clients use `server`'s password (a server started since exported its own)."""
+    monkeypatch.setenv(redis_auth.PASSWORD_FILE_ENV, server.password_file)
+    return server
+
+
+@pytest.fixture
+def client(auth):
+    return rendezvous.connect(auth.url)
 
 
 def beat(client, job, rank, seq, step, state="training", **fields):
@@ -142,7 +148,7 @@ def test_monitor_names_a_rank_that_never_beats(client):
     assert (fault.cause, fault.rank) == ("hang", 1)
 
 
-def test_rendezvous_hands_out_ranks_and_one_coordinator(server):
+def test_rendezvous_hands_out_ranks_and_one_coordinator(server, auth):
     members, errors = [], []
 
     def join():
@@ -206,7 +212,7 @@ def test_job_id_changes_with_the_schedulers_restart_count(monkeypatch):
     assert rendezvous.job_id_from_env() == "mine"
 
 
-def test_barrier_times_out_with_the_count(server):
+def test_barrier_times_out_with_the_count(server, auth):
     with pytest.raises(rendezvous.RendezvousError, match="1 of 2 workers arrived"):
         rendezvous.join(server.url, "lonely", 2, timeout_s=0.5)
 
@@ -323,11 +329,12 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
 
 @pytest.fixture(scope="module")
 def spared(tmp_path_factory):
-    """One spare; rank 1 corrupts step 3's batch once, then rank 1's slot breaks at step 9. Memory
-    snapshots every 3 steps and no checkpoint before step 10: the restart resumes from a snapshot."""
+    """One spare; rank 1 corrupts step 3's batch once, then rank 1's host is lost at step 9 (killed,
+    its RAM wiped). Memory snapshots every 3 steps and no checkpoint before step 10: the restart
+    resumes from a snapshot, rank 1's from the copy the other host holds."""
     run_dir = tmp_path_factory.mktemp("spared")
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
-                                               "--drill", "nan:1@3", "--drill", "faulty:1@9", *JOB,
+                                               "--drill", "nan:1@3", "--drill", "host:1@9", *JOB,
                                                "checkpoint.every=10", "checkpoint.memory_every=3"])
     assert done.returncode == 0, done.stdout + done.stderr
     return run_dir, events(run_dir)
@@ -359,10 +366,16 @@ def test_a_faulty_rank_is_excluded_and_a_spare_takes_its_place(spared, reference
     promoted, rest = after(rest, "spare_promoted")
     assert (evict["rank"], evict["slot"], promoted["rank"], promoted["slot"]) == (1, 1, 1, 2)
     assert promoted["spares_left"] == 0
-    # The spare, as rank 1, reads the snapshot the evicted rank 1 wrote; both processes agree on it.
+    # The spare, on a fresh host, as rank 1: the snapshot the lost rank 1 wrote, from the copy its
+    # peer (rank 0's host) holds — no disk read; both processes agree on it.
     restart, rest = after(rest, "restart")
     assert restart["resume_from"] == "memory snapshot" and restart["resume_step"] in (6, 9), restart
-    after(rest, "resumed")
+    resumed, _ = after(rest, "resumed")
+    with open(os.path.join(run_dir, "logs", "worker0.log")) as f:  # rank 0 logs for every rank
+        restored = f.read().split("===== attempt")[-1]  # the last attempt's lines
+    assert (f"process 1 restored its memory snapshot of step {restart['resume_step']} from the copy held by "
+            "process 0") in restored, restored[-3000:]
+    assert f"resumed from memory snapshot step {restart['resume_step']}" in restored
     with open(os.path.join(run_dir, "excluded_hosts.txt")) as f:
         assert f.read().splitlines() == [evict["host"]]
     recovered = final_record(run_dir)

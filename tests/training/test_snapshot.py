@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -27,7 +28,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.config import load_config
+from megascale_jax.config import ConfigError, load_config
 from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.training import compile_cache, snapshot
 
@@ -162,23 +163,24 @@ class KeyValueStore:
 @pytest.mark.parametrize("peer_fails", [False, True])
 def test_processes_agree_on_the_newest_step_all_hold(tmp_path, monkeypatch, peer_fails):
     """This process holds 3-5, its peer 2-4 (one write behind): both use 4. When the peer cannot
-    read its file, both fall back to the checkpoint."""
+    read its file of 4, that step is given up and both use the next source, the older step 3."""
     snaps, mesh, states = saved(tmp_path, [1, 2, 3, 4, 5])
-    snaps.processes = 2  # as process 0 of 2; its files are still named ...-of-1, as written
-    monkeypatch.setattr(snaps, "_file", lambda step: str(tmp_path / str(step) / "process_0-of-1.npz"))
+    for step in (3, 4, 5):  # as process 0 of 2
+        os.replace(tmp_path / str(step) / "process_0-of-1.npz", tmp_path / str(step) / "process_0-of-2.npz")
+    snaps.processes = 2
     rounds = snapshot._rounds[0]
-    peer = {f"megascale_jax/snapshot/{rounds + 1}/1": json.dumps([2, 3, 4]),
-            f"megascale_jax/snapshot/{rounds + 2}/1": "unreadable" if peer_fails else ""}
+    inventory, fine = json.dumps({"1": [2, 3, 4]}), json.dumps(["", "its own file"])
+    peer = {f"megascale_jax/snapshot/{rounds + 1}/1": inventory,
+            f"megascale_jax/snapshot/{rounds + 2}/1": json.dumps(["unreadable", "its own file"]) if peer_fails else fine,
+            f"megascale_jax/snapshot/{rounds + 3}/1": inventory, f"megascale_jax/snapshot/{rounds + 4}/1": fine}
     store = KeyValueStore(peer)
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
-    assert store.values[f"megascale_jax/snapshot/{rounds + 1}/0"] == json.dumps([3, 4, 5])
-    if peer_fails:
-        assert restored is None
-        assert (tmp_path / "4" / "process_0-of-1.npz").exists()  # its own file was good: kept
-    else:
-        assert restored[1]["step"] == 4
-        np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
+    assert store.values[f"megascale_jax/snapshot/{rounds + 1}/0"] == json.dumps({"0": [3, 4, 5]})
+    step = 3 if peer_fails else 4
+    assert restored[1]["step"] == step
+    np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[step]["w"])
+    assert (tmp_path / "4" / "process_0-of-2.npz").exists()  # its own file was good: kept
 
 
 def test_memory_every_must_not_be_negative():
@@ -246,3 +248,20 @@ def test_a_killed_run_resumes_from_its_newest_snapshot_bitwise(tmp_path):
     for g, w in zip(got, want):
         assert (g["loss"], g["grad_norm"], g["lr"]) == (w["loss"], w["grad_norm"], w["lr"]), (g, w)
     assert not ram.exists()  # a finished run gives the RAM back
+
+
+def test_the_ram_snapshots_take_is_stated_and_checked_before_the_first_step(tmp_path, monkeypatch):
+    """One process holds every shard once: a snapshot file holds the state's bytes (numpy's count),
+    and three steps of them must fit in the snapshot filesystem, or the run stops in one line."""
+    snaps, mesh, states = saved(tmp_path, [1])
+    like = abstract(random_state(mesh, 0))
+    one = sum(x.nbytes for x in host_copy(random_state(mesh, 0)).values())
+    assert snapshot.state_bytes(like) == one
+    assert snaps.check_room(like) == snapshot.KEEP * one  # no peer copies in a one-process run
+    usage = shutil.disk_usage
+    monkeypatch.setattr(snapshot.shutil, "disk_usage", lambda path: usage(path)._replace(free=100))
+    held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())  # reused, so counted as free
+    assert held + 100 < snapshot.KEEP * one
+    with pytest.raises(ConfigError, match=r"memory snapshots need .* GiB in .*checkpoint.memory_dir") as e:
+        snaps.check_room(like)
+    assert "\n" not in str(e.value)
