@@ -146,3 +146,21 @@ def test_startup_phases_are_the_slowest_process_per_attempt(tmp_path):
         "===== attempt 2, job j-2, slots [0, 1] =====\nkilled early\n")
     assert ettr.startup_phases(str(tmp_path)) == [{"attempt": 0, "trainer": 1.5, "restore": 0.0},
                                                   {"attempt": 1, "trainer": 0.7, "restore": 0.9}]
+
+
+def test_each_restart_names_where_its_state_came_from(run):
+    """Rank 0's log of the attempt that resumed after a drill says the source: the kill's attempt 1
+    restored rank 2 from a peer's copy, the straggler's attempt 2 read a checkpoint; a NaN replay
+    restarts nothing."""
+    run_dir, events = run
+    events = [dict(e, restarts=1 if e["time"] < T + 150 else 2) if e["kind"] == "resumed" else e for e in events]
+    (run_dir / "logs").mkdir()
+    (run_dir / "logs" / "worker0.log").write_text(
+        "===== attempt 0, job j-0, slots [0, 1, 2, 3] =====\n[rank 0] mesh ...; initialised\n"
+        "===== attempt 1, job j-1, slots [0, 1, 4, 3] =====\n"
+        "[rank 0] process 2 restored its memory snapshot of step 28 from the copy held by process 3 (vm/slot3)\n"
+        "[rank 0] mesh ...; resumed from memory snapshot step 28; initialised\n"
+        "===== attempt 2, job j-2, slots [0, 5, 4, 3] =====\n[rank 0] mesh ...; resumed from checkpoint step 84;\n")
+    rows = ettr.consequences(events)
+    ettr.add_restore_sources(str(run_dir), events, rows)
+    assert [(r["kind"], r["restore_source"]) for r in rows] == [("kill", "peer copy"), ("slow", "disk"), ("nan", None)]

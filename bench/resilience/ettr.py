@@ -168,6 +168,26 @@ def startup_phases(run_dir: str) -> list[dict]:
     return [{"attempt": a, **{k: round(v, 2) for k, v in phases.items()}} for a, phases in sorted(attempts.items())]
 
 
+def add_restore_sources(run_dir: str, events: list[dict], rows: list[dict]) -> None:
+    """Each drill row's `restore_source`: where the attempt that resumed after it restored the state
+    from — "peer copy" (a memory snapshot fetched from another host), "local snapshot", "disk" (a
+    checkpoint) — read from rank 0's log of that attempt (None: no restart)."""
+    path = os.path.join(run_dir, "logs", "worker0.log")
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        text = f.read()
+    starts = list(ATTEMPT.finditer(text))
+    logs = {int(m.group(1)): text[m.end():starts[n + 1].start() if n + 1 < len(starts) else len(text)]
+            for n, m in enumerate(starts)}
+    for row in rows:
+        resumed = next((e for e in events if e["kind"] == "resumed" and e["time"] > row["time"]), None)
+        log = logs.get(resumed["restarts"], "") if resumed and row["kind"] not in ("nan", "redis") else ""
+        row["restore_source"] = ("peer copy" if "restored its memory snapshot" in log else
+                                 "local snapshot" if "resumed from memory snapshot" in log else
+                                 "disk" if "resumed from checkpoint" in log else None)
+
+
 def per_kind(rows: list[dict]) -> dict:
     table = {}
     for kind in KINDS:
@@ -223,9 +243,13 @@ def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     start, wall = launch(run_dir, nprocs, job)
     busy, records = productive(run_dir)
     step_s = statistics.median(r["step_time_s"] for r in records)
+    # Faults in a fault-free run are false alarms (a hang or a stall called on a healthy rank):
+    # the detector's false-positive count over a run as long as the drilled one.
+    alarms = undrilled_faults(read_jsonl(os.path.join(run_dir, "events.jsonl")))
     reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"],
-                 "budget": budget(run_dir, start, wall, busy, [], step_s)}
-    print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s)", flush=True)
+                 "false_alarms": alarms, "budget": budget(run_dir, start, wall, busy, [], step_s)}
+    print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(alarms)} false alarms",
+          flush=True)
     return reference
 
 
@@ -263,6 +287,7 @@ def recount(path: str) -> None:
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     busy, records = productive(run_dir)
     rows = consequences(events)
+    add_restore_sources(run_dir, events, rows)
     started = next(e for e in events if e["kind"] == "started")
     start = started["time"] - result["budget"]["startup_s"]  # the launch's start, as the run measured it
     result.update(faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
@@ -344,6 +369,7 @@ def main(argv=None) -> int:
     step_s_median = statistics.median(r["step_time_s"] for r in records)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
     rows = consequences(events)
+    add_restore_sources(run_dir, events, rows)
     shrunk = any(e["kind"] == "shrink" for e in events)
     final = records[-1]["loss"]
     result = {
@@ -377,6 +403,7 @@ def main(argv=None) -> int:
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, relaunched {row['relaunched_s']} s, "
               f"resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
+    print("  restored from: " + ", ".join(f"{r['kind']} {r.get('restore_source')}" for r in rows), flush=True)
     bench.write(result)
     return 0
 
