@@ -156,13 +156,14 @@ def test_a_device_that_computes_slowly_is_named(tmp_path):
     assert stragglers.find_stragglers(t, 0.05, 10) == []  # on time: invisible to arrival lateness
 
 
-def test_the_supervisor_logs_a_slow_device_once_and_evicts_it_when_configured(tmp_path):
+def test_the_supervisor_logs_a_slow_device_once_and_evicts_it_when_configured(tmp_path, monkeypatch):
     from megascale_jax.supervise.supervisor import Job, Supervisor
 
     write_slow_device_rows(str(tmp_path))
     cfg = load_config(None, ["supervisor.straggler_check_s=1", "supervisor.evict_stragglers=true",
                              "observe.straggler_window=10"])
     job = Job(cfg, str(tmp_path), nprocs=1, worker_args=[], job_id="slow", env={}, diagnose_args=None)
+    monkeypatch.setenv("MEGASCALE_REDIS_PASSWORD", "unused")  # the job's Redis needs one (cluster/redis_auth.py)
     supervisor = Supervisor(job, "redis://127.0.0.1:1")  # the check reads timings only, never Redis
     fault = supervisor._check_stragglers(now=100.0)
     assert (fault.cause, fault.rank) == ("straggler", 0) and "device 3 (dp1 pp0 tp1)" in fault.detail
