@@ -222,11 +222,11 @@ class Snapshots:
             step = peer_copy.newest_recoverable(reports, self.processes, given_up)
             if step is None:
                 return None
-            holders = [q for q, r in enumerate(reports) if step in r.get(self.process, [])]
+            holder = next((q for q, r in enumerate(reports) if q != self.process and step in r.get(self.process, [])), None)
             source, problem = "its own file", ""
             try:
                 if not os.path.exists(self._file(step)):
-                    source = self._fetch(step, holders)
+                    source = self._fetch(step, holder)
                 state, meta = self._load(step, abstract_state)
             except (OSError, ValueError, KeyError, zipfile.BadZipFile, peer_copy.Refused) as e:
                 problem = f"memory snapshot at step {step} ({source}) unusable: {cli.one_line(e)}"
@@ -242,15 +242,18 @@ class Snapshots:
                 if os.path.exists(self._file(step)):
                     os.remove(self._file(step))
 
-    def _fetch(self, step: int, holders: list[int]) -> str:
-        """This process's file of `step`, from the peer that holds a copy; which peer."""
-        source = next((q for q in holders if q != self.process), None)
-        if self.link is None or source is None:
+    def _fetch(self, step: int, holder: int | None) -> str:
+        """This process's file of `step`, fetched from the peer `holder` that holds a copy; which
+        peer. Refused names the peer too."""
+        if self.link is None or holder is None:
             raise peer_copy.Refused("no peer holds a copy")
-        host = self.link.peers()[source][0]
+        source = f"the copy held by process {holder} ({self.link.peers()[holder][0]})"
         os.makedirs(os.path.dirname(self._file(step)), exist_ok=True)
-        self.link.fetch(source, self.process, step, self._file(step))
-        return f"the copy held by process {source} ({host})"
+        try:
+            self.link.fetch(holder, self.process, step, self._file(step))
+        except (OSError, peer_copy.Refused) as e:
+            raise peer_copy.Refused(f"{source}: {cli.one_line(e)}") from None
+        return source
 
     def _load(self, step: int, abstract_state):
         with np.load(self._file(step), allow_pickle=False) as f:

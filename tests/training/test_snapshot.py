@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.training import compile_cache, snapshot
+from megascale_jax.training import compile_cache, peer_copy, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32",
@@ -265,3 +265,34 @@ def test_the_ram_snapshots_take_is_stated_and_checked_before_the_first_step(tmp_
     with pytest.raises(ConfigError, match=r"memory snapshots need .* GiB in .*checkpoint.memory_dir") as e:
         snaps.check_room(like)
     assert "\n" not in str(e.value)
+
+
+class RefusingLink:
+    """A peer link whose every copy fails verification, as a damaged one would."""
+
+    def peers(self):
+        return [("host_a", ""), ("host_b", "")]
+
+    def fetch(self, source, owner, step, target):
+        raise peer_copy.Refused("its SHA-256 does not match the one recorded when it was sent")
+
+
+def test_a_refused_peer_copy_is_one_warning_and_the_next_source_is_used(tmp_path, monkeypatch, capsys):
+    """This process (0 of 2) lost its file of step 5 (its host was replaced); process 1 holds a copy
+    of it, which fails its checksum: one warning, step 5 given up, and both use step 4, which this
+    process still holds itself."""
+    snaps, mesh, states = saved(tmp_path, [3, 4, 5])
+    for step in (3, 4, 5):
+        os.replace(tmp_path / str(step) / "process_0-of-1.npz", tmp_path / str(step) / "process_0-of-2.npz")
+    os.remove(tmp_path / "5" / "process_0-of-2.npz")
+    snaps.processes, snaps.link = 2, RefusingLink()
+    rounds = snapshot._rounds[0]
+    inventory, fine = json.dumps({"0": [5], "1": [4, 5]}), json.dumps(["", "its own file"])
+    store = KeyValueStore({f"megascale_jax/snapshot/{rounds + 1}/1": inventory, f"megascale_jax/snapshot/{rounds + 2}/1": fine,
+                           f"megascale_jax/snapshot/{rounds + 3}/1": inventory, f"megascale_jax/snapshot/{rounds + 4}/1": fine})
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
+    restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
+    assert restored[1]["step"] == 4
+    np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "SHA-256" in warnings[0] and "the copy held by process 1" in warnings[0], warnings
