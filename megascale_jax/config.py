@@ -205,9 +205,12 @@ class SupervisorConfig:
     detect.py finds faults and policy.py decides what to do)."""
 
     heartbeat_s: float = 1.0  # every worker writes a heartbeat record this often
-    hang_timeout_s: float = 10.0  # no heartbeat, or no step progress, for this long = hung
+    hang_timeout_s: float = 10.0  # no heartbeat for this long = hung (heartbeat silence only)
+    # No step progress while heartbeats go on for this long = stalled: a floor of its own, so that
+    # silence can be called sooner than a slow step (a hang is SIGSTOP-like and beats nothing).
+    stall_floor_s: float = 10.0
     # A step is stalled once it has taken this many times the rank's recent median step (if that is
-    # longer than hang_timeout_s): a slow phase or a model with long steps is no stall.
+    # longer than stall_floor_s): a slow phase or a model with long steps is no stall.
     stall_steps: float = 5.0
     max_restarts: int = 3  # recoveries before the driver gives up with a report
     straggler_check_s: float = 10.0  # the driver runs the straggler statistic on the timings this often (0 = never)

@@ -7,7 +7,7 @@ injection, else the last sign of health):
   rank whose loop raised defers to a peer that exits a moment later (`peer_exit`).
 * hang — a worker's heartbeat stops changing for `supervisor.hang_timeout_s` (e.g. SIGSTOP).
 * stall — heartbeats go on but the step does not advance in state `training` (a stuck collective)
-  for `hang_timeout_s`, or `supervisor.stall_steps` times the rank's recent median step if longer
+  for `supervisor.stall_floor_s`, or `supervisor.stall_steps` times the rank's recent median step if longer
   (an overloaded host's slow phase, or a model whose steps take longer than the timeout).
 * nan_triage — the workers replay a non-finite step once themselves (training/triage.py) and
   report it in their heartbeats: finite → `transient` (logged; training goes on; a device whose
@@ -120,9 +120,11 @@ class HeartbeatMonitor:
     Times are the driver's arrival times of changed records, not the workers' clocks."""
 
     def __init__(self, client: redis.Redis, job: str, nprocs: int, hang_timeout_s: float,
-                 startup_timeout_s: float, now: float, stall_steps: float = 5.0):
+                 startup_timeout_s: float, now: float, stall_steps: float = 5.0, stall_floor_s: float | None = None):
         self.client, self.keys = client, [heartbeat_key(job, r) for r in range(nprocs)]
         self.hang_timeout_s, self.startup_timeout_s, self.stall_steps = hang_timeout_s, startup_timeout_s, stall_steps
+        # silence and a slow step are judged apart: the floor defaults to the silence timeout
+        self.stall_floor_s = hang_timeout_s if stall_floor_s is None else stall_floor_s
         self.step_times: dict[int, dict[int, float]] = {}  # rank -> step -> its time, the last RECENT_STEPS seen
         self.started = now
         self.records: dict[int, dict] = {}
@@ -186,11 +188,11 @@ class HeartbeatMonitor:
                 del times[step]
 
     def stall_limit(self, rank: int) -> float:
-        """How long a step may take before it is a stall: hang_timeout_s, or stall_steps times the
+        """How long a step may take before it is a stall: stall_floor_s, or stall_steps times the
         rank's median step over its last RECENT_STEPS (heartbeat samples), whichever is longer."""
         times = self.step_times.get(rank)
-        return max(self.hang_timeout_s, self.stall_steps * statistics.median(times.values())) if times \
-            else self.hang_timeout_s
+        return max(self.stall_floor_s, self.stall_steps * statistics.median(times.values())) if times \
+            else self.stall_floor_s
 
     def _track_start(self, rank: int, state: str, now: float) -> None:
         # A phase shorter than a beat interval is never seen: a later state implies the earlier ones.

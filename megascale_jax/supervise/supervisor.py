@@ -188,7 +188,7 @@ class Supervisor:
                             pool=self.pool, slots=self.placement.active,
                             hosts=[self.placement.hosts[slot] for slot in self.placement.active])
         monitor = HeartbeatMonitor(self.redis.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
-                                   time.time(), sv.stall_steps)
+                                   time.time(), sv.stall_steps, sv.stall_floor_s)
         self.drill_at = None
         attempt = Attempt(number, group, monitor, resume_step, alive_at=time.time())
         self.attempt_started = time.time()

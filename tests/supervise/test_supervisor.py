@@ -119,6 +119,35 @@ def test_a_stall_is_judged_against_the_recent_step_time_when_it_is_longer_than_t
     assert (fault.cause, fault.rank, fault.at) == ("stall", 0, t) and "limit 15.0s" in fault.detail
 
 
+def test_heartbeat_silence_is_judged_apart_from_the_stall_floor(client):
+    """hang_timeout_s (silence) 2 s, stall_floor_s 8 s: a rank that beats but whose step has not
+    advanced for 7 s is no stall yet (a slow step), at 8.5 s it is; a rank silent for 3 s is a hang
+    (with one timeout for both, the beating rank was a stall at 2 s)."""
+    def monitor(name, nprocs):
+        m = HeartbeatMonitor(client, name, nprocs, hang_timeout_s=2, startup_timeout_s=60, now=0.0, stall_floor_s=8)
+        for seq, (t, step) in enumerate(((0.5, 1), (1.0, 2))):  # every rank finishes steps 1 and 2 by t=1
+            for rank in range(nprocs):
+                beat(client, name, rank, seq, step, last_step_time_s=0.5)
+            m.poll(t)
+        return m
+
+    alone = monitor("floor", 1)
+    for seq, t in enumerate(range(2, 9), start=2):  # beats on, step 2 not advancing
+        beat(client, "floor", 0, seq, 2, last_step_time_s=0.5)
+        alone.poll(t)
+        assert alone.check(t, finished=set()) is None, t  # 7 s without progress: under the 8 s floor
+    beat(client, "floor", 0, 9, 2, last_step_time_s=0.5)
+    alone.poll(9.5)
+    assert alone.check(9.5, finished=set()).cause == "stall"
+
+    pair = monitor("silence", 2)
+    for seq, t in enumerate((2.0, 3.0, 4.0), start=2):  # rank 0 beats on; rank 1 fell silent at t=1
+        beat(client, "silence", 0, seq, 2, last_step_time_s=0.5)
+        pair.poll(t)
+    fault = pair.check(4.0, finished=set())
+    assert (fault.cause, fault.rank) == ("hang", 1), fault
+
+
 def test_a_stopped_rank_is_a_hang_even_when_its_peers_stall_clock_runs_out_first(client):
     """Rank 0 is stopped (SIGSTOP) after its last heartbeat at t=2.5; rank 1, waiting for it,
     last advanced at t=1 and keeps beating. Rank 1's stall clock runs out first (t=6.2), but the
