@@ -45,13 +45,14 @@ RANKLESS = ("redis", "corrupt")
 # A model whose step takes ~1 s on 4 CPU processes of this 2-core machine; stragglers are judged
 # over 10-step windows every 5 s, and a straggler is evicted (its slot excluded, a spare promoted).
 # The eviction threshold is 20% of a step: at the default 5% a healthy rank of 4 sharing 2 cores
-# crossed it by noise (a false eviction in the first drilled run); the slow drill is 50%. The hang
-# timeout (no heartbeat, or no step, for that long) stays 10 s: the 20-min run had steps of 6-8 s
-# (restarts and the slow drill), which a 6 s timeout would have called stalls.
+# crossed it by noise (a false eviction in the first drilled run); the slow drill is 50%. The stall
+# floor (no step for that long while heartbeats go on) stays 10 s: the 20-min run had steps of 6-8 s
+# (restarts and the slow drill), which a 6 s floor would have called stalls. Heartbeat silence is
+# judged apart: 4 s, four missed heartbeats.
 MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq_len=128", "train.global_batch=16",
          "mesh.tp=1", "mesh.pp=1", "supervisor.max_restarts=100", "supervisor.evict_stragglers=true",
          "supervisor.straggler_check_s=5", "observe.straggler_window=10", "observe.straggler_threshold=0.2",
-         "supervisor.hang_timeout_s=10"]
+         "supervisor.hang_timeout_s=4", "supervisor.stall_floor_s=10"]
 
 
 def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> tuple[float, float]:
