@@ -261,7 +261,7 @@ def test_mistakes_through_the_real_command_line(inputs, tmp_path):
 # ============================================================================ smoke run
 
 
-SMOKE = ["train.steps=5", "train.eval_every=0", "train.log_every=1", "model.layers=2", "model.d_model=64",
+SMOKE = ["train.sample_at_end=0", "train.steps=5", "train.eval_every=0", "train.log_every=1", "model.layers=2", "model.d_model=64",
          "model.seq_len=64", "train.global_batch=8"]
 REQUIRED = {"step": int, "loss": float, "grad_norm": float, "lr": float, "step_time_s": float,
             "tokens_per_s": float}

@@ -27,7 +27,7 @@ from megascale_jax.training.tokenizer import byte_tokenizer  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 32
-TINY = ["train.steps=4", "checkpoint.every=2", "train.eval_every=0", "model.layers=2", "model.d_model=64",
+TINY = ["train.sample_at_end=0", "train.steps=4", "checkpoint.every=2", "train.eval_every=0", "model.layers=2", "model.d_model=64",
         f"model.seq_len={SEQ_LEN}", "model.window=8", "train.global_batch=4", "mesh.dp=2", "mesh.tp=1",
         "observe.timings=false", "observe.tensorboard=false"]
 

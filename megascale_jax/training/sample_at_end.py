@@ -9,9 +9,12 @@ small byte-level model falls into loops) from a fixed seed, so a run prints the 
 time. Byte-level runs (`data.source=stdlib|files`) decode ids as UTF-8 bytes; a run on a token
 file uses its recorded tokenizer (`training.tokenizer.run_tokenizer`, which needs `tokenizers`).
 
-Process 0 of a single-process run only: in a multi-process run the parameters are spread over
-hosts, and gathering them just to print text is not worth a collective at the end of every
-job — the one line printed instead names the `sample` command.
+A model without a sliding window continues only up to `model.seq_len` tokens in all, so its
+sample is cut to what fits. Process 0 of a single-process run only: in a multi-process run the
+parameters are spread over hosts, and gathering them just to print text is not worth a
+collective at the end of every job — the one line printed instead names the `sample` command.
+What cannot be sampled (these cases, or a token file without its tokenizer) is one line saying
+why, not a failed run.
 """
 
 from __future__ import annotations
@@ -34,11 +37,20 @@ def sample_text(cfg, run_dir: str, trainer, state) -> str:
         encode, decode_ids = codec(cfg, run_dir)
     except (ImportError, ValueError) as e:  # no `tokenizers`, or a token file without its tokenizer
         return f"train.sample_at_end: no sample ({e})"
+    prompt = encode(cfg.train.sample_prompt)
+    if max(prompt) >= cfg.model.vocab:
+        return (f"train.sample_at_end: no sample: train.sample_prompt encodes to token id {max(prompt)}, outside "
+                f"model.vocab={cfg.model.vocab}")
+    # A model without a sliding window continues only up to seq_len tokens in all (model/decode.py).
+    limit = decode.length_limit(cfg.model)
+    count = cfg.train.sample_at_end if limit is None else min(cfg.train.sample_at_end, limit - len(prompt))
+    if count < 1:
+        return (f"train.sample_at_end: no sample: train.sample_prompt fills model.seq_len={limit} of a model "
+                "without a sliding window")
     params = jax.device_get(trainer.to_canonical(state).params)
-    new = decode.generate(cfg.model, params, encode(cfg.train.sample_prompt), cfg.train.sample_at_end,
-                          TEMPERATURE, TOP_P, SEED)
-    text = cfg.train.sample_prompt + decode_ids(new)
-    header = (f"sample: {cfg.train.sample_at_end} tokens after {cfg.train.sample_prompt!r} "
+    text = cfg.train.sample_prompt + decode_ids(decode.generate(cfg.model, params, prompt, count, TEMPERATURE,
+                                                                TOP_P, SEED))
+    header = (f"sample: {count} tokens after {cfg.train.sample_prompt!r} "
               f"(temperature {TEMPERATURE}, top-p {TOP_P}, seed {SEED}):")
     return "\n".join([header, *(PREFIX + line for line in text.splitlines())])
 

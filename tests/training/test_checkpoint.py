@@ -40,7 +40,7 @@ from megascale_jax.parallel.mesh import make_mesh
 
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300
-TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=20",
+TINY = ["train.sample_at_end=0", "model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32", "train.global_batch=8", "train.steps=20",
         "train.eval_every=0", "checkpoint.every=5", "checkpoint.keep=5"]
 DP8 = ["mesh.dp=8", "mesh.tp=1"]
 

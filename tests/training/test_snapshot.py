@@ -33,7 +33,7 @@ from megascale_jax.parallel.mesh import make_mesh
 from megascale_jax.training import compile_cache, peer_copy, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32",
+TINY = ["train.sample_at_end=0", "model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4", "model.seq_len=32",
         "train.global_batch=8", "train.steps=20", "train.eval_every=0", "checkpoint.every=5", "checkpoint.keep=5",
         "mesh.dp=4", "mesh.tp=2"]
 
