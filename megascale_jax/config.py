@@ -208,7 +208,7 @@ class SupervisorConfig:
     hang_timeout_s: float = 10.0  # no heartbeat for this long = hung (heartbeat silence only)
     # No step progress while heartbeats go on for this long = stalled: a floor of its own, so that
     # silence can be called sooner than a slow step (a hang is SIGSTOP-like and beats nothing).
-    stall_floor_s: float = 10.0
+    stall_floor_s: Optional[float] = None  # None: hang_timeout_s
     # A step is stalled once it has taken this many times the rank's recent median step (if that is
     # longer than stall_floor_s): a slow phase or a model with long steps is no stall.
     stall_steps: float = 5.0

@@ -165,7 +165,8 @@ def check_checkpoint(c) -> None:
 def check_supervisor(sv, ob) -> None:
     """Heartbeat and hang timing, restarts, and straggler eviction (which reads the timings)."""
     require(sv.heartbeat_s > 0, f"supervisor.heartbeat_s={sv.heartbeat_s} must be > 0")
-    require(sv.stall_floor_s > 0, f"supervisor.stall_floor_s={sv.stall_floor_s} must be > 0")
+    require(sv.stall_floor_s is None or sv.stall_floor_s > 0,
+            f"supervisor.stall_floor_s={sv.stall_floor_s} must be > 0 (or null: hang_timeout_s)")
     require(sv.stall_steps > 1, f"supervisor.stall_steps={sv.stall_steps} must be > 1 (a multiple of the recent step time)")
     require(sv.hang_timeout_s > 2 * sv.heartbeat_s,
             f"supervisor.hang_timeout_s={sv.hang_timeout_s} must exceed 2 x supervisor.heartbeat_s={sv.heartbeat_s}, "
