@@ -121,6 +121,8 @@ def snapshot_dir(cfg: Config, run_dir: str) -> str:
     return os.path.join(ram, f"megascale_jax-{getpass.getuser()}", run)
 
 
+# A memory snapshot file, its own process's or a peer's copy (training/peer_copy.py): owner, processes
+SNAPSHOT_FILE = re.compile(r"^(?:peer_)?process_(\d+)-of-(\d+)\.npz$")
 HOST_ENV = "MEGASCALE_HOST"  # the host a worker stands for: the local launcher's slot, `<hostname>/slot<k>`
 
 
@@ -139,7 +141,7 @@ def recoverable_snapshot_steps(directory: str, processes: int | None = None) -> 
     for host in hosts:
         for step in committed_steps(host):
             for name in _listdir(os.path.join(host, str(step))):
-                match = re.match(r"^(?:peer_)?process_(\d+)-of-(\d+)\.npz$", name)
+                match = SNAPSHOT_FILE.match(name)
                 if match and processes in (None, int(match.group(2))):
                     owners.setdefault(step, set()).add(int(match.group(1)))
     return sorted(step for step, found in owners.items() if processes is None or len(found) == processes)

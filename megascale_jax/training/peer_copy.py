@@ -26,15 +26,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import socketserver
 import threading
 
-from megascale_jax.run_dir import HOST_ENV
+from megascale_jax.run_dir import HOST_ENV, SNAPSHOT_FILE, committed_steps
 
 TIMEOUT_S = 60.0  # one transfer; a holder that does not answer in this long is no source
-_FILE = re.compile(r"^(peer_)?process_(\d+)-of-(\d+)\.npz$")
 
 
 class Refused(Exception):
@@ -56,11 +54,11 @@ def sha256_file(path: str) -> str:
 def inventory(directory: str, processes: int) -> dict[int, list[int]]:
     """{owner process: [steps]} of every snapshot file (its own or a peer copy) in `directory`."""
     held: dict[int, list[int]] = {}
-    for step in _steps(directory):
+    for step in committed_steps(directory):
         for name in os.listdir(os.path.join(directory, str(step))):
-            match = _FILE.match(name)
-            if match and int(match.group(3)) == processes:
-                held.setdefault(int(match.group(2)), []).append(step)
+            match = SNAPSHOT_FILE.match(name)
+            if match and int(match.group(2)) == processes:
+                held.setdefault(int(match.group(1)), []).append(step)
     return held
 
 
@@ -144,16 +142,11 @@ class PeerLink:
             header = json.loads(stream.readline() or b"{}")
             if "size" not in header:
                 raise Refused(f"process {source} has no copy of step {step}: {header.get('error', 'no answer')}")
-            digest, left = hashlib.sha256(), header["size"]
-            with open(target + ".tmp", "wb") as f:
-                while left > 0 and (block := stream.read(min(left, 1 << 20))):
-                    digest.update(block)
-                    f.write(block)
-                    left -= len(block)
-        if left:
+            arrived, digest = _receive(stream, header["size"], target + ".tmp")
+        if arrived != header["size"]:
             os.remove(target + ".tmp")
-            raise Refused(f"partial: {header['size'] - left} of {header['size']} bytes arrived")
-        if digest.hexdigest() != header["sha256"]:
+            raise Refused(f"partial: {arrived} of {header['size']} bytes arrived")
+        if digest != header["sha256"]:
             os.remove(target + ".tmp")
             raise Refused("its SHA-256 does not match the one recorded when it was sent")
         os.replace(target + ".tmp", target)
@@ -165,15 +158,10 @@ class PeerLink:
         owner, step, size = int(header["owner"]), int(header["step"]), int(header["size"])
         path = os.path.join(self.directory, str(step), copy_name(owner, self.processes))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        digest, left = hashlib.sha256(), size
-        with open(path + ".tmp", "wb") as f:
-            while left > 0 and (block := stream.read(min(left, 1 << 20))):
-                digest.update(block)
-                f.write(block)
-                left -= len(block)
-        if left or digest.hexdigest() != header["sha256"]:
+        arrived, digest = _receive(stream, size, path + ".tmp")
+        if arrived != size or digest != header["sha256"]:
             os.remove(path + ".tmp")
-            raise OSError(f"partial or damaged in transit ({size - left} of {size} bytes)")
+            raise OSError(f"partial or damaged in transit ({arrived} of {size} bytes)")
         with open(path + ".sha256", "w") as f:
             f.write(header["sha256"])
         os.replace(path + ".tmp", path)
@@ -195,15 +183,19 @@ class PeerLink:
         folder = os.path.join(self.directory, str(step))
         for name in (copy_name(owner, processes), f"process_{owner}-of-{processes}.npz"):
             path = os.path.join(folder, name)
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except FileNotFoundError:
+            if not os.path.exists(path):
                 continue
             # the checksum recorded when it arrived (a copy), else the file's own (an own file)
             recorded = path + ".sha256"
-            digest = open(recorded).read().strip() if os.path.exists(recorded) else hashlib.sha256(data).hexdigest()
-            conn.sendall(json.dumps({"size": len(data), "sha256": digest}).encode() + b"\n" + data)
+            if os.path.exists(recorded):
+                with open(recorded) as f:
+                    digest = f.read().strip()
+            else:
+                digest = sha256_file(path)
+            conn.sendall(json.dumps({"size": os.path.getsize(path), "sha256": digest}).encode() + b"\n")
+            with open(path, "rb") as f:  # streamed: a snapshot can be GBs
+                while block := f.read(1 << 20):
+                    conn.sendall(block)
             return
         conn.sendall(json.dumps({"error": f"no file of process {owner} at step {step}"}).encode() + b"\n")
 
@@ -235,6 +227,17 @@ class _Handler(socketserver.StreamRequestHandler):
                 pass
 
 
+def _receive(stream, size: int, path: str) -> tuple[int, str]:
+    """Up to `size` bytes of `stream` into `path`: (bytes that arrived, their SHA-256)."""
+    digest, left = hashlib.sha256(), size
+    with open(path, "wb") as f:
+        while left > 0 and (block := stream.read(min(left, 1 << 20))):
+            digest.update(block)
+            f.write(block)
+            left -= len(block)
+    return size - left, digest.hexdigest()
+
+
 def _connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=TIMEOUT_S)
@@ -246,10 +249,3 @@ def _reachable_address() -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _steps(directory: str) -> list[int]:
-    try:
-        return sorted(int(name) for name in os.listdir(directory) if name.isdigit())
-    except FileNotFoundError:
-        return []

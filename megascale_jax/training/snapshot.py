@@ -89,8 +89,8 @@ class Snapshots:
         Per process: `KEEP` snapshots of its own shards and, with peer copies, `KEEP` of the
         process it holds for — the same size at pp = tp = 1, about the same elsewhere."""
         one = state_bytes(abstract_state)
-        here = 1 + (sum(host == self.link.peers()[self.process][0] for host, _ in self.link.peers()) - 1
-                    if self.link else 0)  # this process and the others on its host
+        hosts = [host for host, _ in self.link.peers()] if self.link else []
+        here = hosts.count(hosts[self.process]) if hosts else 1  # the processes on this host
         copies = 2 if self.link and self.link.holder() is not None else 1
         need = KEEP * copies * one * here
         held = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.root) for f in files)

@@ -26,18 +26,10 @@ from redis.retry import Retry
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.supervise import detect, policy
-from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.workers import last_error_line
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CREDENTIALS = (redis_auth.PASSWORD_ENV, redis_auth.PASSWORD_FILE_ENV)
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = EmbeddedRedis(str(tmp_path_factory.mktemp("redis")))
-    yield s
-    s.stop()
 
 
 @pytest.fixture

@@ -20,18 +20,10 @@ import pytest
 
 from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.cluster.rendezvous import heartbeat_key
-from megascale_jax.supervise.redis_server import EmbeddedRedis
 from megascale_jax.supervise.drills import Drill
 from megascale_jax.supervise.detect import HeartbeatMonitor
 
 # ============================================================================ fast: pieces
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = EmbeddedRedis(str(tmp_path_factory.mktemp("redis")))
-    yield s
-    s.stop()
 
 
 @pytest.fixture
