@@ -117,3 +117,13 @@ def run_main():
         return code, out.getvalue(), err.getvalue()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """An embedded Redis (with its own password) for one test module (the supervise tests)."""
+    from megascale_jax.supervise.redis_server import EmbeddedRedis
+
+    s = EmbeddedRedis(str(tmp_path_factory.mktemp("redis")))
+    yield s
+    s.stop()
