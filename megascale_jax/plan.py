@@ -68,10 +68,11 @@ def report(p: Plan, gpus: int, gpu: calibration.Gpu) -> str:
 def explain(p: Plan) -> str:
     """One prediction's seconds, finer than the breakdown (`Prediction.parts`), with what each is."""
     pr = p.prediction
-    what = {"compute gemm": "the layers' matmuls (forward, backward, recompute)",
+    what = {"compute gemm": "the layers' matmuls (forward, backward, recompute) at full waves",
+            "compute gemm wave quantization": "SMs idle in each GEMM's last wave of tiles (layers and LM head)",
             "compute attention": "attention scores and weighted sums (kernel or batched GEMMs + score passes)",
             "compute elementwise": "norms, GeLU, dropout, residual adds: HBM passes",
-            "compute lm head": "the logits GEMMs and the loss on the last stage",
+            "compute lm head": "the logits GEMMs (full waves) and the loss on the last stage",
             "tp layers": "tp collectives of the layers not hidden by collective matmul",
             "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
             "bubble": "pipeline warm-up and cool-down",
@@ -80,7 +81,7 @@ def explain(p: Plan) -> str:
             "optimizer": "the update: one HBM pass over its parameters, gradients and moments",
             "data": "loader time on the critical path (charged 0: prefetched)"}
     lines = [f"explain: {layout_name(p)}, iteration {pr.iteration_s:.3f} s"]
-    lines += [f"  {k:<24} {v:9.3f} s {v / pr.iteration_s:6.1%}  {what[k]}" for k, v in pr.parts.items()]
+    lines += [f"  {k:<30} {v:9.3f} s {v / pr.iteration_s:6.1%}  {what[k]}" for k, v in pr.parts.items()]
     return "\n".join(lines)
 
 

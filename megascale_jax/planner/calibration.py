@@ -13,6 +13,7 @@ When this project measures a GPU (`python -m bench.campaign`), its numbers repla
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import yaml
@@ -40,10 +41,23 @@ class Gpu:
     gpus_per_node: int
     nvlink: Link
     nic: Link  # one GPU's share of the node's NICs
-    matmul_max_efficiency: float
+    matmul_max_efficiency: float  # the asymptote of the size curve, wave quantization taken out
     matmul_half_flops: float
+    sms: int  # streaming multiprocessors: one wave of GEMM tiles (costs.wave_efficiency)
+    gemm_tile: tuple[int, int]  # the GEMM output tile one SM computes at a time
     attention_efficiency: float
     elementwise_passes: float
+
+
+def tile_wave_efficiency(rows: int, cols: int, tile: tuple[int, int], sms: int) -> float:
+    """The share of SM time a rows × cols GEMM output keeps busy when cut into tiles of `tile`,
+    one per SM at a time: (T/S) / ⌈T/S⌉, the better of the tile's two orientations
+    (`costs.wave_efficiency`, which the planner prices with; here for the calibration itself)."""
+    best = 0.0
+    for a, b in (tile, tile[::-1]):
+        waves = math.ceil(rows / a) * math.ceil(cols / b) / sms
+        best = max(best, waves / math.ceil(waves))
+    return best
 
 
 def parse_nic(spec: str) -> tuple[int, float]:
@@ -77,6 +91,16 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
     if held_out is not None and held_out in g.get("fitted_to", []):
         raise ValueError(f"the {key} calibration was fitted to {held_out!r}; it cannot predict it held out")
     count, gbps = parse_nic(nic or g["nic"])
+    tile = tuple(g["gemm_tile"])
+    half = g["matmul_half_gflop"] * 1e9
+    e_max = g["matmul_max_efficiency"]
+    if g.get("matmul_measured_at"):
+        # The efficiency was measured on one square GEMM (n³): that run carried the size curve's
+        # factor and its own wave quantization, which the planner applies per shape; take both out.
+        n = g["matmul_measured_at"]
+        flops = 2 * n**3
+        waves = tile_wave_efficiency(n, n, tile, g["sms"])
+        e_max = e_max / (flops / (flops + half)) / waves
     eff = g["link_efficiency"]
     # The node's NIC bandwidth shared by its GPUs (each GPU drives its own rail in a DGX).
     nic_per_gpu = count * gbps / 8 * 1e9 / g["gpus_per_node"]
@@ -85,5 +109,5 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
         hbm_bandwidth=g["hbm_tbps"] * 1e12, gpus_per_node=g["gpus_per_node"],
         nvlink=Link(g["nvlink_gbps"] * 1e9 * eff, g["nvlink_latency_us"] * 1e-6),
         nic=Link(nic_per_gpu * eff, g["nic_latency_us"] * 1e-6),
-        matmul_max_efficiency=g["matmul_max_efficiency"], matmul_half_flops=g["matmul_half_gflop"] * 1e9,
+        matmul_max_efficiency=e_max, matmul_half_flops=half, sms=g["sms"], gemm_tile=tile,
         attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"])

@@ -7,7 +7,7 @@ direction (bytes/s), α the latency of one ring step, P a GPU's peak FLOP/s, W i
 from __future__ import annotations
 
 from megascale_jax import pipeline_schedule
-from megascale_jax.planner.calibration import Gpu, Link
+from megascale_jax.planner.calibration import Gpu, Link, tile_wave_efficiency
 
 
 def matmul_efficiency(flops: float, gpu: Gpu) -> float:
@@ -19,6 +19,39 @@ def matmul_efficiency(flops: float, gpu: Gpu) -> float:
 def matmul_s(flops: float, gpu: Gpu) -> float:
     """t = F / (P · e(F)) for one GEMM of F FLOPs."""
     return flops / (gpu.peak_flops * matmul_efficiency(flops, gpu)) if flops > 0 else 0.0
+
+
+def wave_efficiency(rows: int, cols: int, gpu: Gpu) -> float:
+    """Wave quantization (NVIDIA, Matrix Multiplication Background User's Guide, DU-09799-001,
+    §3.2): a GEMM's rows × cols output is cut into tiles of a × b, one thread block per SM at a
+    time, so it runs in ⌈T/S⌉ waves of S tiles (S = the GPU's SMs, T = ⌈rows/a⌉·⌈cols/b⌉); the
+    last wave's idle SMs cost q = (T/S) / ⌈T/S⌉ of the peak. Of the two orientations of the tile
+    (a × b, b × a) the better is taken, as cuBLAS's heuristic may pick either."""
+    return tile_wave_efficiency(rows, cols, gpu.gemm_tile, gpu.sms)
+
+
+def gemm_wave_loss_s(m: int, k: int, n: int, gpu: Gpu) -> float:
+    """The part of `gemm_s` the last wave's idle SMs cost: t − t·q."""
+    return gemm_s(m, k, n, gpu) * (1 - wave_efficiency(m, n, gpu)) if m > 0 and k > 0 and n > 0 else 0.0
+
+
+def gemm_s(m: int, k: int, n: int, gpu: Gpu) -> float:
+    """One GEMM (m × k) · (k × n), F = 2mkn: t = F / (P · e(F) · q(m, n)), the size curve
+    `matmul_efficiency` times the wave quantization of its m × n output (`wave_efficiency`)."""
+    if m <= 0 or k <= 0 or n <= 0:
+        return 0.0
+    return matmul_s(2 * m * k * n, gpu) / wave_efficiency(m, n, gpu)
+
+
+def linear_s(tokens: int, k: int, n: int, gpu: Gpu) -> dict[str, float]:
+    """A linear layer x · W (x: tokens × k, W: k × n) in training: its forward GEMM (output
+    tokens × n), and the backward's two, the input gradient dy · Wᵀ (output tokens × k) and the
+    weight gradient xᵀ · dy (output k × n); each the same FLOPs, each its own wave quantization
+    (whose seconds `*_wave_loss` gives apart, for `--explain`)."""
+    data, weight = gemm_s(tokens, n, k, gpu), gemm_s(k, tokens, n, gpu)
+    return {"forward": gemm_s(tokens, k, n, gpu), "backward": data + weight, "input_gradient": data,
+            "forward_wave_loss": gemm_wave_loss_s(tokens, k, n, gpu),
+            "backward_wave_loss": gemm_wave_loss_s(tokens, n, k, gpu) + gemm_wave_loss_s(k, tokens, n, gpu)}
 
 
 def fused_attention_s(flops: float, gpu: Gpu) -> float:

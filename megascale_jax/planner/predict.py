@@ -5,7 +5,8 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
     iteration = compute + tp + bubble + pp + dp + optimizer + data
 
 * compute: m microbatches × the stage's layers × (forward + backward + recompute), each
-  layer's GEMMs at the calibrated efficiency of their size (`costs.matmul_s`), its attention core
+  layer's GEMMs (forward, input and weight gradient, each at its own shape) at the calibrated
+  efficiency of their size times their wave quantization (`costs.gemm_s`), its attention core
   (a fused kernel, or GEMMs plus the scores' HBM traffic) and its memory-bound passes
   (`costs.hbm_s`), plus the LM head.
 * tp: the tp collectives of every layer (2 per serial block and pass, 1 per parallel block),
@@ -51,18 +52,27 @@ def context(w: Workload) -> int:
 
 def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     """Seconds of one layer for one microbatch on one GPU: forward, backward, recompute, the GEMM
-    time collective matmul can hide tp transfers behind, and the same work split by kind (gemm,
-    attention, elementwise: forward + backward + recompute) for `--explain`."""
+    time collective matmul can hide tp transfers behind (`gemm` forward, `gemm_input_gradient`), and the
+    same work split by kind (gemm, attention, elementwise: forward + backward + recompute) for
+    `--explain`. Each linear's three GEMMs (forward, input and weight gradient) are priced at their
+    own shapes (`costs.linear_s`: the size curve and wave quantization)."""
     tokens = w.microbatch_seqs * w.seq_len
     d, h, k, hd, f, tp = w.d_model, w.heads, w.kv_heads, w.head_dim, w.mlp_dim, w.tp
     up_matrices = 2 if w.gated_mlp else 1  # SwiGLU's gate and up projections
-    qkv, up = 2 * tokens * d * (h + 2 * k) * hd / tp, 2 * tokens * d * f / tp
+    # Each linear as (k, n) per tp rank: x (tokens × k) · W (k × n); the GEMMs' own shapes decide
+    # their wave quantization (`costs.linear_s`).
+    qkv, up = (d, (h + 2 * k) * hd // tp), (d, f // tp)
     if w.block == "parallel" and w.fused_block_gemms:  # one GEMM reads the shared norm's output
-        gemms = [qkv + up_matrices * up]
+        linears = [(d, qkv[1] + up_matrices * up[1])]
     else:
-        gemms = [qkv, *[up] * up_matrices]
-    gemms += [2 * tokens * h * hd * d / tp, 2 * tokens * f * d / tp]  # attention out, MLP down
-    gemm = sum(costs.matmul_s(g, gpu) for g in gemms)
+        linears = [qkv, *[up] * up_matrices]
+    linears += [(h * hd // tp, d), (f // tp, d)]  # attention out, MLP down
+    passes = [costs.linear_s(tokens, k_, n_, gpu) for k_, n_ in linears]
+    gemm = sum(p["forward"] for p in passes)
+    gemm_backward = sum(p["backward"] for p in passes)
+    gemm_input_gradient = sum(p["input_gradient"] for p in passes)
+    wave_forward = sum(p["forward_wave_loss"] for p in passes)
+    wave_backward = sum(p["backward_wave_loss"] for p in passes)
     ctx = context(w)
     heads_here = h / tp
     attention_flops = 4 * tokens * ctx * heads_here * hd  # q·kᵀ and p·v, counted over ctx keys
@@ -91,11 +101,14 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     attention += score_pass
     attention_backward += 2 * score_pass
     forward = gemm + attention + elementwise
-    backward = 2 * gemm + attention_backward + 2 * elementwise
+    backward = gemm_backward + attention_backward + 2 * elementwise
     redo = {"none": (0.0, 0.0, 0.0), "selective": (0.0, attention, 0.0),
             "full": (gemm, attention, elementwise)}[w.recompute]
+    wave = wave_forward * (2 if w.recompute == "full" else 1) + wave_backward
     return {"forward": forward, "backward": backward, "recompute": sum(redo), "gemm": gemm,
-            "kind": {"gemm": 3 * gemm + redo[0], "attention": attention + attention_backward + redo[1],
+            "gemm_backward": gemm_backward, "gemm_input_gradient": gemm_input_gradient,
+            "kind": {"gemm": gemm + gemm_backward + redo[0] - wave,
+                     "gemm wave quantization": wave, "attention": attention + attention_backward + redo[1],
                      "elementwise": 3 * elementwise + redo[2]}}
 
 
@@ -120,12 +133,18 @@ def edge_tp_s(w: Workload, gpu: Gpu) -> float:
     return (sent["head"] + sent["embedding"]) / link.bandwidth + 2 * w.microbatches * 2 * (w.tp - 1) * link.latency
 
 
+def head_wave_loss_s(w: Workload, gpu: Gpu) -> float:
+    """The part of `head_s` lost to the logits GEMMs' wave quantization."""
+    logits = costs.linear_s(w.microbatch_seqs * w.seq_len, w.d_model, w.vocab // w.tp, gpu)
+    return logits["forward_wave_loss"] + logits["backward_wave_loss"]
+
+
 def head_s(w: Workload, gpu: Gpu) -> float:
     """The LM head and loss for one microbatch on the last stage: the logits GEMM forward and its
-    two backward GEMMs, and the fp32 logits' HBM passes."""
+    two backward GEMMs (`costs.linear_s`), and the fp32 logits' HBM passes."""
     tokens = w.microbatch_seqs * w.seq_len
-    gemm = costs.matmul_s(2 * tokens * w.d_model * w.vocab / w.tp, gpu)
-    return 3 * gemm + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu)
+    logits = costs.linear_s(tokens, w.d_model, w.vocab // w.tp, gpu)
+    return logits["forward"] + logits["backward"] + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu)
 
 
 def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
@@ -171,7 +190,11 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     m, stage_layers = w.microbatches, w.layers // w.pp
     t = layer_times(w, gpu)
     tp_comm = tp_collective_s(w, gpu)
-    tp_exposed = costs.exposed_s(tp_comm, t["gemm"] * (3 if w.recompute == "full" else 2)) if w.tp_overlap else tp_comm
+    # Collective matmul fuses each tp collective with the GEMM that consumes or produces it: the
+    # forward's (and a recomputed forward's) and the backward's input-gradient GEMMs, not the
+    # weight-gradient ones, which no collective waits on.
+    gemm_here = t["gemm"] * (2 if w.recompute == "full" else 1) + t["gemm_input_gradient"]
+    tp_exposed = costs.exposed_s(tp_comm, gemm_here) if w.tp_overlap else tp_comm
     head = head_s(w, gpu)
     layer = t["forward"] + t["backward"] + t["recompute"]
     # The pipeline runs at the pace of its busiest stage: usually the last (its layers + the head)
@@ -192,7 +215,12 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}
     runs = m * stage_layers
-    parts = {**{f"compute {kind}": runs * s for kind, s in t["kind"].items()}, "compute lm head": m * head,
+    head_waves = head_wave_loss_s(w, gpu) if head else 0.0
+    kind = t["kind"]
+    parts = {"compute gemm": runs * kind["gemm"],
+             "compute gemm wave quantization": runs * kind["gemm wave quantization"] + m * head_waves,
+             "compute attention": runs * kind["attention"], "compute elementwise": runs * kind["elementwise"],
+             "compute lm head": m * (head - head_waves),
              "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp,
              "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())

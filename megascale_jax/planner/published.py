@@ -212,16 +212,18 @@ def llama3_workload(gpus: int, dp: int, per_replica: int) -> Workload:
     (gradients and optimizer states sharded, parameters gathered once: ZeRO-1-like, gathered and
     reduced chunk by chunk), no activation recomputation, one layer fewer on the first and last
     stage (126 layers as 16 stages of 8 slots, the embedding and the head in the freed slots).
+    Asynchronous pipeline sends ("we adopt asynchronous point-to-point communication in PP", §3.3.2)
+    and fp32 gradient reduce-scatter ("reduce-scatter gradients in FP32", same section).
     Not stated, chosen: one sequence per microbatch, 8 virtual stages (one layer per chunk, as the
     paper's "first chunk holds only the embedding" implies), fused attention, sequence
-    parallelism without tp overlap, blocking pipeline sends, fp32 gradient reduction."""
+    parallelism without tp overlap."""
     m = LLAMA3_405B
     return Workload(
         layers=128, d_model=m["d_model"], heads=m["heads"], kv_heads=m["kv_heads"], head_dim=m["head_dim"],
         mlp_dim=m["mlp_dim"], vocab=m["vocab"], seq_len=8192, window=None, block="serial",
         global_batch=dp * per_replica, gpus=gpus, tp=8, pp=16, virtual=8, microbatches=per_replica,
         schedule="interleaved_1f1b", recompute="none", sequence_parallel=True, zero1=True, fused_attention=True,
-        tp_overlap=False, pp_async=False, pp_split_over_tp=True, edge_on_every_stage=False, dp_overlap="chunks",
+        tp_overlap=False, pp_async=True, pp_split_over_tp=True, edge_on_every_stage=False, dp_overlap="chunks",
         activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7)
 
 
