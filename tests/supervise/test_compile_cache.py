@@ -164,6 +164,20 @@ def test_load_or_compile_loads_without_tracing_and_keys_on_what_the_program_is_m
     assert len(glob.glob(str(tmp_path / "compile_cache" / "process-0" / "f-*"))) == 2
 
 
+def test_the_key_changes_with_a_module_programs_are_made_from_not_with_the_planner(tmp_path):
+    """Editing the planner while a job runs must not make its restarts compile afresh (the ETTR
+    drill lost 12-15 s per restart to it); editing the model must."""
+    for name, text in {"model/layers.py": "width = 1\n", "planner/costs.py": "rate = 1\n", "plan.py": "x = 1\n"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    before = compile_cache.source_digest(str(tmp_path))
+    (tmp_path / "planner/costs.py").write_text("rate = 2\n")
+    (tmp_path / "plan.py").write_text("x = 2\n")
+    assert compile_cache.source_digest(str(tmp_path)) == before
+    (tmp_path / "model/layers.py").write_text("width = 2\n")
+    assert compile_cache.source_digest(str(tmp_path)) != before
+
+
 def test_an_unreadable_stored_executable_is_one_warning_and_a_recompilation(tmp_path, capsys):
     cli.setup_logging()
     x = jax.random.normal(jax.random.key(2), (5,))
