@@ -23,6 +23,9 @@ import logging
 import sys
 
 LOGGER = "megascale_jax"
+# The train CLI's exit codes besides 0 and 2 (bad input), read by the supervisor (supervise/detect.py).
+EXIT_DIVERGED = 3  # a non-finite loss, again when the step was replayed
+EXIT_UNREADABLE_CHECKPOINT = 4  # one of several processes cannot read the newest checkpoint: a restart falls back
 
 
 def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
@@ -31,8 +34,7 @@ def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 
 def user_error(message, code: int = 2) -> int:
     """Report what the user must fix as one line; returns the exit code (2: bad input; the train
-    CLI also uses 3 for a diverged run, and 1 for a checkpoint unreadable on one of several
-    processes, which a restart recovers from)."""
+    CLI also uses EXIT_DIVERGED and EXIT_UNREADABLE_CHECKPOINT)."""
     print(f"error: {message}", file=sys.stderr, flush=True)
     return code
 

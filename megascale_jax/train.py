@@ -250,10 +250,12 @@ def warn_if_the_schedule_changes(cfg: Config, run_dir: str, resume_step: int) ->
             before = int(yaml.safe_load(f)["train"]["steps"])
     except (OSError, TypeError, KeyError, ValueError, yaml.YAMLError):
         return  # no readable earlier config: nothing to compare with
+    if before == cfg.train.steps:
+        return  # the same schedule: every restart of a supervised job, which must not pay for the jax ops below
     counts = jnp.arange(resume_step, cfg.train.steps)  # the updates still to come: count n makes step n + 1
     planned, now = (learning_rate_schedule(cfg.optim, total)(counts) for total in (before, cfg.train.steps))
     differ = np.flatnonzero(~np.isclose(np.asarray(planned), np.asarray(now), rtol=1e-6, atol=0))
-    if before != cfg.train.steps and differ.size:  # not while both are still warming up
+    if differ.size:  # not while both are still warming up
         i = int(differ[0])
         logger.warning(f"train.steps {before} -> {cfg.train.steps}: the learning-rate schedule decays over "
                        f"train.steps, so it changes from step {resume_step + i + 1} on (lr {float(now[i]):.2e} "
@@ -364,9 +366,9 @@ def _main(argv) -> int:
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
         return cli.user_error(e)
     except TrainingDiverged as e:
-        return cli.user_error(e, code=3)
-    except checkpoint.CheckpointUnreadable as e:  # a fault like a crash: the restart falls back
-        return cli.user_error(e, code=1)
+        return cli.user_error(e, code=cli.EXIT_DIVERGED)
+    except checkpoint.CheckpointUnreadable as e:  # the restart falls back; no machine is to blame
+        return cli.user_error(e, code=cli.EXIT_UNREADABLE_CHECKPOINT)
     except Interrupted as e:
         if jax.process_index() == 0:
             resume = cli.resume_command("megascale_jax.train", sys.argv[1:] if argv is None else list(argv),

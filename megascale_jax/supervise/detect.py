@@ -14,6 +14,8 @@ injection, else the last sign of health):
   self-test failed is a `device` fault), non-finite again → `diverged`, below
   (`log_worker_events`).
 * diverged — exit code 3 (non-finite loss, again when replayed).
+* unreadable_checkpoint — exit code 4: a process found the newest checkpoint damaged and moved it
+  aside (training/checkpoint.py); every process falls back to the previous one on the restart.
 * config_error — exit code 2: a user mistake, or a control plane the worker refused to trust (a
   Redis password refused, a coordinator record that fails verification: cluster/rendezvous.py).
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
@@ -34,7 +36,7 @@ import time
 
 import redis
 
-from megascale_jax.cli import get_logger
+from megascale_jax.cli import EXIT_DIVERGED, EXIT_UNREADABLE_CHECKPOINT, get_logger
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.config import Config
 from megascale_jax.observe.hangs import describe_exit
@@ -44,12 +46,13 @@ from megascale_jax.supervise.events import EventLog
 log = get_logger("supervise", tag="[supervisor] ")
 
 PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see peer_exit)
-EXIT_CAUSES = {2: "config_error", 3: "diverged", -signal.SIGABRT: "aborted"}
+EXIT_CAUSES = {2: "config_error", EXIT_DIVERGED: "diverged", EXIT_UNREADABLE_CHECKPOINT: "unreadable_checkpoint",
+               -signal.SIGABRT: "aborted"}
 
 
 @dataclasses.dataclass
 class Fault:
-    cause: str  # crash | aborted | hang | stall | diverged | config_error | straggler | device
+    cause: str  # crash | aborted | hang | stall | diverged | config_error | unreadable_checkpoint | straggler | device
     rank: int | None
     detail: str
     at: float  # wall time of the fault
@@ -69,12 +72,25 @@ class Fault:
 
 def exit_fault(failed: dict[int, int], at: float, now: float) -> Fault:
     """The fault of the workers that exited non-zero (rank -> exit code), `at` the fault's time.
-    A SIGABRT is the survivors' reaction to a dead peer: the first other exit is blamed."""
-    rank = min(failed, key=lambda r: (failed[r] == -signal.SIGABRT, r))
+    A SIGABRT is the survivors' reaction to a dead peer: the first other exit is blamed, an exit
+    that names its cause (EXIT_CAUSES) before a plain crash."""
+    rank = min(failed, key=lambda r: (failed[r] == -signal.SIGABRT, failed[r] not in EXIT_CAUSES, r))
     code = failed[rank]
     others = "; ".join(f"rank {r} {describe_exit(c)}" for r, c in failed.items() if r != rank)
     detail = describe_exit(code) + (f"; also {others}" if others else "")
     return Fault(EXIT_CAUSES.get(code, "crash"), rank, detail, at, now, exit_code=code)
+
+
+def with_explained_exit(group, failed: dict[int, int]) -> dict[int, int]:
+    """`failed` (rank -> exit code), with the exits that follow within PEER_EXIT_GRACE_S when
+    every one so far is a Python exception (exit code 1): often a survivor's failed collective
+    after a peer exited with a cause of its own (an unreadable checkpoint, exit code 4), which
+    `exit_fault` then blames. A kill or an explained exit is taken at once."""
+    deadline = time.time() + PEER_EXIT_GRACE_S
+    while set(failed.values()) == {1} and len(group.exit_codes()) < len(group.processes) and time.time() < deadline:
+        time.sleep(0.05)
+        failed = {r: c for r, c in group.exit_codes().items() if c != 0}
+    return failed
 
 
 def peer_exit(group, raised: Fault, at: float) -> Fault | None:

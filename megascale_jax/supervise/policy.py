@@ -7,22 +7,25 @@ table of cases (tests/supervise/test_policy.py). The supervisor carries the deci
 
 1. No fault: training finished → `Done`.
 2. config_error (exit code 2): a user mistake, reported and never retried → `GiveUp`.
-3. The same worker exit as the fault before it, at the same step with the same error line: a
+3. unreadable_checkpoint (exit code 4): a process found the newest checkpoint damaged and moved it
+   aside; the data is at fault, not a machine → `Restart` at once, no diagnostics (each such
+   restart sets one checkpoint aside; `supervisor.max_restarts` still bounds them).
+4. The same worker exit as the fault before it, at the same step with the same error line: a
    deterministic crash (a compiler abort, a bad op), which a restart from the same checkpoint
    replays → `GiveUp`. A drill or a kill has no error line and is always retried.
-4. Otherwise diagnostics run first (`Diagnose`, then `decide` again with their verdict, `faulty`:
+5. Otherwise diagnostics run first (`Diagnose`, then `decide` again with their verdict, `faulty`:
    rank -> why). A failed device self-test, or a straggler with `supervisor.evict_stragglers`,
    blames its own rank whatever diagnostics say.
-5. diverged (non-finite loss, again when the workers replayed the step) with no rank blamed:
+6. diverged (non-finite loss, again when the workers replayed the step) with no rank blamed:
    restarting replays the same data bitwise, so it only helps when a device is to blame → `GiveUp`
    with the fix.
-6. `supervisor.max_restarts` restarts done → `GiveUp`.
-7. Ranks blamed: their slots are excluded for the rest of the job (placement.py). Enough spares:
+7. `supervisor.max_restarts` restarts done → `GiveUp`.
+8. Ranks blamed: their slots are excluded for the rest of the job (placement.py). Enough spares:
    they take the ranks → `Spare`. Too few: `supervisor.on_no_spare=shrink` resumes on fewer
    data-parallel replicas → `Shrink` (placement.shrunk; spares still take what ranks they can),
    unless no smaller shape fits; that, or `on_no_spare=stop` → `GiveUp`, the slots excluded even
    so (a requeued job must avoid them too).
-8. Otherwise → `Restart` on the same slots.
+9. Otherwise → `Restart` on the same slots.
 
 A restart resumes from the newest checkpoint or memory snapshot; when that is already the final
 step there is nothing to redo and the supervisor ends with `done` (it reads the checkpoints;
@@ -101,6 +104,10 @@ def decide(fault: Fault | None, previous: Fault | None, restarts: int, cfg: Conf
         return Done(f"training finished after {restarts} restart(s)")
     if fault.cause == "config_error":
         return GiveUp("a worker rejected the config or data (see its log); not retried")
+    if fault.cause == "unreadable_checkpoint":
+        if restarts >= sv.max_restarts:
+            return GiveUp(f"supervisor.max_restarts={sv.max_restarts} exhausted")
+        return Restart()
     if repeated_crash(previous, fault):
         return GiveUp(f"the same {fault.cause} twice at step {fault.step} ({fault.error}); "
                       "it is deterministic, a restart would repeat it")

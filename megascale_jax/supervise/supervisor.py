@@ -32,7 +32,7 @@ from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise import diagnose, policy
 from megascale_jax.supervise.detect import (Fault, HeartbeatMonitor, StragglerWatch, exit_fault, log_worker_events,
-                                            peer_exit)
+                                            peer_exit, with_explained_exit)
 from megascale_jax.supervise.drills import Drill, Drills
 from megascale_jax.supervise.events import EventLog
 from megascale_jax.supervise.placement import Placement, Shape
@@ -112,7 +112,10 @@ class Supervisor:
     def run(self) -> int:
         """0 when training finished, 1 when the driver gave up (report printed), 128 + signal when
         stopped by a signal."""
-        self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs + self.job.spares)
+        # Warm processes for the first attempt's ranks only; the spares' are started with the
+        # refills, once training runs: 7 processes importing jax at launch on this 2-core machine
+        # (4 ranks + 3 spares) delayed the first step by the spares' imports.
+        self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs)
         # Warm diagnostics processes for the active slots, started once training runs (refill):
         # at launch they would take the CPU from the workers' own start-up. The module's main(argv)
         # runs one diagnostics worker, its warm_up() does the imports.
@@ -212,7 +215,8 @@ class Supervisor:
         if failed:
             if monitor.poll(now):  # what they said before exiting (e.g. nan_triage: diverged)
                 log_worker_events(monitor, self.events)
-            return exit_fault(failed, self.drill_at or attempt.alive_at, now)
+            failed = with_explained_exit(attempt.group, failed)
+            return exit_fault(failed, self.drill_at or attempt.alive_at, time.time())
         if monitor.poll(now):  # their last beats: a short attempt's only sign of a step
             self._log_start(attempt, now)
         return None
@@ -400,7 +404,7 @@ class Supervisor:
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
         held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
             if cfg.checkpoint.memory_every else []
-        if held and (not steps or held[-1] > steps[-1]):
+        if held and (not steps or held[-1] >= steps[-1]):  # as new as the checkpoint: RAM, not disk
             return held[-1], "memory snapshot"
         if steps:
             return steps[-1], "checkpoint"

@@ -55,12 +55,13 @@ class Saves:
     # ---- the start
     def restore(self, abstract_state: Any, clock) -> tuple[Any, int, int, str] | None:
         """The newest saved state, as `(state in stored order?, step, data index, source)`, or None.
-        A memory snapshot is used when newer than the newest checkpoint; snapshots after the
-        step restored are dropped (a later run would otherwise find them)."""
+        A memory snapshot is used when at least as new as the newest checkpoint (RAM, or a peer's
+        copy, rather than a disk read); snapshots after the step restored are dropped (a later run
+        would otherwise find them)."""
         restored, source = None, None
         if self.snapshots:
             committed = run_dirs.committed_steps(self.ckpt.directory) if self.ckpt else []
-            restored = self.snapshots.restore(abstract_state, newer_than=committed[-1] if committed else 0)
+            restored = self.snapshots.restore(abstract_state, newer_than=committed[-1] - 1 if committed else 0)
             source = "memory snapshot" if restored is not None else None
             clock.lap("snapshot_restore")
         if self.ckpt and not restored:
@@ -99,8 +100,7 @@ class Saves:
         self.recorder.restart_clock()
 
     def snapshot(self, step: int, state) -> None:
-        if step == self.saved_step:
-            return  # just checkpointed
+        # Also at a checkpoint's step: a restart then reads RAM (or a peer's copy), not the disk.
         self.recorder.flush()
         wall = time.time()
         block_s = self.snapshots.save(step, state, self.data_state(step)["next_index"])

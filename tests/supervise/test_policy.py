@@ -55,6 +55,14 @@ CASES = [
     ("crash-last-restart-left", crash(), None, 2, [], slots(), {}, Restart()),
     ("hang-restarts", fault("hang", 0), None, 1, [], slots(), {}, Restart()),
     ("stall-restarts", fault("stall", 1), None, 0, [], slots(), {}, Restart()),
+    # unreadable_checkpoint: the data is at fault, not a machine: restarted at once, not diagnosed,
+    # even at the same step with the same error line as before (each attempt moved one checkpoint aside).
+    ("unreadable-checkpoint-restarts", crash(code=4, cause="unreadable_checkpoint", error="error: checkpoint step 16"),
+     None, 0, [], slots(), None, Restart()),
+    ("unreadable-checkpoint-again", crash(code=4, cause="unreadable_checkpoint", error="error: checkpoint step 16"),
+     crash(code=4, cause="unreadable_checkpoint", error="error: checkpoint step 16"), 1, [], slots(), None, Restart()),
+    ("unreadable-checkpoint-max-restarts", crash(code=4, cause="unreadable_checkpoint"), None, 3, [], slots(), None,
+     GiveUp("supervisor.max_restarts=3 exhausted")),
     # config_error: a user mistake, never retried, never diagnosed.
     ("config-error", crash(code=2, cause="config_error"), None, 0, [], slots(), None, GiveUp(CONFIG_ERROR)),
     ("config-error-diagnosed-anyway", crash(code=2, cause="config_error"), None, 0, [], slots(1), {1: "bad"},
@@ -142,3 +150,32 @@ def test_the_verdict_passed_in_is_not_changed():
     assert decide(fault("device", 0, "self-test failed"), None, 0, cfg(), slots(1), faulty=verdict) \
         == Spare({0: "self-test failed"})
     assert verdict == {}
+
+
+# ------------------------------------------------ which exit is the fault (supervise/detect.py)
+
+def test_an_exit_that_names_its_cause_is_blamed_before_a_plain_crash_and_an_abort():
+    from megascale_jax.supervise.detect import exit_fault
+    fault = exit_fault({0: 1, 1: 4, 2: -signal.SIGABRT}, at=1.0, now=1.5)
+    assert (fault.rank, fault.cause, fault.exit_code) == (1, "unreadable_checkpoint", 4)
+    fault = exit_fault({0: -signal.SIGABRT, 3: 1}, at=1.0, now=1.5)
+    assert (fault.rank, fault.cause) == (3, "crash")
+
+
+class ExitingGroup:
+    """A WorkerGroup stand-in whose workers exit on a schedule: exit_codes() is called repeatedly."""
+
+    def __init__(self, nprocs, schedule):
+        self.processes, self.schedule, self.calls = [None] * nprocs, schedule, 0
+
+    def exit_codes(self):
+        self.calls += 1
+        return next(codes for after, codes in reversed(self.schedule) if self.calls >= after)
+
+
+def test_a_python_exception_waits_briefly_for_the_peer_exit_that_explains_it_a_kill_does_not():
+    from megascale_jax.supervise.detect import with_explained_exit
+    later = ExitingGroup(3, [(0, {0: 1}), (3, {0: 1, 1: 4})])  # rank 1's exit 4 is seen on the 3rd look
+    assert with_explained_exit(later, {0: 1}) == {0: 1, 1: 4}
+    killed = ExitingGroup(3, [(0, {0: -signal.SIGKILL})])
+    assert with_explained_exit(killed, {0: -signal.SIGKILL}) == {0: -signal.SIGKILL} and killed.calls <= 1

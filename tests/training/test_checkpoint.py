@@ -501,9 +501,9 @@ def test_a_run_with_background_host_copies_trains_and_saves_what_the_reference_d
     result = run_cli(run_dir, [*TINY, *DP8, "checkpoint.background_host_copy=true", "checkpoint.memory_every=3"])
     assert result.returncode == 0, result.stderr[-3000:]
     # Memory snapshots take the same path (a device copy, the host copy on their writer thread):
-    # every 3rd step but the checkpoints' (15).
+    # every 3rd step, the checkpoints' (15) included.
     snapshots = run_dirs.read_jsonl(run_dirs.snapshots_path(str(run_dir)))
-    assert [s["step"] for s in snapshots] == [3, 6, 9, 12, 18], snapshots
+    assert [s["step"] for s in snapshots] == [3, 6, 9, 12, 15, 18], snapshots
     assert [(r["loss"], r["grad_norm"]) for r in records(run_dir)] == \
         [(r["loss"], r["grad_norm"]) for r in records(reference)]
     saves = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
