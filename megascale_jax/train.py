@@ -64,6 +64,9 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
     except TrainingDiverged:
         watch.state("diverged", -1)  # the supervisor does not retry it on healthy devices
         raise
+    except checkpoint.CheckpointUnreadable:
+        watch.state("unreadable_checkpoint", -1)  # said before the exit (4), which may wait on JAX's shutdown
+        raise
     except Interrupted as e:
         watch.state("interrupted", e.step)  # asked to stop: not a fault
         raise

@@ -47,7 +47,7 @@ class Heartbeat(LoopObserver):
     # ------------------------------------------------------------------ loop hooks (train thread)
 
     def state(self, state, step):
-        # "failed"/"diverged" come with step -1 (unknown): keep the last step known.
+        # "failed"/"diverged"/"unreadable_checkpoint" come with step -1 (unknown): keep the last step known.
         self.loop.update(state=state, step=step if step >= 0 else self.loop["step"])
         self.wake.set()  # a state change is news: send it now, not at the next tick
 

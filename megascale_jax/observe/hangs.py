@@ -59,7 +59,7 @@ def rank_states(t: Timings, now: float, hang_after: float) -> list[RankState]:
         last = mine[np.argmax(ends[mine])]
         arrivals = [(int(t.step[i]), t.phase[i]) for i in mine if t.phase[i] in ARRIVAL_STAGES]
         seen = set(t.phase[mine])
-        ended_by_error = {STATE_PREFIX + "failed", STATE_PREFIX + "diverged"} & seen
+        ended_by_error = {STATE_PREFIX + s for s in ("failed", "diverged", "unreadable_checkpoint")} & seen
         status = ("done" if STATE_PREFIX + "done" in seen else "failed" if ended_by_error else
                   "interrupted" if STATE_PREFIX + "interrupted" in seen else "running")  # SIGINT/SIGTERM, saved
         states.append(RankState(p, hosts.get(p, "?"), status,

@@ -93,14 +93,25 @@ def with_explained_exit(group, failed: dict[int, int]) -> dict[int, int]:
     return failed
 
 
+def await_exit(group, rank: int) -> int | None:
+    """`rank`'s exit code once it exits, waiting up to PEER_EXIT_GRACE_S; None if it has not."""
+    deadline = time.time() + PEER_EXIT_GRACE_S
+    while (code := group.exit_codes().get(rank)) is None and time.time() < deadline:
+        time.sleep(0.05)
+    return code
+
+
 def peer_exit(group, raised: Fault, at: float) -> Fault | None:
     """A rank whose loop raised (heartbeat `failed`) is often a survivor of a peer that died:
     the peer's broken connections make its collectives fail, and its heartbeat can arrive
     before the dead peer's exit is reaped. The peer that exited within PEER_EXIT_GRACE_S is
-    the fault (`at` its time); None if none did. `group`: a workers.WorkerGroup."""
+    the fault (`at` its time) — or the raised rank itself when its exit names the cause
+    (EXIT_CAUSES: an unreadable checkpoint, a divergence); None if neither. `group`: a
+    workers.WorkerGroup."""
     deadline = time.time() + PEER_EXIT_GRACE_S
     while True:
-        failed = {r: c for r, c in group.exit_codes().items() if c != 0 and r != raised.rank}
+        failed = {r: c for r, c in group.exit_codes().items()
+                  if c != 0 and (r != raised.rank or c in EXIT_CAUSES)}
         if failed or time.time() >= deadline:
             return exit_fault(failed, at, time.time()) if failed else None
         time.sleep(0.05)
@@ -261,6 +272,9 @@ class HeartbeatMonitor:
             state = self.records.get(rank, {}).get("state")
             if state == "diverged":  # said before the exit, which may wait on JAX's shutdown
                 return Fault("diverged", rank, "non-finite loss or gradient norm (see its log)", self.arrived[rank], now)
+            if state == "unreadable_checkpoint":  # as its exit code 4 says, which may come later
+                return Fault("unreadable_checkpoint", rank, "the newest checkpoint is unreadable (see its log)",
+                             self.arrived[rank], now)
             if state == "failed":  # its exception is in its log; the exit may wait on JAX's shutdown
                 return Fault("crash", rank, "the training loop raised (see its log)", self.arrived[rank], now)
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang

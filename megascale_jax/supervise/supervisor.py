@@ -32,7 +32,7 @@ from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise import diagnose, policy
 from megascale_jax.supervise.detect import (Fault, HeartbeatMonitor, StragglerWatch, exit_fault, log_worker_events,
-                                            peer_exit, with_explained_exit)
+                                            await_exit, peer_exit, with_explained_exit)
 from megascale_jax.supervise.drills import Drill, Drills
 from megascale_jax.supervise.events import EventLog
 from megascale_jax.supervise.placement import Placement, Shape
@@ -242,6 +242,9 @@ class Supervisor:
                  or self._check_stragglers(now))
         if fault and fault.cause == "crash" and fault.exit_code is None:
             fault = self._peer_exit(attempt.group, fault, attempt.alive_at) or fault
+        if fault and fault.cause == "unreadable_checkpoint" and fault.exit_code is None:
+            # Said by its heartbeat; its error line (which checkpoint, why) is printed on its way out.
+            fault.exit_code = await_exit(attempt.group, fault.rank)
         if fault and self.drill_at:
             fault.at = self.drill_at
         return fault

@@ -17,7 +17,7 @@ class LoopObserver:
 
     def state(self, state: str, step: int) -> None:
         """The loop entered `state` (initialising, compiling, training, checkpointing, evaluating,
-        done, diverged, failed); `step` = updates finished so far (-1 when it ended by an error)."""
+        done, diverged, unreadable_checkpoint, failed); `step` = updates finished so far (-1 when it ended by an error)."""
 
     def phase(self, step: int, name: str, start: float, duration: float) -> None:
         """Phase `name` of step `step` (data_wait, dispatch, step, checkpoint, eval) ran from

@@ -179,3 +179,21 @@ def test_a_python_exception_waits_briefly_for_the_peer_exit_that_explains_it_a_k
     assert with_explained_exit(later, {0: 1}) == {0: 1, 1: 4}
     killed = ExitingGroup(3, [(0, {0: -signal.SIGKILL})])
     assert with_explained_exit(killed, {0: -signal.SIGKILL}) == {0: -signal.SIGKILL} and killed.calls <= 1
+
+
+def test_a_raised_loop_is_the_exit_that_names_its_cause_when_its_own_process_says_it():
+    """A worker whose loop raised beats `failed` before it exits; when its own exit names the cause
+    (4: an unreadable checkpoint), that is the fault; its plain exit 1 is not (a peer is waited for)."""
+    from megascale_jax.supervise.detect import Fault, peer_exit
+    raised = Fault("crash", 1, "the training loop raised (see its log)", at=1.0, detected=1.2)
+    own = ExitingGroup(2, [(0, {}), (2, {1: 4})])
+    fault = peer_exit(own, raised, at=1.0)
+    assert (fault.rank, fault.cause, fault.exit_code) == (1, "unreadable_checkpoint", 4)
+    plain = ExitingGroup(2, [(0, {1: 1})])
+    assert peer_exit(plain, raised, at=1.0) is None  # after the 1 s grace: no peer exited
+
+
+def test_a_rank_that_said_its_checkpoint_is_unreadable_is_awaited_for_its_exit():
+    from megascale_jax.supervise.detect import await_exit
+    assert await_exit(ExitingGroup(2, [(0, {}), (3, {1: 4})]), 1) == 4
+    assert await_exit(ExitingGroup(2, [(0, {0: 0})]), 1) is None  # still running after the grace
