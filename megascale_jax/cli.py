@@ -23,7 +23,8 @@ import logging
 import sys
 
 LOGGER = "megascale_jax"
-# The train CLI's exit codes besides 0 and 2 (bad input), read by the supervisor (supervise/detect.py).
+# Exit codes besides 0, read by the supervisor (supervise/detect.py).
+EXIT_CONFIG_ERROR = 2  # bad input: every CLI's user_error
 EXIT_DIVERGED = 3  # a non-finite loss, again when the step was replayed
 EXIT_UNREADABLE_CHECKPOINT = 4  # one of several processes cannot read the newest checkpoint: a restart falls back
 
@@ -32,7 +33,7 @@ def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     return parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
 
 
-def user_error(message, code: int = 2) -> int:
+def user_error(message, code: int = EXIT_CONFIG_ERROR) -> int:
     """Report what the user must fix as one line; returns the exit code (2: bad input; the train
     CLI also uses EXIT_DIVERGED and EXIT_UNREADABLE_CHECKPOINT)."""
     print(f"error: {message}", file=sys.stderr, flush=True)

@@ -33,10 +33,11 @@ import json
 import signal
 import statistics
 import time
+from typing import Callable
 
 import redis
 
-from megascale_jax.cli import EXIT_DIVERGED, EXIT_UNREADABLE_CHECKPOINT, get_logger
+from megascale_jax.cli import EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_UNREADABLE_CHECKPOINT, get_logger
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.config import Config
 from megascale_jax.observe.hangs import describe_exit
@@ -46,7 +47,7 @@ from megascale_jax.supervise.events import EventLog
 log = get_logger("supervise", tag="[supervisor] ")
 
 PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see peer_exit)
-EXIT_CAUSES = {2: "config_error", EXIT_DIVERGED: "diverged", EXIT_UNREADABLE_CHECKPOINT: "unreadable_checkpoint",
+EXIT_CAUSES = {EXIT_CONFIG_ERROR: "config_error", EXIT_DIVERGED: "diverged", EXIT_UNREADABLE_CHECKPOINT: "unreadable_checkpoint",
                -signal.SIGABRT: "aborted"}
 
 
@@ -81,24 +82,30 @@ def exit_fault(failed: dict[int, int], at: float, now: float) -> Fault:
     return Fault(EXIT_CAUSES.get(code, "crash"), rank, detail, at, now, exit_code=code)
 
 
+def _exits_within_grace(group, enough: Callable[[dict[int, int]], bool]) -> dict[int, int]:
+    """The workers' exit codes so far (rank -> code) once `enough` of them are seen, waiting up to
+    PEER_EXIT_GRACE_S. `group`: a workers.WorkerGroup."""
+    deadline = time.time() + PEER_EXIT_GRACE_S
+    while not enough(codes := group.exit_codes()) and time.time() < deadline:
+        time.sleep(0.05)
+    return codes
+
+
 def with_explained_exit(group, failed: dict[int, int]) -> dict[int, int]:
     """`failed` (rank -> exit code), with the exits that follow within PEER_EXIT_GRACE_S when
     every one so far is a Python exception (exit code 1): often a survivor's failed collective
     after a peer exited with a cause of its own (an unreadable checkpoint, exit code 4), which
     `exit_fault` then blames. A kill or an explained exit is taken at once."""
-    deadline = time.time() + PEER_EXIT_GRACE_S
-    while set(failed.values()) == {1} and len(group.exit_codes()) < len(group.processes) and time.time() < deadline:
-        time.sleep(0.05)
-        failed = {r: c for r, c in group.exit_codes().items() if c != 0}
-    return failed
+    if set(failed.values()) != {1}:
+        return failed
+    codes = _exits_within_grace(group, lambda codes: len(codes) == len(group.processes)
+                                or any(c not in (0, 1) for c in codes.values()))
+    return {r: c for r, c in codes.items() if c != 0}
 
 
 def await_exit(group, rank: int) -> int | None:
     """`rank`'s exit code once it exits, waiting up to PEER_EXIT_GRACE_S; None if it has not."""
-    deadline = time.time() + PEER_EXIT_GRACE_S
-    while (code := group.exit_codes().get(rank)) is None and time.time() < deadline:
-        time.sleep(0.05)
-    return code
+    return _exits_within_grace(group, lambda codes: rank in codes).get(rank)
 
 
 def peer_exit(group, raised: Fault, at: float) -> Fault | None:
@@ -108,13 +115,10 @@ def peer_exit(group, raised: Fault, at: float) -> Fault | None:
     the fault (`at` its time) — or the raised rank itself when its exit names the cause
     (EXIT_CAUSES: an unreadable checkpoint, a divergence); None if neither. `group`: a
     workers.WorkerGroup."""
-    deadline = time.time() + PEER_EXIT_GRACE_S
-    while True:
-        failed = {r: c for r, c in group.exit_codes().items()
-                  if c != 0 and (r != raised.rank or c in EXIT_CAUSES)}
-        if failed or time.time() >= deadline:
-            return exit_fault(failed, at, time.time()) if failed else None
-        time.sleep(0.05)
+    def blamable(codes):
+        return {r: c for r, c in codes.items() if c != 0 and (r != raised.rank or c in EXIT_CAUSES)}
+    failed = blamable(_exits_within_grace(group, lambda codes: bool(blamable(codes))))
+    return exit_fault(failed, at, time.time()) if failed else None
 
 
 # ============================================================================ heartbeats
@@ -136,6 +140,10 @@ def parse_heartbeat(raw: bytes, rank: int) -> dict | str:
     return record
 
 
+# A worker's last state, said before its exit (which may wait on JAX's shutdown): the fault it names.
+ENDED_BY = {"diverged": ("diverged", "non-finite loss or gradient norm (see its log)"),
+            "unreadable_checkpoint": ("unreadable_checkpoint", "the newest checkpoint is unreadable (see its log)"),
+            "failed": ("crash", "the training loop raised (see its log)")}  # its exception is in its log
 STARTUP_STATES = ("initialising", "compiling")  # bounded by the startup timeout, not the hang timeout
 START_PHASES = (*STARTUP_STATES, "training")  # in order; the `started` and `resumed` events time them
 RECENT_STEPS = 10  # the step times a stall is judged against (supervisor.stall_steps)
@@ -270,13 +278,9 @@ class HeartbeatMonitor:
                 continue
             running.append(rank)
             state = self.records.get(rank, {}).get("state")
-            if state == "diverged":  # said before the exit, which may wait on JAX's shutdown
-                return Fault("diverged", rank, "non-finite loss or gradient norm (see its log)", self.arrived[rank], now)
-            if state == "unreadable_checkpoint":  # as its exit code 4 says, which may come later
-                return Fault("unreadable_checkpoint", rank, "the newest checkpoint is unreadable (see its log)",
-                             self.arrived[rank], now)
-            if state == "failed":  # its exception is in its log; the exit may wait on JAX's shutdown
-                return Fault("crash", rank, "the training loop raised (see its log)", self.arrived[rank], now)
+            if state in ENDED_BY:
+                cause, detail = ENDED_BY[state]
+                return Fault(cause, rank, detail, self.arrived[rank], now)
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang
                 continue
             if rank not in self.arrived:
