@@ -66,12 +66,27 @@ def step_windows(steps: np.ndarray, window: int) -> list[np.ndarray]:
     return [index == i for i in np.unique(index)]
 
 
-def window_lateness(t: Timings, offsets: np.ndarray, window: int) -> list[dict]:
-    """Per step window: its steps, the median step time, and each rank's median lateness fraction."""
+def trailing_windows(steps: np.ndarray, window: int) -> list[np.ndarray]:
+    """The first window (warm-up, never judged) and the last `window` steps, once they are past it.
+
+    What the supervisor judges: a rank that turns slow is flagged once it was late at most of the
+    last `window` steps, wherever the slow-down began. Fixed windows wait for the end of the
+    window holding the majority of late steps: on average 10.5 late steps for a window of 10,
+    against 6 here."""
+    blocks = step_windows(steps, window)
+    if not blocks:
+        return []
+    last = steps > steps.max() - window
+    return [blocks[0]] + ([last] if steps[last].min() > steps[blocks[0]].max() else [])
+
+
+def window_lateness(t: Timings, offsets: np.ndarray, window: int, trailing: bool = False) -> list[dict]:
+    """Per step window (consecutive ones; with `trailing`, the first and the last `window` steps):
+    its steps, the median step time, and each rank's median lateness fraction."""
     lateness, steps = arrival_lateness(t, offsets)
     durations, duration_steps = t.matrix("step", t.duration)
     out = []
-    for mask in step_windows(steps, window):
+    for mask in (trailing_windows if trailing else step_windows)(steps, window):
         in_window = np.isin(duration_steps, steps[mask])
         step_time = float(_nanmedian(durations[:, in_window], axis=None))
         out.append({"first_step": int(steps[mask][0]), "last_step": int(steps[mask][-1]),
@@ -80,11 +95,13 @@ def window_lateness(t: Timings, offsets: np.ndarray, window: int) -> list[dict]:
     return out
 
 
-def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int = 20) -> list[dict]:
+def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int = 20,
+                    trailing: bool = False) -> list[dict]:
     """Ranks (processes) whose median arrival lateness over a step window is ≥ `threshold` of
-    the step time: one dict per (rank, window), oldest window first. For the supervisor."""
+    the step time: one dict per (rank, window), oldest window first; with `trailing`, over the
+    last `window` steps only (the supervisor's live check)."""
     t = read_timings(run_dir) if isinstance(run_dir, str) else run_dir
-    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window), threshold)
+    return flag_stragglers(t, window_lateness(t, clock_offsets(t), window, trailing), threshold)
 
 
 def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:

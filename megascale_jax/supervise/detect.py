@@ -19,8 +19,9 @@ injection, else the last sign of health):
 * config_error — exit code 2: a user mistake, or a control plane the worker refused to trust (a
   Redis password refused, a coordinator record that fails verification: cluster/rendezvous.py).
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
-  the workers' phase timings (`stragglers.find_stragglers`) and logs each newly flagged
-  (rank, step window) as a `straggler` event, and each device that computes slowly in profiled
+  the last `observe.straggler_window` steps of the workers' phase timings
+  (`stragglers.find_stragglers(trailing=True)`) and logs each newly flagged rank as a `straggler`
+  event (once per window of steps), and each device that computes slowly in profiled
   steps (`observe.profile_every`, `stragglers.flag_slow_devices`) as a `slow_device` event;
   with `supervisor.evict_stragglers=true` the first of them is also a fault (`StragglerWatch`).
 What is done about a fault is policy.py's decision; this module only names it (`Fault`).
@@ -350,12 +351,13 @@ def log_worker_events(monitor: HeartbeatMonitor, events: EventLog) -> Fault | No
 
 
 class StragglerWatch:
-    """The periodic straggler check over the run's phase timings, and what it already logged:
-    each flagged (rank, step window) and each slow device is one event, once per job."""
+    """The periodic straggler check over the last `observe.straggler_window` steps of the run's
+    phase timings, and what it already logged: a flagged rank is one event per window of steps,
+    each slow device one event per job."""
 
     def __init__(self, cfg: Config, run_dir: str, events: EventLog):
         self.cfg, self.run_dir, self.events = cfg, run_dir, events
-        self.stragglers_seen: set[tuple] = set()  # (rank, first_step, last_step) already logged
+        self.flagged_until: dict[int, int] = {}  # rank -> the last step of its last logged window
         self.slow_devices_seen: set[int] = set()  # device ids already logged
         self.checked_at = 0.0
 
@@ -370,16 +372,19 @@ class StragglerWatch:
 
         try:
             t = read_timings(self.run_dir, since=since)
-            flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window)
+            flagged = stragglers.find_stragglers(t, observe.straggler_threshold, observe.straggler_window,
+                                                 trailing=True)
             slow = stragglers.flag_slow_devices(t, observe.straggler_threshold)
         except (OSError, ValueError) as e:  # timings not written yet, or a torn row
             log.warning(f"warning: straggler check skipped: {e}")
             return None
         complete = [f for f in flagged if f["last_step"] - f["first_step"] + 1 == observe.straggler_window]
-        new = [f for f in complete if (f["rank"], f["first_step"], f["last_step"]) not in self.stragglers_seen]
+        # A trailing window moves with every check: a rank late for long is logged once per
+        # window of steps (windows that do not overlap the one logged), not at every check.
+        new = [f for f in complete if f["first_step"] > self.flagged_until.get(f["rank"], 0)]
         faults = []
         for f in new:
-            self.stragglers_seen.add((f["rank"], f["first_step"], f["last_step"]))
+            self.flagged_until[f["rank"]] = f["last_step"]
             self.events.log("straggler", f"rank {f['rank']} on {f['host']} arrived {f['lateness']:.0%} of a step "
                             f"late over steps {f['first_step']}-{f['last_step']}", **f)
             faults.append(Fault("straggler", f["rank"], f"{f['lateness']:.0%} of a step late over steps "

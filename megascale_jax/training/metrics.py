@@ -90,6 +90,10 @@ class MetricsRecorder:
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
                   "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * tokens_per_s,
                   "data_wait_s": data_wait}
+        # The next step's clock starts when this one was seen finished, not once its record is
+        # written: the next step is already running on the devices meanwhile (it was dispatched
+        # before this fetch), so writing the record is inside it, not between steps.
+        self.last_finish = now
         if params is not None:  # left out of the step time: the clock restarts after it
             self.watch.state("evaluating", step)
             t_eval = time.time()
@@ -98,4 +102,5 @@ class MetricsRecorder:
             self.watch.state("training", step)
         self.watch.record(record)
         self.on_record(record)
-        self.last_finish = time.perf_counter()
+        if params is not None:
+            self.last_finish = time.perf_counter()

@@ -85,6 +85,30 @@ def test_a_rank_is_flagged_only_in_the_windows_where_it_is_late(tmp_path):
     assert [(s["rank"], s["first_step"]) for s in flagged] == [(0, 21), (0, 31)]
 
 
+def test_a_trailing_window_flags_a_rank_turning_slow_after_six_late_steps(tmp_path):
+    """Rank 1 turns 30% of a step late from step 27 on (threshold 20%). Fixed windows see 4 late
+    steps of 10 in 21-30 and must wait for 31-40 to end; the supervisor's trailing window (the
+    last 10 steps) flags it as soon as 6 of them are late: when the run reaches step 32."""
+    for upto, expected in [(31, []), (32, [(1, 23, 32)]), (35, [(1, 26, 35)])]:
+        run = tmp_path / str(upto)
+        write_synthetic_run(run, [0.0, 0.3, -0.2], lambda p, k: 0.3 * (p == 1 and k >= 27), steps=upto)
+        flagged = stragglers.find_stragglers(str(run), threshold=0.2, window=10, trailing=True)
+        assert [(s["rank"], s["first_step"], s["last_step"]) for s in flagged] == expected
+        fixed = stragglers.find_stragglers(str(run), threshold=0.2, window=10)
+        assert [s for s in fixed if s["last_step"] - s["first_step"] == 9] == []  # no whole fixed window yet
+
+
+def test_the_trailing_window_never_judges_the_warm_up_window(tmp_path):
+    """A rank late from the first step: the first 10 steps are warm-up, so the trailing window is
+    judged only once it lies wholly after them (steps 11-20)."""
+    for upto, expected in [(19, []), (20, [(11, 20)])]:
+        run = tmp_path / str(upto)
+        write_synthetic_run(run, [0.0, 0.0, 0.0], lambda p, k: 0.3 * (p == 2), steps=upto)
+        flagged = stragglers.find_stragglers(str(run), threshold=0.05, window=10, trailing=True)
+        assert [(s["first_step"], s["last_step"]) for s in flagged] == expected
+        assert {s["rank"] for s in flagged} <= {2}
+
+
 def test_events_are_appended_once_and_a_torn_row_is_skipped(tmp_path):
     write_synthetic_run(tmp_path, [0.0, 0.0, 0.0], lambda p, k: 0.3 * (p == 1))
     with open(os.path.join(timings.timings_dir(tmp_path), "process-1.csv"), "a") as f:
@@ -469,3 +493,22 @@ def test_a_heat_map_without_data_for_a_panel_leaves_that_panel_out(tmp_path, mon
     figures = _report_figures(tmp_path, monkeypatch)
     assert [ax.get_title() for ax in check_figure("heatmap", figures["heatmap.png"])] == ["step time"]
     assert [ax.get_title() for ax in check_figure("device heatmap", figures["device_heatmap.png"])] == ["compute"]
+
+
+def test_the_supervisors_straggler_check_logs_a_late_rank_once_per_window_of_steps(tmp_path):
+    """The driver checks the trailing window every `straggler_check_s`: rank 1, late from step 27
+    to the end (45), is logged at step 32 and again only once the window has moved past the one
+    logged (steps 33-42), not at every check; with evict_stragglers the first is a fault."""
+    from megascale_jax.config import load_config
+    from megascale_jax.supervise.detect import StragglerWatch
+    from megascale_jax.supervise.events import EventLog
+
+    cfg = load_config(None, ["observe.straggler_window=10", "observe.straggler_threshold=0.2",
+                             "supervisor.straggler_check_s=1", "supervisor.evict_stragglers=true"])
+    watch, faults = StragglerWatch(cfg, str(tmp_path), EventLog(str(tmp_path))), []
+    for n, upto in enumerate(range(30, 46)):  # one check per step the run reached
+        write_synthetic_run(tmp_path, [0.0, 0.3, -0.2], lambda p, k: 0.3 * (p == 1 and k >= 27), steps=upto)
+        faults.append(watch.check(now=10.0 * (n + 1), since=0.0))
+    logged = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert [(e["rank"], e["first_step"], e["last_step"]) for e in logged] == [(1, 23, 32), (1, 33, 42)]
+    assert [f.rank for f in faults if f] == [1, 1] and faults.index(next(f for f in faults if f)) == 2

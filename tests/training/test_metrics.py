@@ -1,6 +1,7 @@
 """The metrics recorder: one step late, flushed on demand, divergence named by step."""
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from megascale_jax.training.metrics import MetricsRecorder, TrainingDiverged, itstime
@@ -81,3 +82,33 @@ def test_a_non_finite_loss_names_its_step():
 @pytest.mark.parametrize("every, expected", [(0, [10]), (3, [3, 6, 9, 10]), (5, [5, 10])])
 def test_cadence_every_n_steps_and_at_the_last(every, expected):
     assert [s for s in range(1, 11) if itstime(s, every, last=10)] == expected
+
+
+
+def test_step_times_add_up_to_the_wall_when_writing_a_record_takes_time(monkeypatch):
+    """Finish-to-finish: the host writing step k's record (0.03 s here) while step k + 1 runs is
+    in step k + 1's time, so the step times of a run with no evaluation or save add up to its
+    wall; an evaluation's time is still left out."""
+    from megascale_jax.training import metrics as metrics_module
+    clock = {"now": 0.0}
+    monkeypatch.setattr(metrics_module.time, "perf_counter", lambda: clock["now"])
+    records = []
+
+    def write(record):  # on_record: metrics.jsonl, the log line, the progress bar
+        records.append(record)
+        clock["now"] += 0.03
+
+    recorder = MetricsRecorder(1024, None, "lower optim.lr", LoopObserver(), lambda params: 1.0, write)
+    recorder.restart_clock()
+    rng = np.random.default_rng(0)
+    for step in range(1, 10):
+        clock["now"] += float(rng.uniform(0.05, 0.2))  # until step - 1 is seen finished
+        recorder.push(step, metrics(5.0), 0.0)
+    clock["now"] += 0.1
+    recorder.flush(params="params")  # step 9, evaluated: the evaluation and its record are left out
+    wall_to_step_9 = clock["now"] - 0.03
+    clock["now"] += 0.5
+    recorder.push(10, metrics(4.0), 0.0)
+    recorder.flush()
+    assert sum(r["step_time_s"] for r in records[:9]) == pytest.approx(wall_to_step_9)
+    assert records[9]["step_time_s"] == pytest.approx(0.5)
