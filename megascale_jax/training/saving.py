@@ -34,10 +34,11 @@ class Saves:
         self.run_dir, self.is_main = run_dir, jax.process_index() == 0
         self.ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=warn) \
             if cfg.checkpoint.every else None
-        self.to_canonical = to_canonical
+        self.to_canonical, self.permutes = to_canonical, layout.permutes(cfg)
+        self.checkpoint_copy: tuple | None = None  # (step, the checkpoint's device copy) for its snapshot
         if self.ckpt:
             self.ckpt.compile(abstract_state)
-            if layout.permutes(cfg):  # compiled now: the first save's blocking time holds no compilation
+            if self.permutes:  # compiled now: the first save's blocking time holds no compilation
                 self.to_canonical = compile_cache.compile(to_canonical.lower(abstract_state), "to_canonical")
             clock.lap("checkpoint_compile")
         # With background_host_copy, snapshots copy on the device with the checkpointer's compiled
@@ -94,6 +95,11 @@ class Saves:
         self.watch.state("checkpointing", step)
         t_save = time.time()
         self._log_saves(self.ckpt.save(step, self.to_canonical(state), self.data_state(step)))
+        # A snapshot of the same step (it follows) reuses the checkpoint's device copy: one copy,
+        # not two. Only when both hold the same layout (no layer permutation) and a snapshot is due.
+        copy = self.ckpt.take_copy()
+        if copy is not None and self.snapshots and not self.permutes and step % self.memory_every == 0:
+            self.checkpoint_copy = (step, copy)
         self.watch.phase(step, "checkpoint", t_save, time.time() - t_save)
         self.watch.state("training", step)
         self.saved_step = step
@@ -103,7 +109,9 @@ class Saves:
         # Also at a checkpoint's step: a restart then reads RAM (or a peer's copy), not the disk.
         self.recorder.flush()
         wall = time.time()
-        block_s = self.snapshots.save(step, state, self.data_state(step)["next_index"])
+        copy, self.checkpoint_copy = self.checkpoint_copy, None
+        block_s = self.snapshots.save(step, state, self.data_state(step)["next_index"],
+                                      copy[1] if copy and copy[0] == step else None)
         self.watch.phase(step, "snapshot", wall, block_s)
         if self.is_main:
             run_dirs.append_jsonl(run_dirs.snapshots_path(self.run_dir), [{"step": step, "block_s": round(block_s, 4)}])

@@ -109,14 +109,17 @@ class Snapshots:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state, next_index: int) -> float:
+    def save(self, step: int, state, next_index: int, device_copy=None) -> float:
         """Copy this process's shards of `state` (after step `step`) to host memory and hand them
         to the writer; returns the seconds it blocked (the previous write, the copy). With
-        background_host_copy the copy is on the device and the writer copies it to the host."""
+        background_host_copy the copy is on the device and the writer copies it to the host;
+        `device_copy`, a copy of `state` already made (the checkpoint's of the same step), is
+        used instead of making another."""
         start = time.perf_counter()
         self.wait()
         if self.cfg.checkpoint.background_host_copy:
-            copy = self._device_copy(state)  # dispatched: the next step may donate `state`, not `copy`
+            # dispatched: the next step may donate `state`, not `copy`
+            copy = self._device_copy(state) if device_copy is None else device_copy
             target, args = self._copy_and_write, (step, copy, next_index)
         else:
             target, args = self._write, (step, *self._host_copy(step, state, next_index))

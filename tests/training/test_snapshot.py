@@ -197,8 +197,8 @@ KILL_AFTER_SNAPSHOT = textwrap.dedent("""
     from megascale_jax import train
     from megascale_jax.training import snapshot
     save = snapshot.Snapshots.save
-    def save_then_die(self, step, state, next_index):
-        blocked = save(self, step, state, next_index)
+    def save_then_die(self, step, state, next_index, device_copy=None):
+        blocked = save(self, step, state, next_index, device_copy)
         if step == int(os.environ["KILL_STEP"]):
             self.wait()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -297,3 +297,42 @@ def test_a_refused_peer_copy_is_one_warning_and_the_next_source_is_used(tmp_path
     np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "SHA-256" in warnings[0] and "the copy held by process 1" in warnings[0], warnings
+
+
+def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
+    """background_host_copy with a checkpoint and a snapshot at step 4: one device copy is made,
+    not two (only when a snapshot is due and no layer permutation tells the two states apart),
+    and the snapshot still holds the state as it was, bitwise, after updates donated it."""
+    from megascale_jax.training import saving
+    from megascale_jax.training.observers import LoopObserver
+    from megascale_jax.training.progress import StartupClock
+
+    cfg = cfg_with("checkpoint.background_host_copy=true", "checkpoint.every=2", "checkpoint.memory_every=4",
+                   f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.memory_dir={tmp_path / 'ram'}")
+    mesh = make_mesh(cfg.mesh)
+    state = random_state(mesh, 4)
+    want = host_copy(state)
+
+    class Recorder:
+        def flush(self, params=None): pass
+        def restart_clock(self): pass
+
+    saves = saving.Saves(cfg, str(tmp_path), lambda s: s, abstract(state), print, StartupClock())
+    copies = []
+    copy = saves.ckpt.device_copy
+    saves.ckpt.device_copy = lambda s: copies.append(1) or copy(s)
+    saves.begin(0, 0, Recorder(), LoopObserver())
+    saves.checkpoint(2, random_state(mesh, 2))  # no snapshot due at step 2: its copy is not kept
+    assert saves.checkpoint_copy is None and len(copies) == 1
+    saves.checkpoint(4, state)
+    saves.snapshot(4, state)
+    assert len(copies) == 2 and saves.checkpoint_copy is None  # the snapshot took the checkpoint's
+    update = jax.jit(lambda t: jax.tree.map(lambda x: x * 3 + 1, t), donate_argnums=0)
+    for _ in range(2):
+        state = update(state)
+    saves.snapshots.wait()
+    saves.close()
+    restored, meta = saves.snapshots.restore(abstract(state), newer_than=0)
+    assert meta["step"] == 4
+    for k in want:
+        np.testing.assert_array_equal(host_copy(restored)[k], want[k])
