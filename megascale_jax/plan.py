@@ -73,6 +73,7 @@ def explain(p: Plan) -> str:
             "compute attention": "attention scores and weighted sums (kernel or batched GEMMs + score passes)",
             "compute elementwise": "norms, GeLU, dropout, residual adds: HBM passes",
             "compute lm head": "the logits GEMMs (full waves) and the loss on the last stage",
+            "compute gradient accumulation": "each microbatch's weight gradients added into the fp32 accumulator",
             "tp layers": "tp collectives of the layers not hidden by collective matmul",
             "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
             "bubble": "pipeline warm-up and cool-down",

@@ -46,12 +46,23 @@ def main(argv=None) -> int:
         print(f"  {r['step']:<46}{r['published_mfu']:>7.1f}{r['predicted_mfu']:>9.1f}"
               f"{r.get('published_gain', float('nan')):>9.1f}{r.get('predicted_gain', float('nan')):>11.1f}")
 
+    split = published.llama3_split(calibration.gpu("h100-sxm", held_out="llama3_2024"))
+    print("\nLlama 3's two 8K rows as t·(M + (PP-1)/V) + C (the paper's bubble): t one microbatch, C once per iteration")
+    print(f"  published: t {split['published_microbatch_s']:.3f} s, C {split['published_per_iteration_s']:.3f} s; "
+          f"planner: t {split['planner_microbatch_s']:.3f} s, C {split['planner_per_iteration_s']:.3f} s")
+    pairs = published.megascale_equal_work_pairs()
+    print("\nMegaScale Table 2 rows with the same work per GPU at 8x the dp (the planner prices each pair alike)")
+    for r in pairs:
+        print(f"  {r['system']:<12} GPUs {r['gpus']} dp {r['dp']} m {r['microbatches']}: {r['published_s']} s, "
+              f"{r['slowdown']:+.1%} at the larger dp")
+
     own = measured.validation_table(os.path.join(REPO, H200_RUN), "h200")
     print(f"\nthis project's H200 ladder ({H200_RUN}; the h200 entry's elementwise passes are fitted to xla_flags)")
     print(f"  {'row':<20}{'measured s':>11}{'predicted s':>12}{'error':>8}")
     for r in own:
         print(f"  {r['row']:<20}{r['measured_s']:>11.3f}{r['predicted_s']:>12.3f}{r['error']:>+8.1%}")
-    bench.write({**summary, "held_out": held_out, "megascale_table3": ablation,
+    bench.write({**summary, "held_out": held_out, "megascale_table3": ablation, "llama3_split": split,
+                 "megascale_equal_work_pairs": pairs,
                  "calibration": "configs/calibration.yaml (a100-80g, h100-sxm entries; fitted_to: [])",
                  "h200_own_runs": {"result": H200_RUN, "rows": own}})
     return 0

@@ -7,8 +7,9 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
 * compute: m microbatches × the stage's layers × (forward + backward + recompute), each
   layer's GEMMs (forward, input and weight gradient, each at its own shape) at the calibrated
   efficiency of their size times their wave quantization (`costs.gemm_s`), its attention core
-  (a fused kernel, or GEMMs plus the scores' HBM traffic) and its memory-bound passes
-  (`costs.hbm_s`), plus the LM head.
+  (a fused kernel, or GEMMs plus the scores' HBM traffic), its memory-bound passes
+  (`costs.hbm_s`) and the backward's add of its weight gradients into the fp32 accumulator
+  (`gradient_accumulation_s`), plus the LM head.
 * tp: the tp collectives of every layer (2 per serial block and pass, 1 per parallel block),
   ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs; and the LM
   head's and embedding's (`edge_tp_s`).
@@ -102,6 +103,8 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     attention_backward += 2 * score_pass
     forward = gemm + attention + elementwise
     backward = gemm_backward + attention_backward + 2 * elementwise
+    accumulate = gradient_accumulation_s(flops.layer_params_per_device(model_config(w), tp), w, gpu)
+    backward += accumulate
     redo = {"none": (0.0, 0.0, 0.0), "selective": (0.0, attention, 0.0),
             "full": (gemm, attention, elementwise)}[w.recompute]
     wave = wave_forward * (2 if w.recompute == "full" else 1) + wave_backward
@@ -109,7 +112,26 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
             "gemm_backward": gemm_backward, "gemm_input_gradient": gemm_input_gradient,
             "kind": {"gemm": gemm + gemm_backward + redo[0] - wave,
                      "gemm wave quantization": wave, "attention": attention + attention_backward + redo[1],
-                     "elementwise": 3 * elementwise + redo[2]}}
+                     "elementwise": 3 * elementwise + redo[2], "gradient accumulation": accumulate}}
+
+
+def gradient_accumulation_s(params: float, w: Workload, gpu: Gpu) -> float:
+    """Seconds one microbatch's backward spends adding its weight gradients (`params` of them, on
+    one GPU) into the gradient accumulator: a memory-bound pass that reads and writes the
+    accumulator, 2 × grad_bytes per parameter (fp32 in every source here). Every microbatch pays
+    it, the first too: the accumulator is zeroed at the start of the step and added into.
+    * Megatron-LM (SC'21, Korthikanti et al., MegaScale's baseline): the backward hook
+      `param.main_grad.add_(param.grad.data)` per parameter and microbatch
+      (NVIDIA/Megatron-LM megatron/model/distributed.py, DistributedDataParallel._make_param_hook),
+      or, with gradient-accumulation fusion, the weight-gradient GEMM's epilogue reading and writing
+      the fp32 main_grad; 2 × 4 bytes is the traffic common to both (the hook also reads the
+      fp16/bf16 param.grad, not counted here: a lower bound).
+    * Llama 3: "FP32 gradient accumulation during backward computation over multiple
+      micro-batches" (§3.3.2).
+    The GEMMs cannot hide it: it runs after (or in the epilogue of) the GEMM that produces the
+    gradient, on the same stream, and it is bound by the HBM bandwidth (datasheet). 0 where the
+    step has no accumulator (`Workload.grad_accumulator`)."""
+    return costs.hbm_s(2 * w.grad_bytes * params, gpu) if w.grad_accumulator else 0.0
 
 
 def tp_collective_s(w: Workload, gpu: Gpu) -> float:
@@ -144,7 +166,13 @@ def head_s(w: Workload, gpu: Gpu) -> float:
     two backward GEMMs (`costs.linear_s`), and the fp32 logits' HBM passes."""
     tokens = w.microbatch_seqs * w.seq_len
     logits = costs.linear_s(tokens, w.d_model, w.vocab // w.tp, gpu)
-    return logits["forward"] + logits["backward"] + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu)
+    return logits["forward"] + logits["backward"] + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu) \
+        + head_accumulation_s(w, gpu)
+
+
+def head_accumulation_s(w: Workload, gpu: Gpu) -> float:
+    """The LM head's share of `gradient_accumulation_s`: its vocab × d_model / tp weights."""
+    return gradient_accumulation_s(w.vocab * w.d_model / w.tp, w, gpu)
 
 
 def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
@@ -216,11 +244,13 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
                  "data": 0.0}
     runs = m * stage_layers
     head_waves = head_wave_loss_s(w, gpu) if head else 0.0
+    head_accumulation = head_accumulation_s(w, gpu) if head else 0.0
     kind = t["kind"]
     parts = {"compute gemm": runs * kind["gemm"],
              "compute gemm wave quantization": runs * kind["gemm wave quantization"] + m * head_waves,
              "compute attention": runs * kind["attention"], "compute elementwise": runs * kind["elementwise"],
-             "compute lm head": m * (head - head_waves),
+             "compute lm head": m * (head - head_waves - head_accumulation),
+             "compute gradient accumulation": runs * kind["gradient accumulation"] + m * head_accumulation,
              "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp,
              "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())

@@ -19,8 +19,9 @@
   Read from the paper's text as stored in the code corpus (the full paper, Tables 1-3).
 * Llama 3, "The Llama 3 Herd of Models" (arXiv 2407.21783, §3.3.2, Table 4): 405B on 8,192 and
   16,384 H100s (TP 8, PP 16, DP 64/128, seq 8,192, 16M tokens per batch): 430 and 400 BF16
-  TFLOP/s per GPU. Its third row (context parallelism 16 at seq 131,072) is not used: the
-  planner does not model context parallelism.
+  TFLOP/s per GPU, in PaLM's MFU definition (the paper cites Chowdhery et al. 2023 for it:
+  6N + 12·L·H·Q·T FLOPs per token, `palm_flops_per_token`). Its third row (context parallelism 16
+  at seq 131,072) is not used: the planner does not model context parallelism.
 
 Where a source leaves a setting out, the choice made here is written beside the workload and was
 made before the comparison was run. `validation.py` predicts every row, each source with a
@@ -79,8 +80,12 @@ def sc21_workload(row) -> Workload:
     _, heads, hidden, layers, tp, pp, gpus, batch, micro, per_virtual, _ = row
     virtual = layers // pp // per_virtual if per_virtual else 1
     torch_ddp = gpus <= 256  # `--DDP-impl torch` (overlapping the backward) up to 18B
-    return megatron_workload(heads, hidden, layers, tp, pp, gpus, batch, micro, virtual,
-                             dp_overlap="backward" if torch_ddp else "none")
+    w = megatron_workload(heads, hidden, layers, tp, pp, gpus, batch, micro, virtual,
+                          dp_overlap="backward" if torch_ddp else "none")
+    # torch DDP keeps autograd's param.grad, no main_grad accumulator (Megatron's local DDP adds
+    # one, `_make_param_hook`): nothing to accumulate at one microbatch (1.7B-7.5B); the 18B row's
+    # 3 fp16 adds into param.grad are not priced (under 1% of its iteration)
+    return dataclasses.replace(w, grad_accumulator=not torch_ddp)
 
 
 def sc21_flops(row) -> float:
@@ -177,6 +182,23 @@ def megascale_rows(gpu: calibration.Gpu) -> list[dict]:
     return rows
 
 
+def megascale_equal_work_pairs() -> list[dict]:
+    """Table 2's rows that give every GPU the same work (same layout, same microbatches per
+    iteration m = batch / dp) at two data-parallel sizes: 1,024 and 8,192 GPUs (m = 48), 768 and
+    6,144 (m = 64). The planner prices each pair within 0.5% (its dp costs do not grow with dp
+    beyond the ring's (n-1)/n and latency steps, milliseconds here); the published slowdown at
+    the larger dp, per system, is what a model of scale would have to explain."""
+    rows = {(n, b): (mt, ms) for b, n, mt, ms in MEGASCALE_TAB2}
+    out = []
+    for small, large in (((1024, 768), (8192, 6144)), ((768, 768), (6144, 6144))):
+        for i, system in enumerate(("Megatron-LM", "MegaScale")):
+            out.append({"system": system, "gpus": [small[0], large[0]], "dp": [small[0] // 64, large[0] // 64],
+                        "microbatches": small[1] // (small[0] // 64),
+                        "published_s": [rows[small][i], rows[large][i]],
+                        "slowdown": round(rows[large][i] / rows[small][i] - 1, 4)})
+    return out
+
+
 def megascale_ablation(gpu: calibration.Gpu) -> list[dict]:
     """Table 3 beside the planner: each row's MFU with the baseline's model FLOPs as numerator
     (so a window's saved FLOPs count as speed, as the paper's rising MFU shows they do), and the
@@ -227,19 +249,55 @@ def llama3_workload(gpus: int, dp: int, per_replica: int) -> Workload:
         activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7)
 
 
+def palm_flops_per_token(params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """Training FLOPs per token as PaLM defines model FLOPs utilization (Chowdhery et al. 2023,
+    "PaLM", Appendix B): 6N + 12·L·H·Q·T, N every parameter (embeddings included), the attention
+    term over the whole sequence T (not halved for the causal mask). Llama 3 states its MFU in
+    this definition ("BF16 Model FLOPs Utilization (MFU; Chowdhery et al. (2023))", §3.3.2).
+    Checked against PaLM's own numbers in tests/planner (238.3K tokens/s on 6,144 TPU v4 = 46.2%)."""
+    return 6 * params + 12 * layers * heads * head_dim * seq_len
+
+
+def llama3_flops_per_token(w: Workload) -> float:
+    """PaLM's count for the 126-layer model (the workload's 128 layer slots hold 2 empty ones)."""
+    model = model_config(dataclasses.replace(w, layers=LLAMA3_405B["layers"]))
+    return palm_flops_per_token(flops.param_count(model), LLAMA3_405B["layers"], w.heads, w.head_dim, w.seq_len)
+
+
 def llama3_rows(gpu: calibration.Gpu) -> list[dict]:
-    """TFLOP/s per GPU as Llama 3 counts them (MFU after PaLM: 6N + attention, here
-    `flops.model_flops_per_token` of the 126-layer model) over the predicted iteration."""
+    """TFLOP/s per GPU as Llama 3 counts them (PaLM's MFU definition, `palm_flops_per_token`)
+    over the predicted iteration."""
     rows = []
     for gpus, dp, per_replica, published in LLAMA3_TAB4:
         w = llama3_workload(gpus, dp, per_replica)
-        per_token = flops.model_flops_per_token(model_config(dataclasses.replace(w, layers=LLAMA3_405B["layers"])))
         pred = predict(w, gpu)
-        tflops = per_token * w.global_batch * w.seq_len / (pred.iteration_s * gpus) / 1e12
+        tflops = llama3_flops_per_token(w) * w.global_batch * w.seq_len / (pred.iteration_s * gpus) / 1e12
         rows.append({"source": "Llama 3 (2024) Table 4", "model": "405B", "gpus": gpus,
                      "metric": "BF16 TFLOP/s per GPU", "published": published, "predicted": round(tflops, 1),
                      "error": tflops / published - 1})
     return rows
+
+
+def llama3_split(gpu: calibration.Gpu) -> dict:
+    """Where Llama 3's gap lies: its two 8K rows differ only in the microbatches per replica
+    (M = 32, 16; same model, layout and per-GPU microbatch), so with the paper's own bubble,
+    (PP-1)/(V·M) of the microbatches' time (§3.3.2), each row's iteration is t·(M + (PP-1)/V) + C:
+    t the seconds of one microbatch on the busiest stage (its layers forward and backward with
+    their tp collectives), C what each iteration pays once (dp, optimizer, edges). Two rows, two
+    unknowns; solved here for the published rows (their iteration = PaLM FLOPs / published rate)
+    and set beside the planner's t and C."""
+    (g1, dp1, m1, r1), (g2, dp2, m2, r2) = LLAMA3_TAB4
+    w1, w2 = llama3_workload(g1, dp1, m1), llama3_workload(g2, dp2, m2)
+    tail = (w1.pp - 1) / w1.virtual
+    it1, it2 = (llama3_flops_per_token(w) * w.global_batch * w.seq_len / (r * 1e12 * g)
+                for w, r, g in ((w1, r1, g1), (w2, r2, g2)))
+    t = (it1 - it2) / (m1 - m2)
+    p = predict(w1, gpu).breakdown
+    planner_t = (p["compute"] + p["tp"]) / m1
+    return {"published_iteration_s": [round(it1, 3), round(it2, 3)],
+            "published_microbatch_s": round(t, 4), "published_per_iteration_s": round(it1 - t * (m1 + tail), 3),
+            "planner_microbatch_s": round(planner_t, 4),
+            "planner_per_iteration_s": round(p["dp"] + p["optimizer"] + p["pp"] + p["data"], 3)}
 
 
 def sc21_rows(gpu: calibration.Gpu) -> list[dict]:

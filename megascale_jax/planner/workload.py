@@ -66,6 +66,10 @@ class Workload:
     # Layers on the stage that also runs the LM head, when the model's split gives it fewer
     # (Llama 3 drops one layer from the first and the last stage); None: layers / pp like the rest
     last_stage_layers: Optional[int] = None
+    # Weight gradients are added into a separate accumulator every microbatch (Megatron-LM's fp32
+    # main_grad, Llama 3's FP32 accumulation; predict.gradient_accumulation_s); False where the
+    # step has none (this project at one GPU and one microbatch: jax.value_and_grad directly)
+    grad_accumulator: bool = True
 
     @property
     def dp(self) -> int:
@@ -103,6 +107,9 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla",
         gspmd_edges=par.tp_overlap == "xla",  # else Megatron's vocab-parallel edges (tensor_parallel.embed_lookup)
         dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
+        # parallel/microbatches.py: dp = m = 1 takes jax.value_and_grad's gradients as they are,
+        # otherwise a scan adds each microbatch's into zeros_like(params)
+        grad_accumulator=not (mesh.pp == 1 and gpus // (mesh.tp * mesh.pp) == 1 and par.microbatches == 1),
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
 
 

@@ -53,14 +53,15 @@ def test_every_source_is_predicted_held_out_and_the_committed_result_is_todays()
         assert [r["predicted"] for r in committed["held_out"][key]["rows"]] == [r["predicted"] for r in source["rows"]], \
             "re-run python -m bench.planner.plan_validation --overwrite after changing the planner or its calibration"
     # What the planner achieves today, per source (the issue's target is the xfail test below).
-    assert table["korthikanti2022"]["mean_abs_error"] <= 0.03 and table["korthikanti2022"]["max_abs_error"] <= 0.05
-    assert table["narayanan2021"]["mean_abs_error"] <= 0.055 and table["narayanan2021"]["max_abs_error"] <= 0.08
+    assert table["korthikanti2022"]["mean_abs_error"] <= 0.06 and table["korthikanti2022"]["max_abs_error"] <= 0.085
+    assert table["narayanan2021"]["mean_abs_error"] <= 0.04 and table["narayanan2021"]["max_abs_error"] <= 0.075
+    assert table["megascale2024"]["mean_abs_error"] <= 0.05 and table["megascale2024"]["max_abs_error"] <= 0.105
     megatron_rows = [r for r in table["megascale2024"]["rows"] if "Megatron-LM" in r["metric"]]
-    assert max(abs(r["error"]) for r in megatron_rows) <= 0.09
+    assert max(abs(r["error"]) for r in megatron_rows) <= 0.095
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40's target is not met yet: MegaScale's own rows at 768-12,288 GPUs "
-                   "are predicted 8-16% too fast and Llama 3's H100 rate 30-32% too high (docs/planner.md, 'Not yet')")
+@pytest.mark.xfail(strict=True, reason="issue 40's target is not met yet: Llama 3's H100 rate is predicted 27-29% "
+                   "too high and MegaScale's own row at 8,192 GPUs 10.2% too fast (docs/planner.md, 'Not yet')")
 def test_every_held_out_point_is_within_10_percent_and_the_mean_within_5():
     errors = [abs(r["error"]) for s in validation.held_out_table().values() for r in s["rows"]]
     assert max(errors) <= validation.TARGET_MAX and sum(errors) / len(errors) <= validation.TARGET_MEAN
@@ -103,6 +104,59 @@ def test_megascale_table_3_gains_have_the_papers_sign_and_lie_within_3_mfu_point
             assert r["predicted_gain"] == pytest.approx(0.0, abs=1e-9)
         else:
             assert r["predicted_gain"] > 0, r
+
+
+def test_gradient_accumulation_reads_and_writes_the_fp32_accumulator_every_microbatch():
+    """Each microbatch's backward adds its weight gradients into the fp32 accumulator (Megatron-LM's
+    main_grad, Llama 3's FP32 accumulation): 8 bytes per parameter at the HBM's datasheet bandwidth."""
+    gpu = calibration.gpu("a100-80g")
+    w = published.megascale_baseline(256, 768)  # 175B, tp 8, pp 8: 12 layers and the LM head on the last stage
+    # by hand: a GPT-3 layer holds 12·h² weights (+ biases and norms, 13·h), over tp 8; read 4 + write 4 bytes
+    layer = (12 * 12288**2 + 13 * 12288) / 8 * 8 / 2.039e12
+    assert predict.layer_times(w, gpu)["kind"]["gradient accumulation"] == pytest.approx(layer, rel=1e-3)
+    head = 64000 * 12288 / 8 * 8 / 2.039e12
+    p = predict.predict(w, gpu)
+    assert p.parts["compute gradient accumulation"] == pytest.approx(w.microbatches * (12 * layer + head), rel=1e-3)
+    # it is part of the backward, so the bubble grows with it too; bf16 accumulators would halve it
+    half = predict.predict(dataclasses.replace(w, grad_bytes=2), gpu).parts["compute gradient accumulation"]
+    assert half == pytest.approx(p.parts["compute gradient accumulation"] / 2, rel=1e-9)
+
+
+def test_palms_mfu_definition_gives_palms_own_46_2_percent_and_llama_3_uses_it():
+    """Llama 3 states MFU after Chowdhery et al. (PaLM, Appendix B): 6N + 12·L·H·Q·T per token.
+    PaLM's own numbers check the formula: 540.35B parameters, 118 layers, 48 heads of 256, sequence
+    2,048, 238.3K tokens/s on 6,144 TPU v4 chips of 275 TFLOP/s = 46.2% MFU (PaLM, Table 3)."""
+    per_token = published.palm_flops_per_token(540.35e9, 118, 48, 256, 2048)
+    assert round(100 * 238.3e3 * per_token / (6144 * 275e12), 1) == 46.2
+    # Llama 3 405B: 6 x 405.87B (this config's count; the release says 405.85B) + 12·126·128·128·8192
+    w = published.llama3_workload(8192, 64, 32)
+    assert published.llama3_flops_per_token(w) == pytest.approx(6 * 405.87e9 + 12 * 126 * 128 * 128 * 8192, rel=1e-4)
+
+
+def test_llama3_split_solves_the_two_rows_with_the_papers_bubble():
+    """t·(M + (PP-1)/V) + C for M = 32 and 16, PP 16, V 8: iteration = PaLM FLOPs / published rate."""
+    w = published.llama3_workload(8192, 64, 32)
+    per_token = published.llama3_flops_per_token(w)
+    it1 = per_token * 64 * 32 * 8192 / (430e12 * 8192)
+    it2 = per_token * 128 * 16 * 8192 / (400e12 * 16384)
+    t = (it1 - it2) / 16
+    split = published.llama3_split(calibration.gpu("h100-sxm"))
+    assert split["published_microbatch_s"] == pytest.approx(t, abs=1e-4)
+    assert split["published_per_iteration_s"] == pytest.approx(it1 - t * (32 + 15 / 8), abs=1e-3)
+    assert split["published_iteration_s"] == pytest.approx([it1, it2], abs=1e-3)
+
+
+def test_megascale_equal_work_pairs_are_table_2s_rows_and_the_planner_prices_each_pair_alike():
+    pairs = published.megascale_equal_work_pairs()
+    assert [(r["system"], r["slowdown"]) for r in pairs] == [
+        ("Megatron-LM", round(12.24 / 11.9 - 1, 4)), ("MegaScale", round(9.56 / 8.9 - 1, 4)),
+        ("Megatron-LM", round(14.78 / 15.2 - 1, 4)), ("MegaScale", round(12.21 / 11.5 - 1, 4))]
+    assert [r["microbatches"] for r in pairs] == [48, 48, 64, 64]  # 768 / 16 = 6144 / 128, 768 / 12 = 6144 / 96
+    gpu = calibration.gpu("a100-80g")
+    for small, large in (((1024, 768), (8192, 6144)), ((768, 768), (6144, 6144))):
+        for workload in (published.megascale_baseline, published.megascale_workload):
+            a, b = (predict.predict(workload(*x), gpu).iteration_s for x in (small, large))
+            assert b / a - 1 == pytest.approx(0.0, abs=0.005)
 
 
 def test_dp_chunks_expose_one_gather_and_one_reduce_scatter_of_2v():
@@ -310,7 +364,7 @@ def test_explain_prints_every_part_and_the_parts_add_up(capsys):
     assert code == 0, err
     data = json.loads(out)
     assert {"compute gemm", "compute gemm wave quantization", "compute attention", "compute elementwise",
-            "compute lm head", "tp layers",
+            "compute lm head", "compute gradient accumulation", "tp layers",
             "tp embedding+head", "bubble", "pp sends", "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
     assert sum(data["parts"].values()) == pytest.approx(data["iteration_s"])
     code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "a100-80g", "--explain")
