@@ -60,12 +60,14 @@ def test_each_drill_is_costed_from_its_own_events(run):
     assert (kill["kind"], kill["detected_s"], kill["resumed_s"], kill["steps_lost"], kill["evicted"]) == \
         ("kill", 0.1, 12.0, 2, False)
     assert kill["relaunched_s"] == 3.0 and kill["restart_phases_s"]["compiling"] == 4.0
+    # every rank training again: launched at 112 - 12 + 3 = 103, training 8 s later, 11 s after the drill
+    assert (kill["training_s"], slow["training_s"]) == (11.0, 2.5 + 16.0)
     assert kill["diagnosis_s"] == 1.9 and slow["diagnosis_s"] is None
     assert (slow["detected_s"], slow["resumed_s"], slow["steps_lost"], slow["evicted"], slow["promoted"]) == \
         (9.0, 29.5, 0, True, True)  # a straggler is detected by its `straggler` event, not the fault
     assert (nan["outcome"], nan["detected_s"], nan["steps_lost"]) == ("transient", 4.0, 0)
-    assert ettr.per_kind([kill, slow, nan])["kill"] == {"n": 1, "detected_s": 0.1, "relaunched_s": 3.0, "resumed_s": 12.0,
-                                                    "steps_lost": 2}
+    assert ettr.per_kind([kill, slow, nan])["kill"] == {"n": 1, "detected_s": 0.1, "relaunched_s": 3.0, "training_s": 11.0,
+                                                    "resumed_s": 12.0, "steps_lost": 2}
 
 
 def test_the_budget_names_where_the_unproductive_wall_went(run):
@@ -73,10 +75,11 @@ def test_the_budget_names_where_the_unproductive_wall_went(run):
     busy, records = ettr.productive(str(run_dir))
     assert busy == 300.0
     b = ettr.budget(str(run_dir), T, 400.0, busy, ettr.consequences(events), step_s=2.0)
-    # 40 s to the first step; 4 saves x 0.5 s; 12 + 29.5 s of recovery; 2 steps redone x 2 s
-    assert (b["startup_s"], b["checkpoint_blocking_s"], b["recovery_s"], b["redone_steps_s"]) == (40.0, 2.0, 41.5, 4.0)
+    # 40 s to the first step done (no phases); 4 saves x 0.5 s; 11 + 18.5 s until every rank trained
+    # again (not 12 + 29.5 until a step was done: that step is productive); 2 steps redone x 2 s
+    assert (b["startup_s"], b["checkpoint_blocking_s"], b["recovery_s"], b["redone_steps_s"]) == (40.0, 2.0, 29.5, 4.0)
     assert b["snapshot_blocking_s"] == 21 * 0.25
-    assert b["other_s"] == pytest.approx(400 - 300 - 40 - 2 - 21 * 0.25 - 41.5 - 4)
+    assert b["other_s"] == pytest.approx(400 - 300 - 40 - 2 - 21 * 0.25 - 29.5 - 4)
     assert b["share_of_wall"]["productive"] == 0.75 and b["share_of_wall"]["startup"] == 0.1
     assert sum(b["share_of_wall"].values()) == pytest.approx(1.0)
     assert (b["checkpoints"], b["checkpoint_block_s_median"]) == (4, 0.5)
@@ -177,3 +180,13 @@ def test_what_the_faults_cost_and_the_fault_rate_each_target_allows():
     assert got["fault_cost_per_fault_s"] == pytest.approx(22.5)
     assert got["mtbf_for_97_s"] == pytest.approx(1125.0) and got["mtbf_for_95_s"] == pytest.approx(562.5)
     assert ettr.compare(result, {**reference, "ettr": 0.96})["mtbf_for_97_s"] is None
+
+
+def test_start_up_ends_when_every_rank_trains_not_when_the_first_step_is_done(tmp_path):
+    """`started` comes once a step is done (at T + 40, 39.5 s after the launch at T + 0.5); every
+    rank was training 31 s after that launch, so start-up is 31.5 s and the step is productive."""
+    events = [{"time": T + 40, "kind": "started", "step": 1, "since_launch_s": 39.5,
+               "phases_s": {"initialising": 3.0, "compiling": 20.0, "training": 31.0}}, {"time": T + 50, "kind": "done"}]
+    write_run(tmp_path, events, [], [{"step": s, "step_time_s": 1.0, "loss": 1.0} for s in range(1, 11)])
+    b = ettr.budget(str(tmp_path), T, 50.0, 10.0, [], step_s=1.0)
+    assert b["startup_s"] == 31.5 and b["other_s"] == pytest.approx(50 - 10 - 31.5)

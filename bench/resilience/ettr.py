@@ -88,6 +88,18 @@ def productive(run_dir: str) -> tuple[float, list[dict]]:
     return sum(r["step_time_s"] for r in records), records
 
 
+def training_again_s(resumed: dict | None, since: float) -> float | None:
+    """Seconds from `since` until every rank of the attempt that resumed was training again (its
+    step clock running; supervisor `phases_s["training"]` after that attempt's launch). The
+    `resumed` event comes later, once a step is done, and that step is productive (in
+    metrics.jsonl): counting up to it would count the step twice. None without the phases."""
+    if not resumed or "training" not in (resumed.get("phases_s") or {}) or "relaunched_after_fault_s" not in resumed:
+        return None
+    # The supervisor times since_fault_s and relaunched_after_fault_s from the same fault.
+    launched = resumed["time"] - resumed["since_fault_s"] + resumed["relaunched_after_fault_s"]
+    return launched + resumed["phases_s"]["training"] - since
+
+
 def consequences(events: list[dict]) -> list[dict]:
     """Per drill: what it cost, from the events up to the next drill."""
     out = []
@@ -124,7 +136,8 @@ def consequences(events: list[dict]) -> list[dict]:
                        # then the launch -> every rank beating, restored, compiled (supervisor events)
                        relaunched_s=resumed and resumed.get("relaunched_after_fault_s"),
                        diagnosis_s=(diagnosis := first("diagnosis")) and diagnosis["duration_s"],
-                       restart_phases_s=resumed and resumed.get("phases_s"))
+                       restart_phases_s=resumed and resumed.get("phases_s"),
+                       training_s=training_again_s(resumed, drill["time"]))
         row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
     return out
@@ -206,7 +219,8 @@ def per_kind(rows: list[dict]) -> dict:
             return statistics.median(values) if values else None
 
         table[kind] = {"n": len(mine), "detected_s": median("detected_s"), "relaunched_s": median("relaunched_s"),
-                       "resumed_s": median("resumed_s"), "steps_lost": median("steps_lost")}
+                       "training_s": median("training_s"), "resumed_s": median("resumed_s"),
+                       "steps_lost": median("steps_lost")}
     return table
 
 
@@ -217,10 +231,11 @@ def job_overrides(steps: int, checkpoint_every: int, snapshot_every: int) -> lis
 
 def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict], step_s: float) -> dict:
     """Where the wall time that was not productive went, in seconds and as a share of the wall:
-    start-up (launch to the first step), checkpoint blocking (every save, rank 0's), memory
+    start-up (launch to every rank training), checkpoint blocking (every save, rank 0's), memory
     snapshot blocking (rank 0's), recovery
-    (each drill's fault to training resumed: detection, diagnostics, restart, restore,
-    compilation), the same for faults no drill caused (`undrilled_faults`),
+    (each drill's fault to every rank training again: detection, diagnostics, restart, restore,
+    compilation; `resumed_s`, to the first step done, where the phases are missing), the same for
+    faults no drill caused (`undrilled_faults`),
     redone steps (steps lost x the median step) and the rest (the slow steps of a straggler
     before its eviction, NaN replays, shutdown; negative when the estimates overlap). Recovery is
     split too: before the relaunch (detection, diagnostics, stopping the workers) and after it."""
@@ -229,11 +244,15 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     saves_path = os.path.join(run_dir, "checkpoints.jsonl")
     saves = read_jsonl(saves_path) if os.path.exists(saves_path) else []
     snapshots_path = os.path.join(run_dir, "snapshots.jsonl")
-    parts = {"startup_s": started["time"] - start if started else None,
+    # Up to every rank training (not the `started` event, a step later: that step is productive).
+    training = started and "training" in (started.get("phases_s") or {}) and "since_launch_s" in started
+    parts = {"startup_s": (started["time"] - started["since_launch_s"] + started["phases_s"]["training"] - start
+                           if training else started["time"] - start) if started else None,
              "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
              "snapshot_blocking_s": sum(s["block_s"] for s in read_jsonl(snapshots_path))
              if os.path.exists(snapshots_path) else 0.0,
-             "recovery_s": sum(r.get("resumed_s") or 0.0 for r in rows),
+             "recovery_s": sum((r["training_s"] if r.get("training_s") is not None else r.get("resumed_s")) or 0.0
+                               for r in rows),
              "undrilled_faults_s": sum(f["resumed_s"] or 0.0 for f in undrilled_faults(events)),
              "redone_steps_s": sum(r.get("steps_lost") or 0 for r in rows) * step_s}
     parts["other_s"] = wall - busy - sum(v or 0.0 for v in parts.values())
@@ -297,10 +316,12 @@ def recount(path: str) -> None:
     rows = consequences(events)
     add_restore_sources(run_dir, events, rows)
     started = next(e for e in events if e["kind"] == "started")
-    start = started["time"] - result["budget"]["startup_s"]  # the launch's start, as the run measured it
+    # the launch's start, as the run measured it (results before launched_at: from their start-up,
+    # which then ended at the `started` event)
+    start = result.get("launched_at") or started["time"] - result["budget"]["startup_s"]
     if result.get("reference"):
         result.update(compare(result, result["reference"]))
-    result.update(faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
+    result.update(launched_at=start, faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
                   steps_lost=sum(r["steps_lost"] or 0 for r in rows), startup_phases_s=startup_phases(run_dir),
                   budget=budget(run_dir, start, result["wall_s"], busy, rows, result["step_s_median"]))
     with open(path, "w") as f:
@@ -403,7 +424,7 @@ def main(argv=None) -> int:
         "budget": budget(run_dir, start, wall, busy, rows, step_s_median),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None, "mtbf_for_97_s": None,
-        "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work,
+        "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work, "launched_at": start,
     }
     if reference is not None:
         result.update(compare(result, reference))
@@ -415,7 +436,7 @@ def main(argv=None) -> int:
                                                 if v is not None), flush=True)
     for kind, row in result["per_kind"].items():
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, relaunched {row['relaunched_s']} s, "
-              f"resumed {row['resumed_s']} s, "
+              f"training {row['training_s']} s, resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
     print("  restored from: " + ", ".join(f"{r['kind']} {r.get('restore_source')}" for r in rows), flush=True)
     bench.write(result)
