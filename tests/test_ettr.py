@@ -172,13 +172,15 @@ def test_each_restart_names_where_its_state_came_from(run):
 def test_what_the_faults_cost_and_the_fault_rate_each_target_allows():
     """Reference: 990 s of steps in 1000 s of wall (ETTR 99%). Drilled: 900 s in 1000 s with 4
     faults: 90 s lost beyond the reference's 10 s, 22.5 s per fault. ETTR >= 97% leaves the faults
-    2% of the wall: one every 22.5 / 0.02 = 1125 s; >= 95%, 4%: every 562.5 s."""
+    2% of the wall: one every 22.5 / 0.02 = 1125 s; >= 95%, 4%: every 562.5 s. With a fault every
+    120-300 s (210 s on average) from start to end: 99% - 22.5 / 210."""
     reference = {"wall_s": 1000.0, "productive_s": 990.0, "ettr": 0.99, "final_loss": 2.0}
-    result = {"wall_s": 1000.0, "productive_s": 900.0, "faults_fired": 4, "final_loss": 2.0}
+    result = {"wall_s": 1000.0, "productive_s": 900.0, "faults_fired": 4, "final_loss": 2.0, "fault_every_s": [120, 300]}
     got = ettr.compare(result, reference)
     assert got["final_loss_equal"] and got["fault_cost_s"] == pytest.approx(90.0)
     assert got["fault_cost_per_fault_s"] == pytest.approx(22.5)
     assert got["mtbf_for_97_s"] == pytest.approx(1125.0) and got["mtbf_for_95_s"] == pytest.approx(562.5)
+    assert got["ettr_at_mean_fault_interval"] == pytest.approx(0.99 - 22.5 / 210)
     assert ettr.compare(result, {**reference, "ettr": 0.96})["mtbf_for_97_s"] is None
 
 
