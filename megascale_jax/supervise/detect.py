@@ -357,7 +357,8 @@ class StragglerWatch:
 
     def __init__(self, cfg: Config, run_dir: str, events: EventLog):
         self.cfg, self.run_dir, self.events = cfg, run_dir, events
-        self.flagged_until: dict[int, int] = {}  # rank -> the last step of its last logged window
+        self.flagged_until: dict[int, int] = {}  # rank -> the last step of its last logged window, this attempt
+        self.attempt_since: float | None = None
         self.slow_devices_seen: set[int] = set()  # device ids already logged
         self.checked_at = 0.0
 
@@ -368,6 +369,9 @@ class StragglerWatch:
         if not sv.straggler_check_s or not observe.timings or now - self.checked_at < sv.straggler_check_s:
             return None
         self.checked_at = now
+        if since != self.attempt_since:  # a new attempt: its timings (and ranks) start afresh
+            self.flagged_until.clear()
+            self.attempt_since = since
         from megascale_jax.observe import stragglers
 
         try:

@@ -512,3 +512,7 @@ def test_the_supervisors_straggler_check_logs_a_late_rank_once_per_window_of_ste
     logged = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert [(e["rank"], e["first_step"], e["last_step"]) for e in logged] == [(1, 23, 32), (1, 33, 42)]
     assert [f.rank for f in faults if f] == [1, 1] and faults.index(next(f for f in faults if f)) == 2
+    # A restart resumed from step 20 (a new attempt, timings from its start): the rank now in slot 1
+    # is judged afresh, not after the window logged in the attempt before.
+    write_synthetic_run(tmp_path, [0.0, 0.3, -0.2], lambda p, k: 0.3 * (p == 1 and k >= 27), steps=32)
+    assert watch.check(now=1000.0, since=1.0).rank == 1
