@@ -88,16 +88,26 @@ def productive(run_dir: str) -> tuple[float, list[dict]]:
     return sum(r["step_time_s"] for r in records), records
 
 
-def training_again_s(resumed: dict | None, since: float) -> float | None:
-    """Seconds from `since` until every rank of the attempt that resumed was training again (its
-    step clock running; supervisor `phases_s["training"]` after that attempt's launch). The
-    `resumed` event comes later, once a step is done, and that step is productive (in
-    metrics.jsonl): counting up to it would count the step twice. None without the phases."""
-    if not resumed or "training" not in (resumed.get("phases_s") or {}) or "relaunched_after_fault_s" not in resumed:
+def every_rank_training_at(event: dict | None) -> float | None:
+    """When every rank of the attempt a `started` or `resumed` event reports was training (its
+    step clock running): that attempt's launch plus the supervisor's `phases_s["training"]`. The
+    event itself comes a step later, and that step is productive (in metrics.jsonl): counting up
+    to the event would count the step twice. None without the phases."""
+    phases = (event or {}).get("phases_s") or {}
+    if "training" not in phases:
         return None
-    # The supervisor times since_fault_s and relaunched_after_fault_s from the same fault.
-    launched = resumed["time"] - resumed["since_fault_s"] + resumed["relaunched_after_fault_s"]
-    return launched + resumed["phases_s"]["training"] - since
+    if "since_launch_s" in event:  # started: timed from the launch
+        launched = event["time"] - event["since_launch_s"]
+    elif "relaunched_after_fault_s" in event:  # resumed: both timed from the same fault
+        launched = event["time"] - event["since_fault_s"] + event["relaunched_after_fault_s"]
+    else:
+        return None
+    return launched + phases["training"]
+
+
+def mean_fault_interval_s(result: dict) -> float:
+    """The drill schedule's mean seconds between faults (uniform over --fault-every)."""
+    return sum(result["fault_every_s"]) / 2
 
 
 def consequences(events: list[dict]) -> list[dict]:
@@ -137,7 +147,7 @@ def consequences(events: list[dict]) -> list[dict]:
                        relaunched_s=resumed and resumed.get("relaunched_after_fault_s"),
                        diagnosis_s=(diagnosis := first("diagnosis")) and diagnosis["duration_s"],
                        restart_phases_s=resumed and resumed.get("phases_s"),
-                       training_s=training_again_s(resumed, drill["time"]))
+                       training_s=(training := every_rank_training_at(resumed)) and training - drill["time"])
         row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
     return out
@@ -244,10 +254,8 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     saves_path = os.path.join(run_dir, "checkpoints.jsonl")
     saves = read_jsonl(saves_path) if os.path.exists(saves_path) else []
     snapshots_path = os.path.join(run_dir, "snapshots.jsonl")
-    # Up to every rank training (not the `started` event, a step later: that step is productive).
-    training = started and "training" in (started.get("phases_s") or {}) and "since_launch_s" in started
-    parts = {"startup_s": (started["time"] - started["since_launch_s"] + started["phases_s"]["training"] - start
-                           if training else started["time"] - start) if started else None,
+    started_at = every_rank_training_at(started) or (started and started["time"])
+    parts = {"startup_s": started_at - start if started else None,
              "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
              "snapshot_blocking_s": sum(s["block_s"] for s in read_jsonl(snapshots_path))
              if os.path.exists(snapshots_path) else 0.0,
@@ -290,9 +298,8 @@ def compare(result: dict, reference: dict) -> dict:
         return per_fault / headroom if headroom > 0 else None
     # A run can outlast its fault schedule (drills planned over --minutes, steps slower than
     # planned): ETTR at the schedule's mean interval, for the whole run, from the measured costs.
-    mean_interval = sum(result["fault_every_s"]) / 2
     return {"reference": reference, "final_loss_equal": final == reference["final_loss"],
-            "ettr_at_mean_fault_interval": reference["ettr"] - per_fault / mean_interval,
+            "ettr_at_mean_fault_interval": reference["ettr"] - per_fault / mean_fault_interval_s(result),
             "final_loss_rel_diff": abs(final - reference["final_loss"]) / abs(final),
             "fault_cost_s": lost, "fault_cost_per_fault_s": per_fault,
             "mtbf_for_95_s": mtbf_for(0.95), "mtbf_for_97_s": mtbf_for(0.97)}
@@ -339,11 +346,10 @@ def summary_of_comparison(result: dict) -> str:
         mtbf = result.get(f"mtbf_for_{target}_s")
         return f"ETTR >= {target}% at " + (f"a fault every >= {mtbf / 60:.1f} min" if mtbf else
                                           f"no fault rate (the reference is below {target}%)")
-    mean_interval = sum(result["fault_every_s"]) / 2
     return (f"final loss {result['final_loss']:.6f} vs {result['reference']['final_loss']:.6f} fault-free "
             f"(equal: {result['final_loss_equal']}, relative difference {result['final_loss_rel_diff']:.2e}); "
             f"faults cost {result['fault_cost_per_fault_s']:.1f}s of wall each; {at(95)}; {at(97)}; "
-            f"ETTR {result['ettr_at_mean_fault_interval']:.1%} with a fault every {mean_interval / 60:.1f} min "
+            f"ETTR {result['ettr_at_mean_fault_interval']:.1%} with a fault every {mean_fault_interval_s(result) / 60:.1f} min "
             "from start to end")
 
 

@@ -318,9 +318,9 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
         def restart_clock(self): pass
 
     saves = saving.Saves(cfg, str(tmp_path), lambda s: s, abstract(state), print, StartupClock())
-    copies = []
+    copies = []  # every device copy, the checkpoint's and the snapshots' own
     copy = saves.ckpt.device_copy
-    saves.ckpt.device_copy = lambda s: copies.append(1) or copy(s)
+    saves.ckpt.device_copy = saves.snapshots._device_copy = lambda s: copies.append(1) or copy(s)
     saves.begin(0, 0, Recorder(), LoopObserver())
     saves.checkpoint(2, random_state(mesh, 2))  # no snapshot due at step 2: its copy is not kept
     assert saves.checkpoint_copy is None and len(copies) == 1
