@@ -36,8 +36,13 @@ def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
 def user_error(message, code: int = EXIT_CONFIG_ERROR) -> int:
     """Report what the user must fix as one line; returns the exit code (2: bad input; the train
     CLI also uses EXIT_DIVERGED and EXIT_UNREADABLE_CHECKPOINT)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    print(error_line(message), file=sys.stderr, flush=True)
     return code
+
+
+def error_line(message) -> str:
+    """The line `user_error` prints for `message` (an exception or a string)."""
+    return f"error: {message}"
 
 
 def one_line(e: BaseException) -> str:

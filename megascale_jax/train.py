@@ -61,11 +61,11 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
     watch = observers_for(cfg, run_dir, mesh, redis, job)
     try:
         return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
-    except TrainingDiverged:
-        watch.state("diverged", -1)  # the supervisor does not retry it on healthy devices
+    except TrainingDiverged as e:
+        watch.state("diverged", -1, cli.error_line(e))  # the supervisor does not retry it on healthy devices
         raise
-    except checkpoint.CheckpointUnreadable:
-        watch.state("unreadable_checkpoint", -1)  # said before the exit (4), which may wait on JAX's shutdown
+    except checkpoint.CheckpointUnreadable as e:  # said before the exit (4), which may wait on JAX's shutdown
+        watch.state("unreadable_checkpoint", -1, cli.error_line(e))
         raise
     except Interrupted as e:
         watch.state("interrupted", e.step)  # asked to stop: not a fault

@@ -4,8 +4,9 @@
   dispatches each step, `fraction` times its recent step time: it arrives late at every step,
   like a host with a slow CPU or data loader.
   ``MEGASCALE_FAULT_SLOW="usr2:<fraction>"``: every process, once it receives SIGUSR2.
-* ``MEGASCALE_FAULT_STOP="<process>:<step>"`` — that process sends itself SIGSTOP right before
-  dispatching `step`: a host that hung; its peers block in the step's collectives.
+* ``MEGASCALE_FAULT_STOP="<process>:<step>"`` — that process finishes the steps it has in flight,
+  then sends itself SIGSTOP right before dispatching `step`: a host that hung between steps; its
+  peers finish the earlier steps and block in `step`'s collectives.
 * ``MEGASCALE_FAULT_ABORT="<process>:<step>"`` — that process prints a glog-style fatal line and
   aborts (SIGABRT) right before dispatching `step`, every time it gets there: a native crash
   that repeats deterministically, like an XLA check failure.
@@ -51,11 +52,18 @@ class SlowProcess(LoopObserver):
 
 
 class StopProcess(LoopObserver):
+    """Stops the process once every step it dispatched has finished. Stopping it mid-step instead
+    could freeze a collective half-sent, and where its peers then block would depend on timing
+    (the test of the hang report needs one place: the peers wait in `step`, not before it)."""
+
     def __init__(self, step: int):
         self.step = step
 
     def before_step(self, step):
         if step == self.step:
+            import jax
+
+            jax.block_until_ready(jax.live_arrays())
             os.kill(os.getpid(), signal.SIGSTOP)
 
 

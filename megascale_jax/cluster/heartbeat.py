@@ -46,9 +46,11 @@ class Heartbeat(LoopObserver):
 
     # ------------------------------------------------------------------ loop hooks (train thread)
 
-    def state(self, state, step):
+    def state(self, state, step, error=""):
         # "failed"/"diverged"/"unreadable_checkpoint" come with step -1 (unknown): keep the last step known.
         self.loop.update(state=state, step=step if step >= 0 else self.loop["step"])
+        if error:  # the driver's error line for the fault, even before this process's exit prints it
+            self.loop["error"] = error
         self.wake.set()  # a state change is news: send it now, not at the next tick
 
     def phase(self, step, name, start, duration):

@@ -73,7 +73,7 @@ class TimingsWriter(LoopObserver):
         dp, pp, tp = self.coords.get(device, (-1, -1, -1))
         self.file.write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
 
-    def state(self, state, step):
+    def state(self, state, step, error=""):
         self.phase(step, STATE_PREFIX + state, time.time(), 0.0)
 
     def close(self):

@@ -60,7 +60,7 @@ class Fault:
     at: float  # wall time of the fault
     detected: float  # wall time of its detection
     log_tail: list[str] = dataclasses.field(default_factory=list)  # the faulty rank's last log lines
-    error: str = ""  # the line of its log that names the cause (workers.last_error_line)
+    error: str = ""  # the line that names the cause: the worker's heartbeat's, else its log's (workers.last_error_line)
     step: int | None = None  # the highest step any heartbeat reported before the fault
     exit_code: int | None = None  # the faulty worker's exit code (negative: the signal), if it exited
 
@@ -281,7 +281,7 @@ class HeartbeatMonitor:
             state = self.records.get(rank, {}).get("state")
             if state in ENDED_BY:
                 cause, detail = ENDED_BY[state]
-                return Fault(cause, rank, detail, self.arrived[rank], now)
+                return Fault(cause, rank, detail, self.arrived[rank], now, error=self.records[rank].get("error", ""))
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang
                 continue
             if rank not in self.arrived:

@@ -176,7 +176,9 @@ class Supervisor:
             attempt.group.stop()
             if fault is not None and fault.rank is not None:
                 fault.log_tail = attempt.group.log_tail(fault.rank)
-                fault.error = attempt.group.last_error(fault.rank)
+                # A worker that said its error line (heartbeat) is believed over its log, whose last
+                # error can be a peer's failure JAX printed before this worker's own line.
+                fault.error = fault.error or attempt.group.last_error(fault.rank)
 
     def _launch(self, number: int, resume_step: int | None) -> Attempt:
         """The attempt's workers on the active slots (the shape's overrides after a shrink)."""

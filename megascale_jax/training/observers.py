@@ -15,9 +15,10 @@ from typing import Any
 class LoopObserver:
     """No-op base; override what you need."""
 
-    def state(self, state: str, step: int) -> None:
+    def state(self, state: str, step: int, error: str = "") -> None:
         """The loop entered `state` (initialising, compiling, training, checkpointing, evaluating,
-        done, diverged, unreadable_checkpoint, failed); `step` = updates finished so far (-1 when it ended by an error)."""
+        done, diverged, unreadable_checkpoint, failed); `step` = updates finished so far (-1 when it
+        ended by an error); `error`: the line that says why it ended, when it knows one."""
 
     def phase(self, step: int, name: str, start: float, duration: float) -> None:
         """Phase `name` of step `step` (data_wait, dispatch, step, checkpoint, eval) ran from
@@ -46,9 +47,9 @@ class Observers(LoopObserver):
     def __init__(self, observers: list[LoopObserver]):
         self.observers = observers
 
-    def state(self, state, step):
+    def state(self, state, step, error=""):
         for o in self.observers:
-            o.state(state, step)
+            o.state(state, step, error)
 
     def phase(self, step, name, start, duration):
         for o in self.observers:

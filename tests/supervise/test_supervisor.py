@@ -62,6 +62,30 @@ def test_malformed_heartbeat_is_ignored_with_a_warning(client, capsys):
     assert monitor.records[0]["step"] == 4 and monitor.check(3.0, finished=set()) is None
 
 
+def test_a_worker_that_ends_by_an_error_says_its_line_in_its_heartbeat(client):
+    """A worker's unreadable checkpoint (or divergence) reaches the driver with its error line, from
+    the heartbeat (cluster/heartbeat.py), not from its log: the log's last error line can be a
+    peer's failure JAX printed first (seen in CI: "Polled an error from coordination service")."""
+    from megascale_jax.cluster.heartbeat import Heartbeat
+
+    job, line = "ended-by-error", "error: checkpoint step 16 is unreadable on process 1: data iterator: JSONDecodeError"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
+    beats = [Heartbeat(client, job, rank, interval_s=60.0, ttl_s=120.0, mesh_coords=[]) for rank in range(2)]
+    try:
+        beats[1].state("unreadable_checkpoint", -1, line)
+        beats[0].state("training", 12)
+        deadline = time.time() + 30
+        while monitor.records.get(1, {}).get("state") != "unreadable_checkpoint":
+            assert time.time() < deadline, monitor.records
+            monitor.poll(time.time())
+            time.sleep(0.02)
+        fault = monitor.check(time.time(), finished=set())
+        assert (fault.cause, fault.rank, fault.error) == ("unreadable_checkpoint", 1, line)
+    finally:
+        for b in beats:
+            b.close()
+
+
 def test_monitor_tells_a_stall_from_a_hang(client):
     job = "stall-hang"
     monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
