@@ -110,7 +110,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         validation_loss(cfg, eval_loss, val_batches, trainer.batch_sharding), hooks.on_record)
     hooks.add("evaluate", cfg.train.eval_every, lambda step, state: recorder.flush(params=state.params))
     add_profiling(hooks, cfg, run_dir, train_step, recorder, watch)
-    saves.begin(start.step, start.data_position, recorder, watch)
+    saves.begin(start.step, last, start.data_position, recorder, watch)
     saves.add_hooks(hooks)
     triage = NonFiniteTriage(watch, device_self_test, logger.warning)
     hooks.add_record("nan triage", 1, triage.on_record)

@@ -75,13 +75,17 @@ class StandbyPool:
             if slot not in self.warm:
                 self.warm[slot] = self._spawn()
 
-    def close(self, slots: list[int] | None = None) -> None:
-        """Release the warm processes of `slots` (default all): end of input ends them."""
-        for slot in list(self.warm) if slots is None else slots:
-            process = self.warm.pop(slot, None)
-            if process is not None:
-                process.stdin.close()
-                process.wait()
+    def close(self) -> None:
+        """End the warm processes: killed, all at once, since they hold nothing but imports.
+        Ending them by end of input, one after another, waited for each interpreter to tear jax
+        down: the launcher's exit took 2.7 s after the job was done in the ETTR drill (7 warm)."""
+        processes = list(self.warm.values())
+        self.warm.clear()
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait()
+            process.stdin.close()
 
 
 class WorkerGroup:

@@ -153,12 +153,14 @@ class Checkpointer:
             self.device_copy = compile_cache.load_or_compile(
                 "checkpoint_device_copy", lambda: device_copy.lower(abstract_state), config, (abstract_state,))
 
-    def save(self, step: int, state, data_state: dict) -> list[dict]:
+    def save(self, step: int, state, data_state: dict, commit_when: Callable[[], bool] | None = None) -> list[dict]:
         """Stage 1: blocks for the device->host copy (and for the previous save, if still writing);
         with `checkpoint.background_host_copy`, for a copy on the device only.
 
-        `data_state` is the data iterator's state after step `step`'s batch. Returns the records
-        of earlier saves that finished meanwhile (see `poll`)."""
+        `data_state` is the data iterator's state after step `step`'s batch. `commit_when` (with
+        background_host_copy): the background writer calls it before it writes, and abandons the
+        save when it says False (the step turned out non-finite, or the loop ended first).
+        Returns the records of earlier saves that finished meanwhile (see `poll`)."""
         start = time.perf_counter()
         finished = self.poll(wait=True)  # orbax would wait for it inside save() anyway
         waited = time.perf_counter()
@@ -171,7 +173,8 @@ class Checkpointer:
             self._pending = {"step": step, "start": start, "block_s": end - start, "dispatched": end,
                              "block_parts_s": {"previous_save": round(waited - start, 4),
                                                "dispatch": round(end - waited, 4)}}
-            self._saver = threading.Thread(target=self._save_in_background, args=(step, copy, sums, meta, data_state),
+            self._saver = threading.Thread(target=self._save_in_background,
+                                           args=(step, copy, sums, meta, data_state, commit_when),
                                            name=f"checkpoint-{step}", daemon=True)
             self._saver.start()
             return finished
@@ -203,7 +206,8 @@ class Checkpointer:
         # force: the cadence (incl. the last step) is the loop's checkpoint hook's.
         self.manager.save(step, args=args, force=True)
 
-    def _save_in_background(self, step: int, copy, sums, meta: dict, data_state: dict) -> None:
+    def _save_in_background(self, step: int, copy, sums, meta: dict, data_state: dict,
+                            commit_when: Callable[[], bool] | None) -> None:
         """The blocking stage's work, on a thread: orbax reads `copy`, which nothing donates.
         Records `background_parts_s`: until the device copy was ready (an upper bound on its device
         time: it includes finishing the step that produced the state), and orbax's save()."""
@@ -212,6 +216,9 @@ class Checkpointer:
             jax.block_until_ready(copy)
             copied = time.perf_counter()
             meta["checksums"] = _flat(jax.device_get(sums))
+            if commit_when is not None and not commit_when():
+                pending["error"] = f"abandoned: step {step} was not recorded finite"
+                return
             self._orbax_save(step, copy, meta, data_state)
             pending["background_parts_s"] = {"device_copy": round(copied - pending["dispatched"], 4),
                                              "host_copy": round(time.perf_counter() - copied, 4)}

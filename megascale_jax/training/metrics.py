@@ -4,8 +4,10 @@ Fetching a step's loss blocks the host until that step is done; doing it right a
 dispatch would leave the devices idle while the host logs and fetches the next batch. So the
 recorder holds step k's metrics (`push`) and fetches them only after step k+1 was dispatched,
 when k is done anyway. Steps that must be complete before the loop goes on — an evaluation, a
-checkpoint (never newer than the metrics on disk), a profiled step (traced alone), an interrupt —
-call `flush`, which records the held step at once.
+profiled step (traced alone), an interrupt, a save that copies on the host — call `flush`, which
+records the held step at once. A save in the background does not wait: it asks `finite` (a
+`FiniteSteps`) before it commits, so that nothing saved is newer than the metrics on disk or of a
+step whose loss was not seen finite, and the devices run on meanwhile.
 
 A record is `{step, loss, grad_norm, lr, step_time_s, tokens_per_s, mfu, data_wait_s}` plus
 `val_loss` when the step was evaluated. Step time is finish-to-finish, so it covers the whole
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import math
+import threading
 import time
 from typing import Callable
 
@@ -47,6 +50,48 @@ class NonFiniteStep(TrainingDiverged):
 THROUGHPUT_WINDOW = 8  # steps: short enough that a change of pace shows within a log interval
 
 
+class FiniteSteps:
+    """The steps the loop has recorded with a finite loss and gradient norm, for saves in the
+    background to wait on before they commit (saving.py). A non-finite step abandons the saves of
+    it and after it (the loop replays it: their states are not the ones it goes on from);
+    `close` (the loop ended) abandons those still waiting."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._through = 0  # recorded finite up to here
+        self._not_finite: list[int] = []  # every step found non-finite, in order
+        self._closed = False
+
+    def ticket(self, step: int) -> Callable[[], bool]:
+        """For a save of `step` dispatched now: a call that blocks until the loop has recorded
+        `step` and says whether it was finite (False: abandoned)."""
+        seen = len(self._not_finite)  # those before the save are history: their replays passed
+
+        def wait() -> bool:
+            with self._changed:
+                def abandoned():
+                    return any(bad <= step for bad in self._not_finite[seen:])
+                self._changed.wait_for(lambda: abandoned() or self._through >= step or self._closed)
+                return self._through >= step and not abandoned()
+        return wait
+
+    def recorded(self, step: int) -> None:
+        with self._changed:
+            self._through = max(self._through, step)
+            self._changed.notify_all()
+
+    def not_finite(self, step: int) -> None:
+        with self._changed:
+            self._not_finite.append(step)
+            self._through = min(self._through, step - 1)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+
 def itstime(step: int, every: int, last: int) -> bool:
     """The cadence of every periodic action: every `every` steps (0 = never) and at the last step."""
     return step == last or (every > 0 and step % every == 0)
@@ -60,6 +105,7 @@ class MetricsRecorder:
         self.tokens_per_step, self.mfu_per_token_s, self.lr_hint = tokens_per_step, mfu_per_token_s, lr_hint
         self.watch, self.evaluate, self.on_record = watch, evaluate, on_record
         self.held: tuple | None = None  # (step, metrics, data_wait) not fetched yet
+        self.finite = FiniteSteps()
         self.last_finish = time.perf_counter()
         self.recent_step_times: collections.deque[float] = collections.deque(maxlen=THROUGHPUT_WINDOW)
 
@@ -82,6 +128,7 @@ class MetricsRecorder:
         step_time = now - self.last_finish
         self.watch.phase(step, "step", time.time() - step_time, step_time)
         if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
+            self.finite.not_finite(step)
             raise NonFiniteStep(f"loss={values['loss']} grad_norm={values['grad_norm']} at step {step}: "
                                 f"training diverged; {self.lr_hint}", step,
                                 {"loss": values["loss"], "grad_norm": values["grad_norm"]})
@@ -102,5 +149,6 @@ class MetricsRecorder:
             self.watch.state("training", step)
         self.watch.record(record)
         self.on_record(record)
+        self.finite.recorded(step)  # after the record is written: a save waiting on it commits now
         if params is not None:
             self.last_finish = time.perf_counter()

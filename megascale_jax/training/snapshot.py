@@ -109,26 +109,30 @@ class Snapshots:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state, next_index: int, device_copy=None) -> float:
+    def save(self, step: int, state, next_index: int, device_copy=None,
+             commit_when: Callable[[], bool] | None = None) -> float:
         """Copy this process's shards of `state` (after step `step`) to host memory and hand them
         to the writer; returns the seconds it blocked (the previous write, the copy). With
         background_host_copy the copy is on the device and the writer copies it to the host;
         `device_copy`, a copy of `state` already made (the checkpoint's of the same step), is
-        used instead of making another."""
+        used instead of making another; `commit_when` is asked before the write, which is
+        abandoned when it says False (the step turned out non-finite, or the loop ended)."""
         start = time.perf_counter()
         self.wait()
         if self.cfg.checkpoint.background_host_copy:
             # dispatched: the next step may donate `state`, not `copy`
             copy = self._device_copy(state) if device_copy is None else device_copy
-            target, args = self._copy_and_write, (step, copy, next_index)
+            target, args = self._copy_and_write, (step, copy, next_index, commit_when)
         else:
             target, args = self._write, (step, *self._host_copy(step, state, next_index))
         self._writer = threading.Thread(target=target, args=args, daemon=True, name="snapshot-writer")
         self._writer.start()
         return time.perf_counter() - start
 
-    def _copy_and_write(self, step: int, copy, next_index: int) -> None:
-        self._write(step, *self._host_copy(step, copy, next_index))
+    def _copy_and_write(self, step: int, copy, next_index: int, commit_when: Callable[[], bool] | None) -> None:
+        shards, meta = self._host_copy(step, copy, next_index)
+        if commit_when is None or commit_when():
+            self._write(step, shards, meta)
 
     def _host_copy(self, step: int, state, next_index: int) -> tuple[list[np.ndarray], dict]:
         """This process's distinct shards of `state` in host memory, and the file's meta."""

@@ -57,8 +57,8 @@ KILL_DRIVER = textwrap.dedent("""
         if self._pending and self._pending["step"] == KILL_STEP:
             time.sleep(600)
         on_commit(self)
-    def save_then_die(self, step, state, data_state):
-        out = save(self, step, state, data_state)
+    def save_then_die(self, step, state, data_state, *rest):
+        out = save(self, step, state, data_state, *rest)
         if step == KILL_STEP:
             time.sleep(2)  # let the background thread write the data files
             os.kill(os.getpid(), signal.SIGKILL)
@@ -702,12 +702,12 @@ HOLD_DRIVER = textwrap.dedent("""
             while not os.path.exists(os.path.join(FLAGS, "GO")):
                 time.sleep(0.05)
         return get(self)
-    def held_save(self, step, state, data_state):
+    def held_save(self, step, state, data_state, *rest):
         if os.environ.get("HOLD_SAVE") and step == HOLD_STEP:
             open(os.path.join(FLAGS, "SAVING"), "w").close()
             for _ in range(6000):  # short sleeps: the signal handler runs between them, wherever
                 time.sleep(0.1)    # the kernel delivered the signal (main thread or another)
-        return save(self, step, state, data_state)
+        return save(self, step, state, data_state, *rest)
     data.Prefetcher.get, checkpoint.Checkpointer.save = held_get, held_save
     sys.exit(train.main(sys.argv[1:]))
 """)

@@ -112,3 +112,23 @@ def test_step_times_add_up_to_the_wall_when_writing_a_record_takes_time(monkeypa
     recorder.flush()
     assert sum(r["step_time_s"] for r in records[:9]) == pytest.approx(wall_to_step_9)
     assert records[9]["step_time_s"] == pytest.approx(0.5)
+
+
+def test_finite_steps_tickets_wait_for_their_step_and_abandon_only_what_was_not_finite():
+    """A background save's ticket (saving.py) says True once its step is recorded finite; a
+    non-finite step abandons the tickets of it and after it, not those before; a ticket taken
+    after a replay waits for the replayed step; close() abandons what still waits."""
+    from megascale_jax.training.metrics import FiniteSteps
+
+    finite = FiniteSteps()
+    before, bad, after = finite.ticket(15), finite.ticket(16), finite.ticket(17)
+    finite.recorded(15)
+    finite.not_finite(16)
+    assert before() is True and bad() is False and after() is False
+    replayed = finite.ticket(16)
+    finite.recorded(16)
+    assert replayed() is True
+    waiting = finite.ticket(20)
+    finite.recorded(19)
+    finite.close()
+    assert waiting() is False and finite.ticket(18)() is True

@@ -197,8 +197,8 @@ KILL_AFTER_SNAPSHOT = textwrap.dedent("""
     from megascale_jax import train
     from megascale_jax.training import snapshot
     save = snapshot.Snapshots.save
-    def save_then_die(self, step, state, next_index, device_copy=None):
-        blocked = save(self, step, state, next_index, device_copy)
+    def save_then_die(self, step, state, next_index, *rest):
+        blocked = save(self, step, state, next_index, *rest)
         if step == int(os.environ["KILL_STEP"]):
             self.wait()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -304,6 +304,7 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     not two (only when a snapshot is due and no layer permutation tells the two states apart),
     and the snapshot still holds the state as it was, bitwise, after updates donated it."""
     from megascale_jax.training import saving
+    from megascale_jax.training.metrics import FiniteSteps
     from megascale_jax.training.observers import LoopObserver
     from megascale_jax.training.progress import StartupClock
 
@@ -314,6 +315,7 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     want = host_copy(state)
 
     class Recorder:
+        finite = FiniteSteps()
         def flush(self, params=None): pass
         def restart_clock(self): pass
 
@@ -321,7 +323,8 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     copies = []  # every device copy, the checkpoint's and the snapshots' own
     copy = saves.ckpt.device_copy
     saves.ckpt.device_copy = saves.snapshots._device_copy = lambda s: copies.append(1) or copy(s)
-    saves.begin(0, 0, Recorder(), LoopObserver())
+    saves.begin(0, 100, 0, Recorder(), LoopObserver())
+    Recorder.finite.recorded(4)  # the loop saw steps 2 and 4 finite
     saves.checkpoint(2, random_state(mesh, 2))  # no snapshot due at step 2: its copy is not kept
     assert saves.checkpoint_copy is None and len(copies) == 1
     saves.checkpoint(4, state)
@@ -336,3 +339,50 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     assert meta["step"] == 4
     for k in want:
         np.testing.assert_array_equal(host_copy(restored)[k], want[k])
+
+
+def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, capsys):
+    """background_host_copy: the checkpoint and snapshot hooks do not wait for their step (no
+    flush: the devices run on), their writers commit once the loop recorded the step finite, a
+    step found non-finite is never saved (the loop replays it), and the last step is recorded
+    before its save, as every step once was."""
+    from megascale_jax.training import saving
+    from megascale_jax.training.metrics import FiniteSteps
+    from megascale_jax.training.observers import LoopObserver
+    from megascale_jax.training.progress import StartupClock
+
+    cfg = cfg_with("checkpoint.background_host_copy=true", "checkpoint.every=2", "checkpoint.memory_every=2",
+                   f"checkpoint.dir={tmp_path / 'ckpt'}", f"checkpoint.memory_dir={tmp_path / 'ram'}")
+    mesh = make_mesh(cfg.mesh)
+
+    class Recorder:
+        finite, flushed = FiniteSteps(), []
+        def flush(self, params=None): self.flushed.append(True)
+        def restart_clock(self): pass
+
+    recorder = Recorder()
+    saves = saving.Saves(cfg, str(tmp_path), lambda s: s, abstract(random_state(mesh, 0)), print, StartupClock())
+    saves.begin(0, 6, 0, recorder, LoopObserver())
+
+    def committed():
+        return run_dirs.committed_steps(saves.ckpt.directory), sorted(saves.snapshots._own_steps())
+
+    def save(step):
+        saves.checkpoint(step, random_state(mesh, step))
+        saves.snapshot(step, random_state(mesh, step))
+
+    save(2)
+    assert recorder.flushed == [] and committed() == ([], [])  # the writers wait for step 2's record
+    recorder.finite.recorded(2)
+    saves.ckpt.poll(wait=True)
+    saves.snapshots.wait()
+    assert committed() == ([2], [2])
+    save(4)
+    recorder.finite.not_finite(4)
+    saves.ckpt.poll(wait=True)
+    saves.snapshots.wait()
+    assert committed() == ([2], [2])
+    assert "checkpoint at step 4 not saved: abandoned: step 4 was not recorded finite" in capsys.readouterr().out
+    saves.checkpoint(6, random_state(mesh, 6))  # the last step: recorded first, no ticket
+    saves.close()
+    assert recorder.flushed == [True] and committed()[0] == [2, 6]
