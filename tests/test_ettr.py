@@ -86,6 +86,18 @@ def test_the_budget_names_where_the_unproductive_wall_went(run):
     assert b["recovery_before_relaunch_s"] == 5.5  # 3 + 2.5 of the 32 s: detection and diagnostics
 
 
+def test_saves_in_the_background_block_within_their_steps_not_between_them(run):
+    """With checkpoint.background_host_copy the saves' blocking is inside the steps' time (the
+    loop runs on while the step is on the devices): reported, not subtracted again."""
+    run_dir, events = run
+    (run_dir / "config.yaml").write_text("checkpoint:\n  background_host_copy: true\n")
+    b = ettr.budget(str(run_dir), T, 400.0, 300.0, ettr.consequences(events), step_s=2.0)
+    assert (b["checkpoint_blocking_s"], b["snapshot_blocking_s"]) == (0.0, 0.0)
+    assert b["blocking_within_steps_s"] == 2.0 + 21 * 0.25
+    assert b["other_s"] == pytest.approx(400 - 300 - 40 - 29.5 - 4)
+    assert sum(b["share_of_wall"].values()) == pytest.approx(1.0)
+
+
 def test_a_run_without_a_started_event_or_checkpoints_still_has_a_budget(tmp_path):
     write_run(tmp_path, [{"time": T + 10, "kind": "done"}], [], [{"step": 1, "step_time_s": 1.0, "loss": 1.0}])
     b = ettr.budget(str(tmp_path), T, 10.0, 1.0, [], step_s=1.0)
@@ -173,10 +185,13 @@ def test_what_the_faults_cost_and_the_fault_rate_each_target_allows():
     """Reference: 990 s of steps in 1000 s of wall (ETTR 99%). Drilled: 900 s in 1000 s with 4
     faults: 90 s lost beyond the reference's 10 s, 22.5 s per fault. ETTR >= 97% leaves the faults
     2% of the wall: one every 22.5 / 0.02 = 1125 s; >= 95%, 4%: every 562.5 s. With a fault every
-    120-300 s (210 s on average) from start to end: 99% - 22.5 / 210."""
-    reference = {"wall_s": 1000.0, "productive_s": 990.0, "ettr": 0.99, "final_loss": 2.0}
-    result = {"wall_s": 1000.0, "productive_s": 900.0, "faults_fired": 4, "final_loss": 2.0, "fault_every_s": [120, 300]}
+    120-300 s (210 s on average) from start to end: 99% - 22.5 / 210. Goodput: the drilled run's
+    1500 steps at the reference's 0.6 s median in its 1000 s of wall."""
+    reference = {"wall_s": 1000.0, "productive_s": 990.0, "ettr": 0.99, "final_loss": 2.0, "step_s_median": 0.6}
+    result = {"wall_s": 1000.0, "productive_s": 900.0, "faults_fired": 4, "final_loss": 2.0, "fault_every_s": [120, 300],
+              "steps": 1500}
     got = ettr.compare(result, reference)
+    assert got["goodput"] == pytest.approx(0.9)
     assert got["final_loss_equal"] and got["fault_cost_s"] == pytest.approx(90.0)
     assert got["fault_cost_per_fault_s"] == pytest.approx(22.5)
     assert got["mtbf_for_97_s"] == pytest.approx(1125.0) and got["mtbf_for_95_s"] == pytest.approx(562.5)

@@ -38,7 +38,10 @@ import sys
 import tempfile
 import time
 
+import yaml
+
 from bench.common import Bench
+from megascale_jax import run_dir as run_dirs
 
 KINDS = ("kill", "stop", "slow", "faulty", "host", "redis", "corrupt", "nan")
 RANKLESS = ("redis", "corrupt")
@@ -255,10 +258,14 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     saves = read_jsonl(saves_path) if os.path.exists(saves_path) else []
     snapshots_path = os.path.join(run_dir, "snapshots.jsonl")
     started_at = every_rank_training_at(started) or (started and started["time"])
+    blocking = {"checkpoint_blocking_s": sum(s["block_s"] for s in saves),
+                "snapshot_blocking_s": sum(s["block_s"] for s in read_jsonl(snapshots_path))
+                if os.path.exists(snapshots_path) else 0.0}
+    # Saves in the background block while their step still runs on the devices: that is inside
+    # the step's time (training/saving.py), not a loss to subtract again.
+    within_steps = saves_block_within_steps(run_dir)
     parts = {"startup_s": started_at - start if started else None,
-             "checkpoint_blocking_s": sum(s["block_s"] for s in saves),
-             "snapshot_blocking_s": sum(s["block_s"] for s in read_jsonl(snapshots_path))
-             if os.path.exists(snapshots_path) else 0.0,
+             **({k: 0.0 for k in blocking} if within_steps else blocking),
              "recovery_s": sum((r["training_s"] if r.get("training_s") is not None else r.get("resumed_s")) or 0.0
                                for r in rows),
              "undrilled_faults_s": sum(f["resumed_s"] or 0.0 for f in undrilled_faults(events)),
@@ -266,9 +273,20 @@ def budget(run_dir: str, start: float, wall: float, busy: float, rows: list[dict
     parts["other_s"] = wall - busy - sum(v or 0.0 for v in parts.values())
     return {**parts, "share_of_wall": {k.removesuffix("_s"): None if v is None else v / wall
                                        for k, v in {"productive_s": busy, **parts}.items()},
+            "blocking_within_steps_s": sum(blocking.values()) if within_steps else 0.0,
             "recovery_before_relaunch_s": sum(r.get("relaunched_s") or 0.0 for r in rows),
             "checkpoints": len(saves), "checkpoint_block_s_median": statistics.median(s["block_s"] for s in saves)
             if saves else None}
+
+
+def saves_block_within_steps(run_dir: str) -> bool:
+    """Whether the run's saves copy on the device and commit in the background
+    (`checkpoint.background_host_copy`): their blocking is then inside the steps' time."""
+    path = run_dirs.config_path(run_dir)
+    if not os.path.exists(path):
+        return False
+    with open(path) as f:
+        return bool((yaml.safe_load(f).get("checkpoint") or {}).get("background_host_copy"))
 
 
 def run_reference(nprocs: int, job: list[str], work: str) -> dict:
@@ -280,6 +298,7 @@ def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     # the detector's false-positive count over a run as long as the drilled one.
     alarms = undrilled_faults(read_jsonl(os.path.join(run_dir, "events.jsonl")))
     reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"],
+                 "steps": len(records), "step_s_median": step_s, "goodput": len(records) * step_s / wall,
                  "false_alarms": alarms, "budget": budget(run_dir, start, wall, busy, [], step_s)}
     print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(alarms)} false alarms",
           flush=True)
@@ -298,7 +317,11 @@ def compare(result: dict, reference: dict) -> dict:
         return per_fault / headroom if headroom > 0 else None
     # A run can outlast its fault schedule (drills planned over --minutes, steps slower than
     # planned): ETTR at the schedule's mean interval, for the whole run, from the measured costs.
-    return {"reference": reference, "final_loss_equal": final == reference["final_loss"],
+    # ETTR counts a slowed step as productive; goodput charges every step the fault-free run's
+    # median step: what a user gets, in steps, per second of wall (both runs, on the same clock).
+    goodput = {"goodput": result["steps"] * reference["step_s_median"] / result["wall_s"]} \
+        if "step_s_median" in reference else {}
+    return {"reference": reference, "final_loss_equal": final == reference["final_loss"], **goodput,
             "ettr_at_mean_fault_interval": reference["ettr"] - per_fault / mean_fault_interval_s(result),
             "final_loss_rel_diff": abs(final - reference["final_loss"]) / abs(final),
             "fault_cost_s": lost, "fault_cost_per_fault_s": per_fault,
@@ -350,7 +373,8 @@ def summary_of_comparison(result: dict) -> str:
             f"(equal: {result['final_loss_equal']}, relative difference {result['final_loss_rel_diff']:.2e}); "
             f"faults cost {result['fault_cost_per_fault_s']:.1f}s of wall each; {at(95)}; {at(97)}; "
             f"ETTR {result['ettr_at_mean_fault_interval']:.1%} with a fault every {mean_fault_interval_s(result) / 60:.1f} min "
-            "from start to end")
+            "from start to end" + (f"; goodput {result['goodput']:.1%} vs {result['reference']['goodput']:.1%} fault-free "
+                                   "(steps x the fault-free median step / wall)" if "goodput" in result else ""))
 
 
 def main(argv=None) -> int:

@@ -10,8 +10,10 @@ Three rules tie them to the loop:
   gives up if the step was not finite. Waiting for the step in the loop instead (`recorder.flush`,
   as host-copying saves and the last step's do) drained the devices at every save: ~16 ms each,
   0.44% of the ETTR drill's wall with a save every 5 steps;
-* a save's blocking is not the next step's time (`recorder.restart_clock` after it): tokens/s and
-  MFU stay the training's, and ETTR (the ETTR bench) counts the blocking as the overhead it is;
+* a save's blocking is not the next step's time (`recorder.restart_clock` after a save that
+  recorded its step first): tokens/s and MFU stay the training's, and ETTR (the ETTR bench)
+  counts the blocking as the overhead it is. A save in the background blocks while its step still
+  runs on the devices: that is inside the step's time, and the clock goes on;
 * the data position saved is the step's, counted from the start (`data_state`), never the
   prefetcher's, which runs ahead (and a replayed step fetched ahead again).
 Checkpoints hold the canonical layer order (`to_canonical`), snapshots the stored one.
@@ -110,7 +112,8 @@ class Saves:
         self.watch.phase(step, "checkpoint", t_save, time.time() - t_save)
         self.watch.state("training", step)
         self.saved_step = step
-        self.recorder.restart_clock()
+        if commit_when is None:
+            self.recorder.restart_clock()
 
     def snapshot(self, step: int, state) -> None:
         # Also at a checkpoint's step: a restart then reads RAM (or a peer's copy), not the disk.
@@ -122,7 +125,8 @@ class Saves:
         self.watch.phase(step, "snapshot", wall, block_s)
         if self.is_main:
             run_dirs.append_jsonl(run_dirs.snapshots_path(self.run_dir), [{"step": step, "block_s": round(block_s, 4)}])
-        self.recorder.restart_clock()
+        if commit_when is None:
+            self.recorder.restart_clock()
 
     def _before_save(self, step: int):
         """What a save of `step` waits on before it commits (see the module's first rule): a

@@ -343,9 +343,9 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
 
 def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, capsys):
     """background_host_copy: the checkpoint and snapshot hooks do not wait for their step (no
-    flush: the devices run on), their writers commit once the loop recorded the step finite, a
-    step found non-finite is never saved (the loop replays it), and the last step is recorded
-    before its save, as every step once was."""
+    flush: the devices run on, and the step's clock with them), their writers commit once the loop
+    recorded the step finite, a step found non-finite is never saved (the loop replays it), and
+    the last step is recorded before its save, as every step once was."""
     from megascale_jax.training import saving
     from megascale_jax.training.metrics import FiniteSteps
     from megascale_jax.training.observers import LoopObserver
@@ -356,9 +356,9 @@ def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, cap
     mesh = make_mesh(cfg.mesh)
 
     class Recorder:
-        finite, flushed = FiniteSteps(), []
+        finite, flushed, clock_restarts = FiniteSteps(), [], []
         def flush(self, params=None): self.flushed.append(True)
-        def restart_clock(self): pass
+        def restart_clock(self): self.clock_restarts.append(True)
 
     recorder = Recorder()
     saves = saving.Saves(cfg, str(tmp_path), lambda s: s, abstract(random_state(mesh, 0)), print, StartupClock())
@@ -385,4 +385,4 @@ def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, cap
     assert "checkpoint at step 4 not saved: abandoned: step 4 was not recorded finite" in capsys.readouterr().out
     saves.checkpoint(6, random_state(mesh, 6))  # the last step: recorded first, no ticket
     saves.close()
-    assert recorder.flushed == [True] and committed()[0] == [2, 6]
+    assert recorder.flushed == [True] and recorder.clock_restarts == [True] and committed()[0] == [2, 6]
