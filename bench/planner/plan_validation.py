@@ -49,7 +49,12 @@ def main(argv=None) -> int:
     split = published.llama3_split(calibration.gpu("h100-sxm", held_out="llama3_2024"))
     print("\nLlama 3's two 8K rows as t·(M + (PP-1)/V) + C (the paper's bubble): t one microbatch, C once per iteration")
     print(f"  published: t {split['published_microbatch_s']:.3f} s, C {split['published_per_iteration_s']:.3f} s; "
-          f"planner: t {split['planner_microbatch_s']:.3f} s, C {split['planner_per_iteration_s']:.3f} s")
+          f"planner's compute: t {split['planner_microbatch_s']:.3f} s")
+    print("  the planner's dp link (FSDP's sharded gradients: an fp32 reduce-scatter every microbatch, from the first gradient on)")
+    for r in split["planner_dp_link"]:
+        print(f"  {r['gpus']:>6} GPUs: first gradient {r['first_gradient_s']:.2f} s + reduce-scatters {r['reduce_scatter_s']:.2f} s"
+              f" + pipeline sends {r['pp_sends_s']:.2f} s = link ends {r['end_s']:.2f} s; compute ends {r['compute_end_s']:.2f} s;"
+              f" iteration {r['iteration_s']:.2f} s")
     pairs = published.megascale_equal_work_pairs()
     print("\nMegaScale Table 2 rows with the same work per GPU at 8x the dp (the planner prices each pair alike)")
     for r in pairs:

@@ -18,7 +18,10 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   compute cannot hide.
 * dp: the gradient reduction over dp (a reduce-scatter and the parameters' all-gather with
   ZeRO-1), over the NICs once a dp group leaves the node, minus what overlaps one microbatch's
-  backward when the reduction runs inside the backward.
+  backward when the reduction runs inside the backward. With gradients kept sharded across the
+  microbatches (`reduce_scatter_every_microbatch`, Llama 3's FSDP) every microbatch
+  reduce-scatters its gradients; that traffic runs on the link's own timeline from the stage's
+  first gradient on (`sharded_gradient_nic`), and dp is what it runs past the stage's compute.
 * optimizer: one memory-bound pass over its share of parameters, gradients and moments.
 * data: 0 — the loader prefetches on the host, off the step's critical path; this model charges
   nothing for it.
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from megascale_jax import pipeline_schedule
 from megascale_jax.model import flops
 from megascale_jax.planner import costs, traffic
 from megascale_jax.planner.calibration import Gpu
@@ -127,7 +131,9 @@ def gradient_accumulation_s(params: float, w: Workload, gpu: Gpu) -> float:
       the fp32 main_grad; 2 × 4 bytes is the traffic common to both (the hook also reads the
       fp16/bf16 param.grad, not counted here: a lower bound).
     * Llama 3: "FP32 gradient accumulation during backward computation over multiple
-      micro-batches" (§3.3.2).
+      micro-batches" (§3.3.2). Its gradients stay sharded (`reduce_scatter_every_microbatch`), so
+      the add goes into a 1/dp shard, but the same 8 bytes per parameter cross HBM: the fp32
+      gradient written for the reduce-scatter and read back by it.
     The GEMMs cannot hide it: it runs after (or in the epilogue of) the GEMM that produces the
     gradient, on the same stream, and it is bound by the HBM bandwidth (datasheet). 0 where the
     step has no accumulator (`Workload.grad_accumulator`)."""
@@ -199,6 +205,14 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     if w.dp == 1:
         return 0.0
     link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
+    if w.reduce_scatter_every_microbatch:
+        # The gradients are reduce-scattered every microbatch, priced on the link's own timeline
+        # (`sharded_gradient_nic`, in `predict`); here only the parameters' all-gather, once per
+        # step: chunk by chunk before each chunk's first forward ("chunks"), the first chunk's exposed.
+        gather = costs.ring_all_gather_s(stage_params(w) * w.param_bytes, w.dp, link)
+        if w.dp_overlap == "chunks":
+            return gather / w.virtual + costs.exposed_s(gather - gather / w.virtual, compute_s)
+        return gather
     grads = stage_params(w) * w.grad_bytes
     if w.zero1:
         reduce = costs.ring_all_gather_s(grads, w.dp, link)
@@ -212,6 +226,68 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     if w.dp_overlap == "backward":
         return costs.exposed_s(reduce, backward_s) + gather
     return reduce + gather
+
+
+def gradient_params(w: Workload, stage: int) -> float:
+    """Parameters whose gradients stage `stage` reduces over dp, per GPU: its layers (the last
+    stage's `last_stage_layers` where the split gives it fewer) and the LM head on the last stage
+    (both edges on every stage with `edge_on_every_stage`), split over tp."""
+    last = stage == w.pp - 1
+    layers = w.last_stage_layers if last and w.last_stage_layers is not None else w.layers // w.pp
+    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
+    return layers * flops.layer_params_per_device(model_config(w), w.tp) + edge / w.tp
+
+
+def sharded_gradient_nic(w: Workload, gpu: Gpu, chunk_forward_s: float, chunk_backward_s: float) -> dict:
+    """The dp link's timeline when gradients stay sharded across microbatches
+    (`reduce_scatter_every_microbatch`): every chunk's backward of every microbatch reduce-scatters
+    that chunk's gradients over dp, G/v bytes with G = `gradient_params` · grad bytes, a ring
+    reduce-scatter each (`costs.ring_all_gather_s`: (dp−1)/dp · G/v / β + (dp−1)·α).
+
+    Mechanism. With sharded gradients a GPU holds only its 1/dp shard, so each microbatch's
+    gradients must be reduced before they are added to it (PyTorch FSDP: reduce-scattering per
+    microbatch "incurs the collective per microbatch backward but saves gradient memory (storing
+    the sharded gradients)", pytorch/pytorch#126166; ZeRO-2, Rajbhandari et al. 2020, §5.2). Llama 3
+    §3.3.2: "Our use of FSDP for Llama 3 shards optimizer states and gradients", "reduce-scatter
+    gradients in FP32 across data parallel workers in FSDP". The reduce-scatters run on their own
+    stream, behind the compute, but one link carries them all, in series, and none can start
+    before the stage's first gradient exists:
+
+        end(s) = max(first(s) + m·v·RS(s) + sends(s),  last(s) + RS(s))
+
+    first(s) / last(s): the end of stage s's first / last backward tick on the lockstep timeline of
+    the schedule's own table (a tick costs `chunk_forward_s` if any stage runs a forward in it, plus
+    `chunk_backward_s` if any runs a backward, as `costs.bubble_fraction` counts them); sends(s):
+    the pipeline sends stage s makes from its first gradient on (boundary bytes / β each), when
+    they leave over the same link (pp across nodes, as dp). Returns the latest stage's times:
+    {first_gradient_s, reduce_scatter_s (m·v·RS), pp_sends_s, end_s, stage}."""
+    link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
+    pp_link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    send = traffic.boundary_bytes(w) / link.bandwidth if w.pp > 1 and pp_link == link else 0.0
+    if w.pp == 1:  # microbatches one after another: the first gradient after one forward and backward
+        order = [((True,), (False,), None, None), ((False,), (True,), None, None)] * w.microbatches
+    else:
+        table = pipeline_schedule.build(w.schedule, w.pp, w.virtual, w.microbatches)
+        order = list(zip(table.forward, table.backward, table.forward, table.backward))
+    chunks = w.pp * w.virtual
+    latest = None
+    for s in range(w.pp):
+        rs = costs.ring_all_gather_s(gradient_params(w, s) * w.grad_bytes / w.virtual, w.dp, link)
+        elapsed, first, last, sends = 0.0, None, None, 0
+        for fwd, bwd, works_f, works_b in order:
+            elapsed += chunk_forward_s * any(fwd) + chunk_backward_s * any(bwd)
+            if bwd[s]:
+                first = elapsed if first is None else first
+                last = elapsed
+            if first is not None and works_f is not None:  # this tick's sends, the model's two ends excepted
+                f, b = works_f[s], works_b[s]
+                sends += (f is not None and f.chunk * w.pp + s != chunks - 1) + (b is not None and b.chunk * w.pp + s != 0)
+        reduce_scatter = w.microbatches * w.virtual * rs
+        end = max(first + reduce_scatter + sends * send, last + rs)
+        if latest is None or end > latest["end_s"]:
+            latest = {"first_gradient_s": first, "reduce_scatter_s": reduce_scatter, "pp_sends_s": sends * send,
+                      "end_s": end, "stage": s}
+    return latest
 
 
 def predict(w: Workload, gpu: Gpu) -> Prediction:
@@ -239,6 +315,13 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     bubble = (compute + tp) * bubble_share / (1 - bubble_share)
     pp = pp_s(w, gpu, (per_microbatch + stage_layers * tp_exposed) / w.virtual)
     dp = dp_s(w, gpu, stage_layers * t["backward"], compute)
+    if w.reduce_scatter_every_microbatch and w.dp > 1:
+        # the link's timeline against the stage's: what it runs past the lockstep end is exposed
+        busy = compute + tp
+        f, b = t["forward"], t["backward"] + t["recompute"]
+        chunk = busy / (m * w.virtual)
+        nic = sharded_gradient_nic(w, gpu, chunk * f / (f + b), chunk * b / (f + b))
+        dp += costs.exposed_s(nic["end_s"], busy + bubble + pp)
     optimizer = costs.hbm_s(stage_params(w) / (w.dp if w.zero1 else 1) * OPTIMIZER_BYTES_PER_PARAM, gpu)
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}

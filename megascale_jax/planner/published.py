@@ -34,7 +34,7 @@ import dataclasses
 
 from megascale_jax.model import flops
 from megascale_jax.planner import calibration
-from megascale_jax.planner.predict import predict
+from megascale_jax.planner.predict import layer_times, predict, sharded_gradient_nic
 from megascale_jax.planner.workload import Workload, model_config
 
 SEQ, VOCAB = 2048, 51200
@@ -235,7 +235,12 @@ def llama3_workload(gpus: int, dp: int, per_replica: int) -> Workload:
     reduced chunk by chunk), no activation recomputation, one layer fewer on the first and last
     stage (126 layers as 16 stages of 8 slots, the embedding and the head in the freed slots).
     Asynchronous pipeline sends ("we adopt asynchronous point-to-point communication in PP", §3.3.2)
-    and fp32 gradient reduce-scatter ("reduce-scatter gradients in FP32", same section).
+    and fp32 gradient reduce-scatter ("reduce-scatter gradients in FP32", same section), every
+    microbatch: FSDP keeps the gradients sharded ("Our use of FSDP for Llama 3 shards optimizer
+    states and gradients, but for model shards we do not reshard after forward computation",
+    same section), so each microbatch's fp32 gradients are reduce-scattered over dp and added to
+    the shard ("FP32 gradients accumulation during backward computation over multiple
+    micro-batches"), and the parameters are gathered once (`predict.sharded_gradient_nic`).
     Not stated, chosen: one sequence per microbatch, 8 virtual stages (one layer per chunk, as the
     paper's "first chunk holds only the embedding" implies), fused attention, sequence
     parallelism without tp overlap."""
@@ -246,7 +251,8 @@ def llama3_workload(gpus: int, dp: int, per_replica: int) -> Workload:
         global_batch=dp * per_replica, gpus=gpus, tp=8, pp=16, virtual=8, microbatches=per_replica,
         schedule="interleaved_1f1b", recompute="none", sequence_parallel=True, zero1=True, fused_attention=True,
         tp_overlap=False, pp_async=True, pp_split_over_tp=True, edge_on_every_stage=False, dp_overlap="chunks",
-        activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7)
+        activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7,
+        reduce_scatter_every_microbatch=True)
 
 
 def palm_flops_per_token(params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
@@ -294,10 +300,23 @@ def llama3_split(gpu: calibration.Gpu) -> dict:
     t = (it1 - it2) / (m1 - m2)
     p = predict(w1, gpu).breakdown
     planner_t = (p["compute"] + p["tp"]) / m1
+    # the dp link's timeline (sharded gradients: a reduce-scatter per microbatch), for both rows
+    links = []
+    for w in (w1, w2):
+        pred = predict(w, gpu)
+        busy = pred.breakdown["compute"] + pred.breakdown["tp"]
+        layer = layer_times(w, gpu)
+        f, b = layer["forward"], layer["backward"] + layer["recompute"]
+        chunk = busy / (w.microbatches * w.virtual)
+        nic = sharded_gradient_nic(w, gpu, chunk * f / (f + b), chunk * b / (f + b))
+        links.append({"gpus": w.gpus, "compute_end_s": round(busy + pred.breakdown["bubble"] + pred.breakdown["pp"], 3),
+                      **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in nic.items()},
+                      "iteration_s": round(pred.iteration_s, 3)})
     return {"published_iteration_s": [round(it1, 3), round(it2, 3)],
             "published_microbatch_s": round(t, 4), "published_per_iteration_s": round(it1 - t * (m1 + tail), 3),
             "planner_microbatch_s": round(planner_t, 4),
-            "planner_per_iteration_s": round(p["dp"] + p["optimizer"] + p["pp"] + p["data"], 3)}
+            "planner_per_iteration_s": round(p["dp"] + p["optimizer"] + p["pp"] + p["data"], 3),
+            "planner_dp_link": links}
 
 
 def sc21_rows(gpu: calibration.Gpu) -> list[dict]:

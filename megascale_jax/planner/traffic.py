@@ -101,11 +101,15 @@ def dp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
     gather(P · param bytes). With `dp_reduce_per_microbatch` (a runtime that leaves the reduction
     to GSPMD inside the accumulation loop, as this project did at pp = 1 before
     parallel/microbatches.py) each of the m microbatches all-reduces its gradients, ZeRO-1 or not,
-    and ZeRO-1 adds the parameters' all-gather."""
+    and ZeRO-1 adds the parameters' all-gather. With `reduce_scatter_every_microbatch` (sharded
+    gradients, Llama 3's FSDP) each of the m microbatches reduce-scatters its gradients,
+    m · gather(P · grad bytes), and the parameters are gathered once, gather(P · param bytes)."""
     if w.dp == 1:
         return {"gradients": 0.0, "parameters": 0.0}
     params = stage_params(w) if params is None else params  # given: the exact count one device holds
     grads = params * w.grad_bytes
+    if w.reduce_scatter_every_microbatch:
+        return {"gradients": w.microbatches * gather(grads, w.dp), "parameters": gather(params * w.param_bytes, w.dp)}
     if w.dp_reduce_per_microbatch:
         return {"gradients": w.microbatches * all_reduce(grads, w.dp),
                 "parameters": gather(params * w.param_bytes, w.dp) if w.zero1 else 0.0}

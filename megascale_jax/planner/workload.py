@@ -70,6 +70,12 @@ class Workload:
     # main_grad, Llama 3's FP32 accumulation; predict.gradient_accumulation_s); False where the
     # step has none (this project at one GPU and one microbatch: jax.value_and_grad directly)
     grad_accumulator: bool = True
+    # Gradients kept sharded over dp across the microbatches (FSDP/ZeRO-2 without no_sync): each
+    # microbatch's backward reduce-scatters its weight gradients, chunk by chunk, and adds its 1/dp
+    # shard into the fp32 accumulator, instead of accumulating the whole gradient and reducing it
+    # once per step. Llama 3 §3.3.2: "Our use of FSDP for Llama 3 shards optimizer states and
+    # gradients"; the NIC that carries them then paces the step (predict.sharded_gradient_nic)
+    reduce_scatter_every_microbatch: bool = False
 
     @property
     def dp(self) -> int:
