@@ -265,22 +265,22 @@ def sharded_gradient_nic(w: Workload, gpu: Gpu, chunk_forward_s: float, chunk_ba
     pp_link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
     send = traffic.boundary_bytes(w) / link.bandwidth if w.pp > 1 and pp_link == link else 0.0
     if w.pp == 1:  # microbatches one after another: the first gradient after one forward and backward
-        order = [((True,), (False,), None, None), ((False,), (True,), None, None)] * w.microbatches
+        order = [((True,), (None,)), ((None,), (True,))] * w.microbatches
     else:
         table = pipeline_schedule.build(w.schedule, w.pp, w.virtual, w.microbatches)
-        order = list(zip(table.forward, table.backward, table.forward, table.backward))
+        order = list(zip(table.forward, table.backward))
     chunks = w.pp * w.virtual
     latest = None
     for s in range(w.pp):
         rs = costs.ring_all_gather_s(gradient_params(w, s) * w.grad_bytes / w.virtual, w.dp, link)
         elapsed, first, last, sends = 0.0, None, None, 0
-        for fwd, bwd, works_f, works_b in order:
+        for fwd, bwd in order:
             elapsed += chunk_forward_s * any(fwd) + chunk_backward_s * any(bwd)
             if bwd[s]:
                 first = elapsed if first is None else first
                 last = elapsed
-            if first is not None and works_f is not None:  # this tick's sends, the model's two ends excepted
-                f, b = works_f[s], works_b[s]
+            if first is not None and w.pp > 1:  # this tick's sends, the model's two ends excepted
+                f, b = fwd[s], bwd[s]
                 sends += (f is not None and f.chunk * w.pp + s != chunks - 1) + (b is not None and b.chunk * w.pp + s != 0)
         reduce_scatter = w.microbatches * w.virtual * rs
         end = max(first + reduce_scatter + sends * send, last + rs)
@@ -288,6 +288,14 @@ def sharded_gradient_nic(w: Workload, gpu: Gpu, chunk_forward_s: float, chunk_ba
             latest = {"first_gradient_s": first, "reduce_scatter_s": reduce_scatter, "pp_sends_s": sends * send,
                       "end_s": end, "stage": s}
     return latest
+
+
+def sharded_gradient_link(w: Workload, gpu: Gpu, t: dict, busy_s: float) -> dict:
+    """`sharded_gradient_nic` for a stage whose compute (and tp) takes `busy_s`: its chunk ticks
+    split in the proportion of a layer's forward (`t`, `layer_times`) to its backward with recompute."""
+    f, b = t["forward"], t["backward"] + t["recompute"]
+    chunk = busy_s / (w.microbatches * w.virtual)
+    return sharded_gradient_nic(w, gpu, chunk * f / (f + b), chunk * b / (f + b))
 
 
 def predict(w: Workload, gpu: Gpu) -> Prediction:
@@ -318,10 +326,7 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     if w.reduce_scatter_every_microbatch and w.dp > 1:
         # the link's timeline against the stage's: what it runs past the lockstep end is exposed
         busy = compute + tp
-        f, b = t["forward"], t["backward"] + t["recompute"]
-        chunk = busy / (m * w.virtual)
-        nic = sharded_gradient_nic(w, gpu, chunk * f / (f + b), chunk * b / (f + b))
-        dp += costs.exposed_s(nic["end_s"], busy + bubble + pp)
+        dp += costs.exposed_s(sharded_gradient_link(w, gpu, t, busy)["end_s"], busy + bubble + pp)
     optimizer = costs.hbm_s(stage_params(w) / (w.dp if w.zero1 else 1) * OPTIMIZER_BYTES_PER_PARAM, gpu)
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}

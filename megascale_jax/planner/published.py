@@ -34,7 +34,7 @@ import dataclasses
 
 from megascale_jax.model import flops
 from megascale_jax.planner import calibration
-from megascale_jax.planner.predict import layer_times, predict, sharded_gradient_nic
+from megascale_jax.planner.predict import layer_times, predict, sharded_gradient_link
 from megascale_jax.planner.workload import Workload, model_config
 
 SEQ, VOCAB = 2048, 51200
@@ -305,10 +305,7 @@ def llama3_split(gpu: calibration.Gpu) -> dict:
     for w in (w1, w2):
         pred = predict(w, gpu)
         busy = pred.breakdown["compute"] + pred.breakdown["tp"]
-        layer = layer_times(w, gpu)
-        f, b = layer["forward"], layer["backward"] + layer["recompute"]
-        chunk = busy / (w.microbatches * w.virtual)
-        nic = sharded_gradient_nic(w, gpu, chunk * f / (f + b), chunk * b / (f + b))
+        nic = sharded_gradient_link(w, gpu, layer_times(w, gpu), busy)
         links.append({"gpus": w.gpus, "compute_end_s": round(busy + pred.breakdown["bubble"] + pred.breakdown["pp"], 3),
                       **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in nic.items()},
                       "iteration_s": round(pred.iteration_s, 3)})

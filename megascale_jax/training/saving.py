@@ -8,8 +8,9 @@ Three rules tie them to the loop:
   copies on the device (`checkpoint.background_host_copy`) dispatches the copy and lets the loop
   go on; its background writer waits for the record (`recorder.finite`) before it commits, and
   gives up if the step was not finite. Waiting for the step in the loop instead (`recorder.flush`,
-  as host-copying saves and the last step's do) drained the devices at every save: ~16 ms each,
-  0.44% of the ETTR drill's wall with a save every 5 steps;
+  as host-copying saves and the last step's do) drained the devices at every save: with a save
+  every 5 steps, ~9 s of the ETTR drill's 37 min (its budget's "other", 11.5 s before, 0.3 s
+  after, 2.1 s of that the launcher's exit: `bench/results/ettr_cpu_30min.json` at 1ccce19, f0f76b2);
 * a save's blocking is not the next step's time (`recorder.restart_clock` after a save that
   recorded its step first): tokens/s and MFU stay the training's, and ETTR (the ETTR bench)
   counts the blocking as the overhead it is. A save in the background blocks while its step still

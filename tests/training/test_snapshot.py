@@ -315,7 +315,7 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     want = host_copy(state)
 
     class Recorder:
-        finite = FiniteSteps()
+        def __init__(self): self.finite = FiniteSteps()
         def flush(self, params=None): pass
         def restart_clock(self): pass
 
@@ -323,8 +323,9 @@ def test_a_snapshot_at_a_checkpoints_step_reuses_its_device_copy(tmp_path):
     copies = []  # every device copy, the checkpoint's and the snapshots' own
     copy = saves.ckpt.device_copy
     saves.ckpt.device_copy = saves.snapshots._device_copy = lambda s: copies.append(1) or copy(s)
-    saves.begin(0, 100, 0, Recorder(), LoopObserver())
-    Recorder.finite.recorded(4)  # the loop saw steps 2 and 4 finite
+    recorder = Recorder()
+    saves.begin(0, 100, 0, recorder, LoopObserver())
+    recorder.finite.recorded(4)  # the loop saw steps 2 and 4 finite
     saves.checkpoint(2, random_state(mesh, 2))  # no snapshot due at step 2: its copy is not kept
     assert saves.checkpoint_copy is None and len(copies) == 1
     saves.checkpoint(4, state)
@@ -356,7 +357,7 @@ def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, cap
     mesh = make_mesh(cfg.mesh)
 
     class Recorder:
-        finite, flushed, clock_restarts = FiniteSteps(), [], []
+        def __init__(self): self.finite, self.flushed, self.clock_restarts = FiniteSteps(), [], []
         def flush(self, params=None): self.flushed.append(True)
         def restart_clock(self): self.clock_restarts.append(True)
 
