@@ -199,9 +199,9 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     * "none": both after the backward, exposed;
     * "backward": the reduction hides behind one microbatch's backward of the stage, the gather not;
     * "chunks": each of the v chunks gathers before its first forward and reduce-scatters after its
-      last backward, behind the stage's compute; the first gather and the last reduce-scatter
-      cannot hide, 1/(2v) of the traffic (MegaScale §3.2: "reducing the communication time by a
-      factor of 1/(2*vpp_size)")."""
+      last backward, behind the stage's compute; the first gather is prefetched behind the data
+      loading, the last chunk's reduce-scatter cannot hide: 1/v of the reduction is exposed
+      (MegaScale §3.2; its "1/(2*vpp_size)" of the traffic when both move equal bytes)."""
     if w.dp == 1:
         return 0.0
     link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
@@ -220,9 +220,13 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     else:
         reduce, gather = costs.ring_all_reduce_s(grads, w.dp, link), 0.0
     if w.dp_overlap == "chunks":
-        total = reduce + gather
-        edge = total / (2 * w.virtual)
-        return edge + costs.exposed_s(total - edge, compute_s)
+        # MegaScale §3.2: the first chunk's gather is prefetched at the start of the iteration,
+        # behind the data loading; the last chunk's reduce-scatter, after the last backward, has
+        # nothing left to hide behind. The paper's "1/(2·vpp_size)" of the traffic is this
+        # when gather and reduce-scatter move equal bytes; here each at its own bytes (fp32
+        # gradients, bf16 parameters)
+        edge = reduce / w.virtual
+        return edge + costs.exposed_s(reduce + gather - edge, compute_s)
     if w.dp_overlap == "backward":
         return costs.exposed_s(reduce, backward_s) + gather
     return reduce + gather
@@ -230,11 +234,17 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
 
 def gradient_params(w: Workload, stage: int) -> float:
     """Parameters whose gradients stage `stage` reduces over dp, per GPU: its layers (the last
-    stage's `last_stage_layers` where the split gives it fewer) and the LM head on the last stage
-    (both edges on every stage with `edge_on_every_stage`), split over tp."""
-    last = stage == w.pp - 1
-    layers = w.last_stage_layers if last and w.last_stage_layers is not None else w.layers // w.pp
-    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
+    stage's `last_stage_layers`, the first's `first_stage_layers`, where the split gives them
+    fewer), the LM head on the last stage and, where the first stage gave a layer's slot to it,
+    the embedding on the first (both edges on every stage with `edge_on_every_stage`), split
+    over tp."""
+    last, first = stage == w.pp - 1, stage == 0 and w.pp > 1 and w.first_stage_layers is not None
+    layers = w.layers // w.pp
+    if last and w.last_stage_layers is not None:
+        layers = w.last_stage_layers
+    elif first:
+        layers = w.first_stage_layers
+    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else w.vocab * w.d_model * (last + first)
     return layers * flops.layer_params_per_device(model_config(w), w.tp) + edge / w.tp
 
 

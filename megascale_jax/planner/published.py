@@ -251,7 +251,7 @@ def llama3_workload(gpus: int, dp: int, per_replica: int) -> Workload:
         global_batch=dp * per_replica, gpus=gpus, tp=8, pp=16, virtual=8, microbatches=per_replica,
         schedule="interleaved_1f1b", recompute="none", sequence_parallel=True, zero1=True, fused_attention=True,
         tp_overlap=False, pp_async=True, pp_split_over_tp=True, edge_on_every_stage=False, dp_overlap="chunks",
-        activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7,
+        activation_bytes=2, grad_bytes=4, param_bytes=2, gated_mlp=True, last_stage_layers=7, first_stage_layers=7,
         reduce_scatter_every_microbatch=True)
 
 

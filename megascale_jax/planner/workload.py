@@ -66,6 +66,10 @@ class Workload:
     # Layers on the stage that also runs the LM head, when the model's split gives it fewer
     # (Llama 3 drops one layer from the first and the last stage); None: layers / pp like the rest
     last_stage_layers: Optional[int] = None
+    # Layers on the first stage when the split gives it fewer, the embedding in the freed slot
+    # (Llama 3 §3.3.2: "the first model chunk on the first stage has only the embedding"); its
+    # gradients are what stage 0 reduces over dp (predict.gradient_params). None: layers / pp
+    first_stage_layers: Optional[int] = None
     # Weight gradients are added into a separate accumulator every microbatch (Megatron-LM's fp32
     # main_grad, Llama 3's FP32 accumulation; predict.gradient_accumulation_s); False where the
     # step has none (this project at one GPU and one microbatch: jax.value_and_grad directly)

@@ -161,9 +161,10 @@ def test_megascale_equal_work_pairs_are_table_2s_rows_and_the_planner_prices_eac
             assert b / a - 1 == pytest.approx(0.0, abs=0.005)
 
 
-def test_dp_chunks_expose_one_gather_and_one_reduce_scatter_of_2v():
-    """MegaScale §3.2: with the per-chunk overlap only the first all-gather and the last
-    reduce-scatter are exposed, 1/(2v) of the dp traffic, when the compute can hide the rest."""
+def test_dp_chunks_expose_the_last_chunks_reduce_scatter():
+    """MegaScale §3.2: with the per-chunk overlap the first chunk's all-gather is prefetched behind
+    the data loading and only the last chunk's reduce-scatter is exposed, 1/v of the fp32
+    gradients' reduction, when the compute can hide the rest."""
     gpu = calibration.gpu("a100-80g")
     w = published.megascale_workload(256, 768)
     assert w.dp_overlap == "chunks" and w.virtual == 6
@@ -172,9 +173,12 @@ def test_dp_chunks_expose_one_gather_and_one_reduce_scatter_of_2v():
     # fp32 gradients and bf16 parameters, ring over dp = 4 on one NIC rail
     params = 12 * 12 * 12288**2 / 8 + 64000 * 12288 / 8  # 12 layers and the LM head, over tp (norms, biases: <1%)
     nic = 8 * 200 / 8 * 1e9 / 8 * 0.8
-    hand = 3 / 4 * params * (4 + 2) / nic + 2 * 3 * 20e-6
-    assert none == pytest.approx(hand, rel=0.01)
-    assert predict.dp_s(w, gpu, 0.0, compute_s=100.0) == pytest.approx(none / 12)
+    reduce, gather = 3 / 4 * params * 4 / nic + 3 * 20e-6, 3 / 4 * params * 2 / nic + 3 * 20e-6
+    assert none == pytest.approx(reduce + gather, rel=0.01)
+    assert predict.dp_s(w, gpu, 0.0, compute_s=100.0) == pytest.approx(reduce / 6, rel=0.01)
+    # the paper's "1/(2·vpp_size)" of the traffic is the same thing when both move equal bytes
+    equal = dataclasses.replace(w, grad_bytes=2)
+    assert predict.dp_s(equal, gpu, 0.0, 100.0) == pytest.approx(predict.dp_s(dataclasses.replace(equal, dp_overlap="none"), gpu, 0.0, 0.0) / 12)
 
 
 LLAMA3_LAYER = (16384 * (128 + 2 * 8) * 128 + 128 * 128 * 16384 + 3 * 16384 * 53248) / 8  # q, k+v, o, SwiGLU; per tp rank
@@ -192,19 +196,27 @@ def test_sharded_gradients_reduce_scatter_every_microbatch_on_the_dp_link():
     rs = 63 / 64 * LLAMA3_LAYER * 4 / H100_NIC + 63 * 20e-6  # one chunk = one layer, fp32, ring over dp 64
     send = 8192 * 16384 * 2 / 8 / H100_NIC  # one pipeline send: the bf16 activation split over tp
     f, b = 0.010, 0.020
+    # the first and last stage give a layer's slot to the embedding and the head (§3.3.2): 7
+    # layers and vocab × d / tp each; the stages between hold 8 layers (norms: < 0.01%)
+    assert predict.gradient_params(w, 0) == pytest.approx(7 * LLAMA3_LAYER + LLAMA3_HEAD, rel=1e-4)
+    assert predict.gradient_params(w, 15) == pytest.approx(7 * LLAMA3_LAYER + LLAMA3_HEAD, rel=1e-4)
+    assert predict.gradient_params(w, 1) == pytest.approx(8 * LLAMA3_LAYER, rel=1e-4)
     link = predict.sharded_gradient_nic(w, gpu, f, b)
-    # stage 0's first backward is at tick v·p − 1 + p − 1 = 142: ticks 0..126 run forwards only
-    # (stage 15 starts backward at tick 127), ticks 127..142 forwards and backwards
-    assert link["stage"] == 0
-    assert link["first_gradient_s"] == pytest.approx(127 * f + 16 * (f + b))
+    # stage s's first backward is at tick v·p − 1 + p − 1 − s: ticks 0..126 run forwards only
+    # (stage 15 starts backward at tick 127), from 127 on forwards and backwards. Stage 0 starts
+    # last (tick 142) but reduces 4% fewer bytes; stage 1 (tick 141, 8 layers) ends last
+    assert link["stage"] == 1
+    assert link["first_gradient_s"] == pytest.approx(127 * f + 15 * (f + b))
     assert link["reduce_scatter_s"] == pytest.approx(32 * 8 * rs, rel=1e-4)
-    # from tick 142 on stage 0 still runs forwards 142..255 (114 sends) and all 256 backwards, of
-    # which the 32 through the model's first chunk send nothing: 338 sends
-    assert link["pp_sends_s"] == pytest.approx(338 * send, rel=1e-9)
-    assert link["end_s"] == pytest.approx(127 * f + 16 * (f + b) + 256 * rs + 338 * send, rel=1e-4)
-    # a link that keeps up exposes only the last chunk's reduce-scatter, after the last tick
+    # from tick 141 on stage 1 still runs forwards 141..256 (116 sends) and all 256 backwards,
+    # each sent on to stage 0: 372 sends
+    assert link["pp_sends_s"] == pytest.approx(372 * send, rel=1e-9)
+    assert link["end_s"] == pytest.approx(127 * f + 15 * (f + b) + 256 * rs + 372 * send, rel=1e-4)
+    # a link that keeps up exposes only the last chunk's reduce-scatter, after the last tick: stage
+    # 0's, a chunk of its 7 layers and the embedding
     slow = predict.sharded_gradient_nic(w, gpu, 1.0, 2.0)
-    assert slow["end_s"] == pytest.approx((32 * 8 + 15) * 3.0 + rs, abs=1e-5)
+    rs0 = 63 / 64 * (7 * LLAMA3_LAYER + LLAMA3_HEAD) / 8 * 4 / H100_NIC + 63 * 20e-6
+    assert slow["stage"] == 0 and slow["end_s"] == pytest.approx((32 * 8 + 15) * 3.0 + rs0, abs=1e-4)
     # the bytes: m reduce-scatters of the stage's fp32 gradients, one gather of its bf16 parameters
     params = 8 * LLAMA3_LAYER + LLAMA3_HEAD
     assert traffic.dp_bytes(w)["gradients"] == pytest.approx(32 * 63 / 64 * params * 4, rel=1e-4)
