@@ -11,8 +11,9 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   (`costs.hbm_s`) and the backward's add of its weight gradients into the fp32 accumulator
   (`gradient_accumulation_s`), plus the LM head.
 * tp: the tp collectives of every layer (2 per serial block and pass, 1 per parallel block),
-  ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs; and the LM
-  head's and embedding's (`edge_tp_s`).
+  ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs, or what
+  Megatron-LM's asynchronous backward hides behind the weight- and input-gradient GEMMs
+  (`async_backward_tp_s`); and the LM head's and embedding's (`edge_tp_s`).
 * bubble: (compute + tp) · b/(1−b), b read off the schedule's table (`costs.bubble_fraction`).
 * pp: boundary sends; blocking ones cost 2 per tick, asynchronous ones only what a tick's
   compute cannot hide.
@@ -148,6 +149,45 @@ def tp_collective_s(w: Workload, gpu: Gpu) -> float:
         return 0.0
     link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
     return traffic.layer_tp_collectives(w) * costs.ring_all_reduce_s(traffic.activation_bytes(w), w.tp, link)
+
+
+def column_parallel_groups(w: Workload) -> list[list[tuple[int, int]]]:
+    """A layer's column-parallel linears as (k, n) per tp rank, grouped by the input they read
+    (one tp collective per group in each pass): the serial block's QKV and its MLP-up (SwiGLU's
+    gate and up together) read two different norms' outputs; the parallel block's read one."""
+    d, tp = w.d_model, w.tp
+    qkv, up = (d, (w.heads + 2 * w.kv_heads) * w.head_dim // tp), (d, (2 if w.gated_mlp else 1) * w.mlp_dim // tp)
+    return [[qkv, up]] if w.block == "parallel" else [[qkv], [up]]
+
+
+def async_backward_tp_s(w: Workload, gpu: Gpu) -> float:
+    """Exposed tp seconds of one layer and microbatch under Megatron-LM's asynchronous backward
+    communication (`tp_backward_overlap`; megatron/core/tensor_parallel/layers.py at 285068c8,
+    LinearWithGradAccumulationAndAsyncCommunication.backward):
+    * the forward's (and a recomputed forward's) collectives: exposed, as `tp_collective_s`;
+    * each column-parallel group's input gradient: an all-reduce, or with sequence parallelism a
+      reduce-scatter, launched before the group's weight-gradient GEMMs and hidden behind them;
+    * with sequence parallelism, each group's input re-gathered (the forward's all-gather is not
+      kept) before its input-gradient GEMMs and hidden behind them: extra traffic, rarely exposed;
+    * with sequence parallelism, the row-parallel outputs' gradients all-gathered (the forward's
+      reduce-scatter's transpose): exposed, one per group.
+    Without sequence parallelism the row-parallel linears' backward communicates nothing."""
+    if w.tp == 1:
+        return 0.0
+    link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
+    a, tokens = traffic.activation_bytes(w), w.microbatch_seqs * w.seq_len
+    all_reduce, gather = costs.ring_all_reduce_s(a, w.tp, link), costs.ring_all_gather_s(a, w.tp, link)
+    groups = column_parallel_groups(w)
+    forwards = 2 if w.recompute == "full" else 1
+    exposed = forwards * len(groups) * all_reduce
+    for group in groups:
+        weight_gradient = sum(costs.gemm_s(k, tokens, n, gpu) for k, n in group)
+        input_gradient = sum(costs.gemm_s(tokens, n, k, gpu) for k, n in group)
+        if w.sequence_parallel:
+            exposed += costs.exposed_s(gather, weight_gradient) + costs.exposed_s(gather, input_gradient) + gather
+        else:
+            exposed += costs.exposed_s(all_reduce, weight_gradient)
+    return exposed
 
 
 def edge_tp_s(w: Workload, gpu: Gpu) -> float:
@@ -316,7 +356,12 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     # forward's (and a recomputed forward's) and the backward's input-gradient GEMMs, not the
     # weight-gradient ones, which no collective waits on.
     gemm_here = t["gemm"] * (2 if w.recompute == "full" else 1) + t["gemm_input_gradient"]
-    tp_exposed = costs.exposed_s(tp_comm, gemm_here) if w.tp_overlap else tp_comm
+    if w.tp_overlap:
+        tp_exposed = costs.exposed_s(tp_comm, gemm_here)
+    elif w.tp_backward_overlap:
+        tp_exposed = async_backward_tp_s(w, gpu)
+    else:
+        tp_exposed = tp_comm
     head = head_s(w, gpu)
     layer = t["forward"] + t["backward"] + t["recompute"]
     # The pipeline runs at the pace of its busiest stage: usually the last (its layers + the head)

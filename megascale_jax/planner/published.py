@@ -96,9 +96,15 @@ def sc21_flops(row) -> float:
 
 
 def tab5_workload(row, selective: bool) -> Workload:
+    """Korthikanti et al.'s runs, on the Megatron-LM of 2022 (sequence parallelism came in March
+    2022): its backward overlaps the column-parallel linears' input-gradient collectives with their
+    weight-gradient GEMMs (`tp_backward_overlap`: the asynchronous all-reduce without sequence
+    parallelism, the reduce-scatter and the input's re-gather with it; Megatron-LM commits
+    cf7efd4 of Aug 2021 and 02bb1f5 of Mar 2022)."""
     _, heads, hidden, layers, tp, pp, gpus, batch, micro, virtual, _, _ = row
-    return megatron_workload(heads, hidden, layers, tp, pp, gpus, batch, micro, virtual,
-                             recompute="selective" if selective else "full", sequence_parallel=selective)
+    w = megatron_workload(heads, hidden, layers, tp, pp, gpus, batch, micro, virtual,
+                          recompute="selective" if selective else "full", sequence_parallel=selective)
+    return dataclasses.replace(w, tp_backward_overlap=True)
 
 
 # ------------------------------------------------------------------ MegaScale (NSDI '24)
@@ -135,9 +141,12 @@ def megascale_baseline(gpus: int, batch: int) -> Workload:
     recomputation with sequence parallelism and the distributed optimizer (ZeRO-1: fp32 gradients
     reduce-scattered, bf16 parameters all-gathered, after the backward). Microbatch: 1 sequence
     (not stated). Attention: Megatron's unfused softmax (FlashAttention-2 is one of MegaScale's
-    "efficient operators"). Pipeline sends: blocking, batched send/recv (MegaScale §3.2)."""
+    "efficient operators"). Pipeline sends: blocking, batched send/recv (MegaScale §3.2). Its
+    backward's asynchronous tp communication (`tp_backward_overlap`: the column-parallel linears'
+    reduce-scatters behind their weight-gradient GEMMs, the inputs' re-gathers behind the
+    input-gradient GEMMs; megatron/core/tensor_parallel/layers.py at 285068c8)."""
     w = megatron_workload(128, 12288, 96, 8, 8, gpus, batch, 1, 6, recompute="selective", sequence_parallel=True)
-    return dataclasses.replace(w, vocab=MEGASCALE_VOCAB, zero1=True, param_bytes=2)
+    return dataclasses.replace(w, vocab=MEGASCALE_VOCAB, zero1=True, param_bytes=2, tp_backward_overlap=True)
 
 
 # Each optimization of Table 3 as the mechanism it changes (MegaScale §3), applied in order.

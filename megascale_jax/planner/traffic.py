@@ -55,7 +55,9 @@ def layer_runs(w: Workload) -> int:
 
 def tp_bytes(w: Workload) -> dict[str, float]:
     """tp, per iteration:
-    * layers: layer_runs × layer_tp_collectives × all_reduce(A);
+    * layers: layer_runs × layer_tp_collectives × all_reduce(A), plus with Megatron's
+      asynchronous backward under sequence parallelism (`tp_backward_overlap`) each column group's
+      input re-gathered, gather(A) per group and layer run;
     * head (last stage), per microbatch: the backward's all_reduce(A), plus with sequence
       parallelism the forward's gather(A) — GSPMD all-reduces the whole activation and slices
       it (`gspmd_edges`) where Megatron reduce-scatters; and the loss's three float32
@@ -71,6 +73,8 @@ def tp_bytes(w: Workload) -> dict[str, float]:
         return {"layers": 0.0, "head": 0.0, "embedding": 0.0}
     a, m = activation_bytes(w), w.microbatches
     layers = layer_runs(w) * layer_tp_collectives(w) * all_reduce(a, n)
+    if w.tp_backward_overlap and w.sequence_parallel:  # Megatron's backward re-gathers each column group's input
+        layers += layer_runs(w) * (1 if w.block == "parallel" else 2) * gather(a, n)
     head_backward = all_reduce(a, n) if not w.sequence_parallel or w.gspmd_edges else gather(a, n)
     head = m * (head_backward + (gather(a, n) if w.sequence_parallel else 0.0)
                 + 3 * all_reduce(w.microbatch_seqs * w.seq_len * LOSS_BYTES, n))

@@ -80,6 +80,12 @@ class Workload:
     # once per step. Llama 3 §3.3.2: "Our use of FSDP for Llama 3 shards optimizer states and
     # gradients"; the NIC that carries them then paces the step (predict.sharded_gradient_nic)
     reduce_scatter_every_microbatch: bool = False
+    # Megatron-LM's asynchronous backward tp communication (LinearWithGradAccumulationAndAsync-
+    # Communication, since Aug 2021): each column-parallel linear launches its input gradient's
+    # all-reduce (with sequence parallelism: reduce-scatter) before its weight-gradient GEMM, which
+    # hides it, and with sequence parallelism re-gathers its input before the input-gradient GEMM,
+    # which hides that (predict.async_backward_tp_s). Without collective matmul (`tp_overlap`)
+    tp_backward_overlap: bool = False
 
     @property
     def dp(self) -> int:

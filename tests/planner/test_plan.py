@@ -181,6 +181,42 @@ def test_dp_chunks_expose_the_last_chunks_reduce_scatter():
     assert predict.dp_s(equal, gpu, 0.0, 100.0) == pytest.approx(predict.dp_s(dataclasses.replace(equal, dp_overlap="none"), gpu, 0.0, 0.0) / 12)
 
 
+def test_megatrons_async_backward_hides_the_column_linears_input_gradient_collectives():
+    """Megatron-LM since Aug 2021 (layers.py, LinearWithGradAccumulationAndAsyncCommunication)
+    launches each column-parallel linear's input-gradient all-reduce (with sequence parallelism:
+    reduce-scatter) before its weight-gradient GEMM, and with sequence parallelism re-gathers its
+    input before the input-gradient GEMM. By hand, per layer and microbatch, 175B on tp 8 NVLink."""
+    gpu = calibration.gpu("a100-80g")
+    a = 2048 * 12288 * 2  # one sequence's bf16 activation
+    nvlink = 300e9 * 0.8
+    all_reduce, gather = 2 * 7 / 8 * a / nvlink + 14 * 10e-6, 7 / 8 * a / nvlink + 7 * 10e-6
+    # Korthikanti's full-recompute row (no sequence parallelism): the forward's and the recomputed
+    # forward's two all-reduces each exposed; the backward's two hide behind the wgrad GEMMs
+    # (QKV's: 2·2048·12288·4608 FLOPs, ~1 ms, against 0.37 ms of all-reduce)
+    full = published.tab5_workload(published.KORTHIKANTI_TAB5[1], selective=False)
+    assert full.tp_backward_overlap and not full.sequence_parallel
+    assert predict.async_backward_tp_s(full, gpu) == pytest.approx(2 * 2 * all_reduce, rel=1e-6)
+    assert predict.tp_collective_s(full, gpu) == pytest.approx(3 * 2 * all_reduce, rel=1e-6)  # without the overlap
+    # MegaScale's baseline (sequence parallelism, selective recompute): the forward's two
+    # all-gather + reduce-scatter pairs, and the backward's two row-parallel all-gathers exposed;
+    # its two reduce-scatters and two re-gathers hidden
+    base = published.megascale_baseline(256, 768)
+    assert predict.async_backward_tp_s(base, gpu) == pytest.approx(2 * all_reduce + 2 * gather, rel=1e-6)
+    p = predict.predict(base, gpu)
+    layers = base.microbatches * 12 * (2 * all_reduce + 2 * gather)
+    assert p.parts["tp layers"] == pytest.approx(layers, rel=1e-6)
+    # what the GEMMs cannot cover stays exposed: at 1/100 of the NVLink every collective outlasts its GEMM
+    slow = dataclasses.replace(gpu, nvlink=calibration.Link(gpu.nvlink.bandwidth / 100, gpu.nvlink.latency))
+    qkv, up = (12288, 3 * 12288 // 8), (12288, 4 * 12288 // 8)
+    slow_gather = 7 / 8 * a / (nvlink / 100) + 7 * 10e-6
+    hidden = sum(costs.gemm_s(k, 2048, n, gpu) + costs.gemm_s(2048, n, k, gpu) for k, n in (qkv, up))
+    assert predict.async_backward_tp_s(base, slow) == pytest.approx(2 * 2 * slow_gather + 2 * 3 * slow_gather - hidden, rel=1e-6)
+    # the re-gathers are traffic: one all-gather of the activation per column group and layer run
+    plain = dataclasses.replace(base, tp_backward_overlap=False)
+    extra = traffic.tp_bytes(base)["layers"] - traffic.tp_bytes(plain)["layers"]
+    assert extra == pytest.approx(base.microbatches * 12 * 2 * 7 / 8 * a, rel=1e-9)
+
+
 LLAMA3_LAYER = (16384 * (128 + 2 * 8) * 128 + 128 * 128 * 16384 + 3 * 16384 * 53248) / 8  # q, k+v, o, SwiGLU; per tp rank
 LLAMA3_HEAD = 128000 * 16384 / 8
 H100_NIC = 8 * 400 / 8 * 1e9 / 8 * 0.8  # one 400 Gb/s NIC per GPU (datasheet) at the a-priori 80%: 40 GB/s
