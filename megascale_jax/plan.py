@@ -74,12 +74,13 @@ def explain(p: Plan) -> str:
             "compute elementwise": "norms, GeLU, dropout, residual adds: HBM passes",
             "compute lm head": "the logits GEMMs (full waves) and the loss on the last stage",
             "compute gradient accumulation": "each microbatch's weight gradients added into the fp32 accumulator",
-            "tp layers": "tp collectives of the layers not hidden by collective matmul",
+            "tp layers": "tp collectives of the layers not hidden (collective matmul, Megatron's async backward)",
             "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
             "bubble": "pipeline warm-up and cool-down",
             "pp sends": "pipeline sends not hidden behind a tick's compute",
+            "pp tied embedding": "the tied embedding's gradient all-reduce between the first and last stage",
             "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute",
-            "optimizer": "the update: one HBM pass over its parameters, gradients and moments",
+            "optimizer": "the update's HBM passes (and Megatron's over its gradient and parameter buffers)",
             "data": "loader time on the critical path (charged 0: prefetched)"}
     lines = [f"explain: {layout_name(p)}, iteration {pr.iteration_s:.3f} s"]
     lines += [f"  {k:<30} {v:9.3f} s {v / pr.iteration_s:6.1%}  {what[k]}" for k, v in pr.parts.items()]

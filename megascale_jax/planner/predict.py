@@ -23,7 +23,10 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   microbatches (`reduce_scatter_every_microbatch`, Llama 3's FSDP) every microbatch
   reduce-scatters its gradients; that traffic runs on the link's own timeline from the stage's
   first gradient on (`sharded_gradient_nic`), and dp is what it runs past the stage's compute.
-* optimizer: one memory-bound pass over its share of parameters, gradients and moments.
+* pp: also the tied embedding's gradient all-reduce between the first and last stage
+  (`tied_embedding_s`).
+* optimizer: memory-bound passes over its share of parameters, gradients and moments, and
+  Megatron-LM's own over its buffers (`optimizer_s`).
 * data: 0 — the loader prefetches on the host, off the step's critical path; this model charges
   nothing for it.
 """
@@ -233,6 +236,41 @@ def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
     return ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)
 
 
+def tied_embedding_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of the tied embedding's gradient all-reduce between the first and the last stage
+    (`tied_embedding`, pp > 1): its vocab × d_model / tp gradients (grad bytes each) over the two
+    ranks, a ring all-reduce on the link between them, exposed: it runs after the backward, before
+    the optimizer (Megatron-LM's `reduce_model_grads`)."""
+    if not w.tied_embedding or w.pp == 1:
+        return 0.0
+    link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    return costs.ring_all_reduce_s(w.vocab * w.d_model / w.tp * w.grad_bytes, 2, link)
+
+
+def optimizer_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of the optimizer's memory-bound passes per iteration:
+    * the update over the parameters this GPU updates (its 1/dp share with ZeRO-1): read the fp32
+      parameter, gradient and two moments, write the parameter and moments, 28 bytes each;
+    * with Megatron-LM's optimizer (`megatron_optimizer`), per updated parameter the global norm's
+      read of the gradient (clip_grad_norm, every step) and the copy of the fp32 parameter into
+      the 16-bit model (`_copy_main_params_to_model_params`): 4 + 4 + param bytes; per parameter
+      of the stage, its fp32 gradient buffer zeroed for the iteration (`zero_grad_buffer`, 4) and,
+      with dp > 1, scaled by 1/dp before the reduction (read and write, 8), where the step has that
+      buffer (`grad_accumulator`); with the distributed optimizer (ZeRO-1) the gathered parameters
+      copied into the model's (read and write, 2 × param bytes). The fp16 runs' loss-scale check
+      (another read and write of the gradients) is not counted."""
+    params = stage_params(w)
+    updated = params / (w.dp if w.zero1 else 1)
+    nbytes = updated * OPTIMIZER_BYTES_PER_PARAM
+    if w.megatron_optimizer:
+        nbytes += updated * (4 + 4 + w.param_bytes)
+        if w.grad_accumulator:
+            nbytes += params * (4 + (8 if w.dp > 1 else 0))
+        if w.zero1:
+            nbytes += params * 2 * w.param_bytes
+    return costs.hbm_s(nbytes, gpu)
+
+
 def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     """Seconds of exposed dp communication per iteration: the gradients' reduction (a
     reduce-scatter with ZeRO-1, else an all-reduce) and, with ZeRO-1, the parameters' all-gather.
@@ -382,7 +420,9 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
         # the link's timeline against the stage's: what it runs past the lockstep end is exposed
         busy = compute + tp
         dp += costs.exposed_s(sharded_gradient_link(w, gpu, t, busy)["end_s"], busy + bubble + pp)
-    optimizer = costs.hbm_s(stage_params(w) / (w.dp if w.zero1 else 1) * OPTIMIZER_BYTES_PER_PARAM, gpu)
+    tied = tied_embedding_s(w, gpu)
+    pp += tied
+    optimizer = optimizer_s(w, gpu)
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}
     runs = m * stage_layers
@@ -394,7 +434,8 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
              "compute attention": runs * kind["attention"], "compute elementwise": runs * kind["elementwise"],
              "compute lm head": m * (head - head_waves - head_accumulation),
              "compute gradient accumulation": runs * kind["gradient accumulation"] + m * head_accumulation,
-             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp,
+             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp - tied,
+             "pp tied embedding": tied,
              "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())
     tokens = w.global_batch * w.seq_len

@@ -86,6 +86,16 @@ class Workload:
     # hides it, and with sequence parallelism re-gathers its input before the input-gradient GEMM,
     # which hides that (predict.async_backward_tp_s). Without collective matmul (`tp_overlap`)
     tp_backward_overlap: bool = False
+    # Megatron-LM's mixed-precision optimizer (optimizer.py, distrib_optimizer.py at 285068c8, and
+    # de7dc40 for SC'21): the step also reads the gradients for the global norm and copies the
+    # updated fp32 parameters into the 16-bit model; its contiguous fp32 gradient buffer is zeroed
+    # every iteration and scaled by 1/dp before the reduction; the distributed optimizer copies the
+    # gathered parameters back into the model (predict.optimizer_s)
+    megatron_optimizer: bool = False
+    # The output layer shares the input embedding's weights (Megatron-LM's GPT): with pp > 1 the
+    # first and the last stage each hold a copy and all-reduce its gradients after the backward
+    # (`allreduce_word_embedding_grads`; predict.tied_embedding_s)
+    tied_embedding: bool = False
 
     @property
     def dp(self) -> int:

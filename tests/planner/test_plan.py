@@ -217,6 +217,30 @@ def test_megatrons_async_backward_hides_the_column_linears_input_gradient_collec
     assert extra == pytest.approx(base.microbatches * 12 * 2 * 7 / 8 * a, rel=1e-9)
 
 
+def test_megatrons_optimizer_step_and_tied_embedding_are_priced_by_their_bytes():
+    """Megatron-LM's step beyond the update (optimizer.py, distrib_optimizer.py at 285068c8): the
+    norm's read and the fp32 → bf16 copy per updated parameter; the fp32 gradient buffer zeroed and
+    scaled by 1/dp, and the gathered bf16 parameters copied into the model, per stage parameter;
+    and the tied embedding's fp32 gradient all-reduced between the first and last stage. By hand
+    for MegaScale's baseline at 256 GPUs (dp 4) on A100s."""
+    gpu = calibration.gpu("a100-80g")
+    w = published.megascale_baseline(256, 768)
+    assert w.megatron_optimizer and w.tied_embedding and w.zero1 and w.grad_accumulator
+    params = 12 * 12 * 12288**2 / 8 + 64000 * 12288 / 8  # 12 layers and the head per GPU (biases, norms: < 0.1%)
+    hand = (params / 4 * (28 + 4 + 4 + 2) + params * (4 + 8 + 2 * 2)) / 2.039e12
+    assert predict.optimizer_s(w, gpu) == pytest.approx(hand, rel=2e-3)
+    plain = dataclasses.replace(w, megatron_optimizer=False)
+    assert predict.optimizer_s(plain, gpu) == pytest.approx(params / 4 * 28 / 2.039e12, rel=2e-3)
+    # the embedding's gradient: 64,000 × 12,288 / 8 fp32 values, all-reduced over the 2 ranks on one NIC rail
+    nic = 8 * 200 / 8 * 1e9 / 8 * 0.8
+    tied = 64000 * 12288 / 8 * 4 / nic + 2 * 20e-6
+    assert predict.tied_embedding_s(w, gpu) == pytest.approx(tied, rel=1e-9)
+    p = predict.predict(w, gpu)
+    assert p.parts["pp tied embedding"] == pytest.approx(tied) and p.breakdown["optimizer"] == pytest.approx(hand, rel=2e-3)
+    # no pipeline, no second copy
+    assert predict.tied_embedding_s(dataclasses.replace(w, pp=1, gpus=32), gpu) == 0.0
+
+
 LLAMA3_LAYER = (16384 * (128 + 2 * 8) * 128 + 128 * 128 * 16384 + 3 * 16384 * 53248) / 8  # q, k+v, o, SwiGLU; per tp rank
 LLAMA3_HEAD = 128000 * 16384 / 8
 H100_NIC = 8 * 400 / 8 * 1e9 / 8 * 0.8  # one 400 Gb/s NIC per GPU (datasheet) at the a-priori 80%: 40 GB/s
@@ -475,7 +499,7 @@ def test_explain_prints_every_part_and_the_parts_add_up(capsys):
     data = json.loads(out)
     assert {"compute gemm", "compute gemm wave quantization", "compute attention", "compute elementwise",
             "compute lm head", "compute gradient accumulation", "tp layers",
-            "tp embedding+head", "bubble", "pp sends", "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
+            "tp embedding+head", "bubble", "pp sends", "pp tied embedding", "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
     assert sum(data["parts"].values()) == pytest.approx(data["iteration_s"])
     code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "a100-80g", "--explain")
     assert code == 0 and "explain:" in out and "dp gradients+parameters" in out and "gemm wave quantization" in out
