@@ -80,6 +80,11 @@ class ModelConfig:
     # none stores everything; dots keeps the matmul outputs and recomputes norms, GeLU and the
     # attention softmax; full keeps only each layer's input and reruns the layer.
     remat: Literal["none", "dots", "full"] = "none"
+    # The loss in this many slices of the sequence: each slice's float32 logits are computed,
+    # reduced to its cross entropy and dropped, and recomputed in the backward, so the step never
+    # holds the whole (batch, seq, vocab) float32 logits (412 MB a sequence at vocab 50,304 and seq
+    # 2,048). 1: the logits in one piece (transformer.chunked_cross_entropy)
+    loss_chunks: int = 1
 
     @property
     def head_dim(self) -> int:

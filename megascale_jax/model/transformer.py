@@ -278,18 +278,46 @@ def lm_logits(cfg: ModelConfig, final_norm_params, head, x, parallel: ParallelCo
     return project_vocab(cfg, norm(cfg, final_norm_params, x), head, parallel)
 
 
+def token_losses(logits, targets):
+    """Each token's next-token cross entropy in float32: logsumexp(logits) - the target's logit."""
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy(logits, targets):
     """Mean next-token cross entropy in float32."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - target_logit)
+    return jnp.mean(token_losses(logits, targets))
+
+
+def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: ParallelConfig = ParallelConfig()):
+    """The mean cross entropy of the LM head on `x` (batch, seq, d_model; the final norm applied),
+    `cfg.loss_chunks` slices of the sequence at a time: a scan whose body projects one slice to its
+    float32 logits and reduces them to the slice's summed loss, under `jax.checkpoint`, so neither
+    pass holds more than one slice's logits (the backward recomputes them). The same value and
+    gradients as `cross_entropy(project_vocab(...))`, up to float32 summation order."""
+    b, s, d = x.shape
+    n = cfg.loss_chunks
+    slices = x.reshape(b, n, s // n, d).swapaxes(0, 1)  # (n, b, s/n, d): the batch keeps its dp split
+    slice_targets = targets.reshape(b, n, s // n).swapaxes(0, 1)
+
+    @jax.checkpoint
+    def slice_loss(x_slice, t_slice):
+        return jnp.sum(token_losses(project_vocab(cfg, x_slice, head, parallel), t_slice))
+
+    def add(total, piece):
+        return total + slice_loss(*piece), None
+
+    total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), (slices, slice_targets))
+    return total / (b * s)
 
 
 class Transformer(nn.Module):
-    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32."""
+    """tokens (batch, seq) int32 -> logits (batch, seq, vocab) float32, or with `hidden=True` the
+    final norm's output (batch, seq, d_model), for a loss that applies the head itself."""
 
     cfg: ModelConfig
     parallel: ParallelConfig = ParallelConfig()
+    hidden: bool = False
 
     @nn.compact
     def __call__(self, tokens):
@@ -298,6 +326,8 @@ class Transformer(nn.Module):
         x = embed_tokens(c, embed, tokens, self.parallel)
         x, _ = scanned_blocks(c.layers, c.remat)(c, self.parallel, name="layers")(x, None)
         x = norm(c, NormParams(c, name="final_norm")(), x)
+        if self.hidden:
+            return x
         if c.tied_embeddings:
             return project_vocab(c, x, embed.T, self.parallel)
         head = _param(self, "head", nn.initializers.normal(INIT_STD), (c.d_model, c.vocab), ("embed", "vocab"))
@@ -310,5 +340,10 @@ def lm_head(cfg: ModelConfig, params: dict):
 
 
 def loss_fn(model: Transformer, params, batch):
-    """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens."""
-    return cross_entropy(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:])
+    """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens. With
+    `model.loss_chunks` > 1 the head runs slice by slice (`chunked_cross_entropy`)."""
+    tokens, targets = batch[:, :-1], batch[:, 1:]
+    if model.cfg.loss_chunks > 1:
+        x = model.clone(hidden=True).apply({"params": params}, tokens)
+        return chunked_cross_entropy(model.cfg, x, lm_head(model.cfg, params), targets, model.parallel)
+    return cross_entropy(model.apply({"params": params}, tokens), targets)

@@ -61,7 +61,8 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megascale_jax.config import Config
-from megascale_jax.model.transformer import cross_entropy, embed_tokens, lm_head, lm_logits, run_layers
+from megascale_jax.model.transformer import (chunked_cross_entropy, cross_entropy, embed_tokens, lm_head, lm_logits,
+                                             norm, run_layers)
 from megascale_jax.parallel import sharding
 from megascale_jax.parallel.pipeline_stash import STASHES, NoStash
 from megascale_jax.parallel.reduce_scatter import reduce_scatter
@@ -227,7 +228,11 @@ class Stage:
 
     def head_loss(self, final_norm, head, y, mb):
         """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`."""
-        return self.scale * cross_entropy(lm_logits(self.cfg.model, final_norm, head, y, self.cfg.parallel), self.targets[mb])
+        c = self.cfg.model
+        if c.loss_chunks > 1:
+            x = norm(c, final_norm, y)
+            return self.scale * chunked_cross_entropy(c, x, head, self.targets[mb], self.cfg.parallel)
+        return self.scale * cross_entropy(lm_logits(c, final_norm, head, y, self.cfg.parallel), self.targets[mb])
 
     def forward_input(self, f, act_in):
         """The embedding of microbatch f.mb for the first chunk, otherwise the activation received last tick."""

@@ -86,6 +86,17 @@ def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v,
     assert_pipeline_equals_one_device(cfg, reference)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,sp", [(2, True), (1, True), (2, False)], ids=["pp2-sp", "pp1-sp", "pp2"])
+def test_the_loss_in_sequence_slices_equals_one_devices_whole_loss(reference, pp, sp):
+    """`model.loss_chunks`: the head's logits one sequence slice at a time, on the pipeline's last
+    stage and under GSPMD at pp = 1, with sequence parallelism's vocab-parallel head and without,
+    against the whole loss on one device (`reference`)."""
+    cfg = config("mesh.dp=2", f"mesh.pp={pp}", "mesh.tp=2", "parallel.microbatches=2",
+                 f"parallel.sequence_parallel={str(sp).lower()}", "model.loss_chunks=4")
+    assert_pipeline_equals_one_device(cfg, reference)
+
+
 # A Llama-shaped model with the options Hugging Face mappings need; the tied head is the
 # embedding's transpose on the last stage, its gradient added to the first stage's.
 HF_OPTIONS = ("model.block=serial", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",

@@ -1,0 +1,70 @@
+"""The loss in sequence slices (`model.loss_chunks`): the whole loss's value and gradients, without
+ever holding the whole float32 logits."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from megascale_jax.config import ModelConfig, load_config
+from megascale_jax.config_checks import ConfigError
+from megascale_jax.model.transformer import Transformer, loss_fn
+
+SHAPE = dict(layers=2, d_model=64, heads=4, kv_heads=2, seq_len=32, vocab=512, window=None, dtype="float32")
+
+
+def perturbed_params(model, seed):
+    """Parameters moved off the initialisation (so biases and norms matter), seeded."""
+    params = model.init(jax.random.key(seed), jnp.zeros((1, model.cfg.seq_len), jnp.int32))["params"]
+    params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
+                          is_leaf=lambda x: hasattr(x, "value"))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    return treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+def test_the_loss_in_slices_has_the_whole_losss_value_and_gradients(tied):
+    cfg = ModelConfig(**SHAPE, tied_embeddings=tied)
+    whole, sliced = Transformer(cfg), Transformer(dataclasses.replace(cfg, loss_chunks=4))
+    params = perturbed_params(whole, seed=7)
+    batch = jax.random.randint(jax.random.key(11), (3, cfg.seq_len + 1), 0, cfg.vocab)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(whole, p, batch)))(params)
+    loss4, grads4 = jax.jit(jax.value_and_grad(lambda p: loss_fn(sliced, p, batch)))(params)
+    # an independent reference for the value: float64 numpy log-softmax of the model's own logits
+    logits = np.asarray(whole.apply({"params": params}, batch[:, :-1]), np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(logp, np.asarray(batch[:, 1:])[..., None], -1).mean()
+    np.testing.assert_allclose(float(loss4), expected, rtol=1e-6)
+    np.testing.assert_allclose(float(loss4), float(loss), rtol=1e-6)
+    assert ("head" in grads4) == (not tied)
+    for (path, g4), g in zip(jax.tree_util.tree_flatten_with_path(grads4)[0], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g4, g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()), err_msg=str(path))
+
+
+def test_the_sliced_loss_never_holds_the_whole_logits():
+    """The compiled step's scratch memory: the whole loss holds the float32 logits of the batch
+    (and their gradient); in 8 slices only one slice's are live at a time."""
+    cfg = ModelConfig(**{**SHAPE, "vocab": 8192, "seq_len": 128, "layers": 1})
+    batch = jax.random.randint(jax.random.key(0), (4, cfg.seq_len + 1), 0, cfg.vocab)
+    logits_bytes = 4 * cfg.seq_len * cfg.vocab * 4  # 16.8 MB
+
+    def scratch(chunks):
+        model = Transformer(dataclasses.replace(cfg, loss_chunks=chunks))
+        params = perturbed_params(model, seed=1)
+        step = jax.jit(jax.value_and_grad(lambda p: loss_fn(model, p, batch)))
+        return step.lower(params).compile().memory_analysis().temp_size_in_bytes
+
+    whole, sliced = scratch(1), scratch(8)
+    assert whole >= logits_bytes, (whole, logits_bytes)
+    assert sliced <= whole - 0.75 * logits_bytes, (sliced, whole, logits_bytes)
+
+
+def test_slices_that_do_not_divide_the_sequence_are_refused_before_compiling():
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=3 must be >= 1 and divide model.seq_len=128"):
+        load_config(None, ["model.loss_chunks=3"])
+    with pytest.raises(ConfigError, match=r"model.loss_chunks=0"):
+        load_config(None, ["model.loss_chunks=0"])
