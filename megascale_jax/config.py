@@ -85,6 +85,10 @@ class ModelConfig:
     # holds the whole (batch, seq, vocab) float32 logits (412 MB a sequence at vocab 50,304 and seq
     # 2,048). 1: the logits in one piece (transformer.chunked_cross_entropy)
     loss_chunks: int = 1
+    # Layers the layer scan runs per loop iteration (jax.lax.scan's unroll; the parameters stay
+    # stacked): 1 keeps one layer's code in the loop, `layers` unrolls the stack whole, as NVIDIA's
+    # MaxText GPU recipes run (scan_layers=False), at the cost of compile time
+    scan_unroll: int = 1
 
     @property
     def head_dim(self) -> int:

@@ -241,13 +241,13 @@ REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveab
                   "full": jax.checkpoint_policies.nothing_saveable}
 
 
-def scanned_blocks(length: int, remat: str = "none"):
+def scanned_blocks(length: int, remat: str = "none", unroll: int = 1):
     """`length` stacked layers as one module: `(x, None) -> (x, None)`, each layer rematerialised
-    per `remat` (a ModelConfig.remat value)."""
+    per `remat` (a ModelConfig.remat value), `unroll` of them per loop iteration."""
     block = Block if remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return nn.scan(
         block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
-        metadata_params={nn.PARTITION_NAME: "layers"})
+        unroll=min(unroll, length), metadata_params={nn.PARTITION_NAME: "layers"})
 
 
 def embed_tokens(cfg: ModelConfig, embed, tokens, parallel: ParallelConfig = ParallelConfig()):
@@ -261,7 +261,7 @@ def embed_tokens(cfg: ModelConfig, embed, tokens, parallel: ParallelConfig = Par
 def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = ParallelConfig()):
     """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk."""
     length = jax.tree.leaves(layer_params)[0].shape[0]
-    return scanned_blocks(length, cfg.remat)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
+    return scanned_blocks(length, cfg.remat, cfg.scan_unroll)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
 
 
 def project_vocab(cfg: ModelConfig, x, head, parallel: ParallelConfig = ParallelConfig()):
@@ -324,7 +324,7 @@ class Transformer(nn.Module):
         c = self.cfg
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
         x = embed_tokens(c, embed, tokens, self.parallel)
-        x, _ = scanned_blocks(c.layers, c.remat)(c, self.parallel, name="layers")(x, None)
+        x, _ = scanned_blocks(c.layers, c.remat, c.scan_unroll)(c, self.parallel, name="layers")(x, None)
         x = norm(c, NormParams(c, name="final_norm")(), x)
         if self.hidden:
             return x

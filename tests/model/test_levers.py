@@ -1,5 +1,7 @@
-"""The loss in sequence slices (`model.loss_chunks`): the whole loss's value and gradients, without
-ever holding the whole float32 logits."""
+"""Model options that are speed levers (issue 36's lever table), each giving the same numbers as
+without it: the loss in sequence slices (`model.loss_chunks`: the whole loss's value and
+gradients, without ever holding the whole float32 logits), and the layer scan unrolled
+(`model.scan_unroll`)."""
 
 import dataclasses
 
@@ -68,3 +70,20 @@ def test_slices_that_do_not_divide_the_sequence_are_refused_before_compiling():
         load_config(None, ["model.loss_chunks=3"])
     with pytest.raises(ConfigError, match=r"model.loss_chunks=0"):
         load_config(None, ["model.loss_chunks=0"])
+
+
+def test_an_unrolled_layer_scan_has_the_same_loss_and_gradients_and_no_loop():
+    """`model.scan_unroll`: the stacked layers unrolled into straight-line code (no while loop in
+    the lowered step), the same parameters, loss and gradients as the scan."""
+    cfg = ModelConfig(**{**SHAPE, "layers": 4})
+    looped, unrolled = Transformer(cfg), Transformer(dataclasses.replace(cfg, scan_unroll=4))
+    params = perturbed_params(looped, seed=3)
+    assert jax.tree.structure(params) == jax.tree.structure(perturbed_params(unrolled, seed=3))
+    batch = jax.random.randint(jax.random.key(5), (2, cfg.seq_len + 1), 0, cfg.vocab)
+    steps = [jax.jit(jax.value_and_grad(lambda p, m=m: loss_fn(m, p, batch))) for m in (looped, unrolled)]
+    (loss, grads), (loss_u, grads_u) = (step(params) for step in steps)
+    np.testing.assert_allclose(float(loss_u), float(loss), rtol=1e-6)
+    for g_u, g in zip(jax.tree.leaves(grads_u), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g_u, g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()))
+    loops = [step.lower(params).as_text().count("stablehlo.while") for step in steps]  # before XLA's passes
+    assert loops[0] >= 1 and loops[1] == 0, loops
