@@ -17,6 +17,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "bench", "results")
 sys.path.insert(0, REPO)  # bench/ is not installed: it imports from the checkout's root, as `python -m bench...` runs
 
+from bench.campaign import claims as campaign_claims  # noqa: E402
 from bench.campaign import ladder as campaign_ladder  # noqa: E402
 from bench.campaign import model as campaign_model  # noqa: E402
 
@@ -122,6 +123,73 @@ def test_dry_run_ladder_rows(full):
     assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
     assert lamb["config"].get("model.remat") == before["config"].get("model.remat")
     assert lamb["global_batch"] == 4 * before["global_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_summary_has_exactly_the_claims_keys_read_off_its_rows(full):
+    """Issue 36, item 7: the result's top-level summary, exactly its twelve keys. On the CPU no
+    row has an MFU and nothing runs cuDNN or saves 16 GB: those are None, not made up."""
+    done, path = full[0], full[1]
+    result = json.loads(path.read_text())
+    summary, sections = result["summary"], result["sections"]
+    assert list(summary) == ["device", "mfu_best", "tokens_per_s_best", "batch_best", "peer_same_work_tokens_per_s",
+                             "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_peer",
+                             "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb",
+                             "device_to_host_gb_per_s"]
+    assert summary["device"] == result["device"] == "cpu"
+    rows = sections["mfu_ladder"]["rows"]
+    fastest = max(rows, key=lambda r: r["tokens_per_s"])
+    assert summary["mfu_best"] is None and summary["tokens_per_s_best"] == fastest["tokens_per_s"]
+    assert summary["batch_best"] == fastest["batch"] * fastest["microbatches"]
+    assert summary["attention_worst_ratio_vs_cudnn"] is None and summary["checkpoint_block_fraction_16gb"] is None
+    largest = sections["checkpoints"]["background_sizes"][-1]
+    copy_s = largest["saves"][0]["background_parts_s"]["host_copy"]
+    assert summary["device_to_host_gb_per_s"] == pytest.approx(largest["state_gb"] / copy_s)
+    assert "summary (issue 36's claims)" in done.stdout
+
+
+def test_claims_are_read_off_the_sections_rows():
+    """Each key from hand-made rows: the best MFU row; the peer's sliding-window row against our
+    fastest row of the same window, AdamW, one microbatch and batch (not the faster LAMB row, nor
+    the dense one); the dense ratio at window=null; cuDNN over the faster of our kernels, worst
+    (seq, window); the 16 GB background save; the largest background save's copy rate."""
+    row = lambda name, window, optim, batch, micro, tps, mfu, peak: {
+        "name": name, "config": {"model.window": window, "optim.name": optim}, "batch": batch,
+        "microbatches": micro, "tokens_per_s": tps, "mfu": mfu, "peak_bytes_in_use": peak}
+    ladder = {"status": "ok", "window": 512, "rows": [
+        row("parallel_block", "null", "adamw", 8, 1, 40000.0, 0.40, 50e9),
+        row("sliding_window", 512, "adamw", 8, 1, 42000.0, 0.38, 48e9),
+        row("fused_attention", 512, "adamw", 8, 1, 60000.0, 0.52, 30e9),
+        row("remat", 512, "adamw", 16, 1, 61000.0, 0.53, 40e9),
+        row("lamb_4x_batch", 512, "lamb", 8, 4, 65000.0, 0.57, 31e9),
+        {"name": "does_not_fit", "config": {}, "error": "does not fit"}]}
+    peer = {"status": "ok", "rows": [
+        {"row": "serial_dense_adamw", "batch": 8, "tokens_per_s": 30000.0, "peak_bytes_in_use": 36e9},
+        {"row": "parallel_block", "batch": 8, "tokens_per_s": 32000.0, "peak_bytes_in_use": 37e9},
+        {"row": "sliding_window", "batch": 8, "tokens_per_s": 40000.0, "peak_bytes_in_use": 35e9}]}
+    kernels = {"status": "ok", "attention": [
+        {"contender": "cudnn_window", "seq": 2048, "window": 512, "ms": 1.0},
+        {"contender": "pallas_window", "seq": 2048, "window": 512, "ms": 1.25},
+        {"contender": "tokamax_window", "seq": 2048, "window": 512, "ms": 1.1},
+        {"contender": "cudnn_window", "seq": 8192, "window": 4096, "ms": 4.0},
+        {"contender": "pallas_window", "seq": 8192, "window": 4096, "ms": 5.0},
+        {"contender": "tokamax_window", "seq": 8192, "window": 4096, "skipped": "skipped: not importable"},
+        {"contender": "cudnn_window", "seq": 32768, "window": 4096, "error": "out of memory"}]}
+    save = lambda gb, fraction, copies: {"state_gb": gb, "total_s": 10.0, "block_fraction": fraction,
+                                          "saves": [{"background_parts_s": {"host_copy": c}} for c in copies]}
+    checkpoints = {"status": "ok", "background_sizes": [save(1.0, 0.2, [0.1]), save(16.0, 0.04, [0.9, 0.8, 1.0])]}
+    out = campaign_claims.summary("NVIDIA H100 80GB HBM3", {
+        "mfu_ladder": ladder, "torch_peer": peer, "kernels": kernels, "checkpoints": checkpoints,
+        "profiled_steps": {"status": "error", "reason": "x"}})
+    assert out == {"device": "NVIDIA H100 80GB HBM3", "mfu_best": 0.57, "tokens_per_s_best": 65000.0, "batch_best": 32,
+                   "peer_same_work_tokens_per_s": 40000.0, "ratio_vs_peer_same_work": 1.5,
+                   "ratio_vs_peer_dense": 1.25, "peak_bytes_ours": 30e9, "peak_bytes_peer": 35e9,
+                   "attention_worst_ratio_vs_cudnn": 0.8, "checkpoint_block_fraction_16gb": 0.04,
+                   "device_to_host_gb_per_s": 16.0 / 0.9}
+    # a failed section's numbers are None, never borrowed from elsewhere
+    failed = campaign_claims.summary("x", {"mfu_ladder": {"status": "error", "reason": "y"}})
+    assert failed == {"device": "x", **dict.fromkeys(campaign_claims.KEYS[1:])}
 
 
 @pytest.mark.slow

@@ -16,10 +16,14 @@ bench/campaign/:
                   save() and on a thread (background_host_copy)                  (checkpoints)
   profiled_steps  observe.profile_every on the device, report's device heat map      (profile)
 
-The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it
-(same name stem): the device, NVIDIA driver (null without nvidia-smi), jax, jaxlib, torch and
-other versions, the exact command, and per section its status ("ok", "skipped" or "error"
-with one line saying why), its wall time and its numbers. An existing result is never replaced
+The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it and,
+at its top, `summary`: the numbers issue 36's claims are checked against (`claims.KEYS`: best MFU,
+tokens/s and batch, the same-work and dense ratios to the PyTorch peer, both peaks, the worst
+attention ratio to cuDNN, the 16 GB background save's blocking share, the device-to-host rate),
+None where nothing measured them. It records (PNGs with the same name stem) the device, NVIDIA
+driver (null without nvidia-smi), jax, jaxlib, torch and other versions, the exact command, and
+per section its status ("ok", "skipped" or "error" with one line saying why), its wall time and
+its numbers. An existing result is never replaced
 without --overwrite; with --only, the sections run replace theirs in an existing result and
 the others are kept (each section records the command that produced it). The file is written
 after every section, so a campaign stopped from outside (a lease's time limit) keeps what it
@@ -50,7 +54,7 @@ import sys
 import tempfile
 import time
 
-from bench.campaign import device, plots, process, summary
+from bench.campaign import claims, device, plots, process, summary
 from bench.common import RESULTS, command_line, invocation, result_path
 
 SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
@@ -204,9 +208,12 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
         sections = {s: sections[s] for s in SECTIONS if s in sections}
         save(path, {**header, "sections": sections})  # what is done survives a stop from outside
     pngs, problems = plots.draw(sections, png_stem)
-    save(path, {**header, "sections": sections, "pngs": pngs, "png_problems": problems})
+    # with --only, the claims are read off the sections kept from before as well
+    claimed = claims.summary(found["device_kind"], sections)
+    save(path, {**header, "summary": claimed, "sections": sections, "pngs": pngs, "png_problems": problems})
     print()
     summary.show(sections, pngs, problems)
+    summary.claims(claimed)
     print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 

@@ -86,3 +86,11 @@ def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
             + (f"{p['tokens_per_s']:.0f} tokens/s" if "tokens_per_s" in p else outcome(p))
             for p in ok["torch_peer"]["rows"]))
     print("\nPNGs: " + (", ".join(pngs) if pngs else "none") + "".join(f"\n  not drawn: {p}" for p in problems))
+
+
+def claims(summary: dict) -> None:
+    """The result's top-level summary, one key a line ('n/a': not measured in this run)."""
+    print("\nsummary (issue 36's claims)")
+    for key, value in summary.items():
+        text = "n/a" if value is None else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        print(f"  {key:<32}{text}")
