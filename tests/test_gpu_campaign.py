@@ -21,7 +21,7 @@ from bench.campaign import claims as campaign_claims  # noqa: E402
 from bench.campaign import ladder as campaign_ladder  # noqa: E402
 from bench.campaign import model as campaign_model  # noqa: E402
 
-SECTIONS = ["kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps"]
+SECTIONS = ["kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps"]
 LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
                "xla_flags", "remat", "lamb_4x_batch"]
 TIMED_CONTENDERS = {"xla_dense_causal", "xla_window", "pallas_window"}  # the ones that run on the CPU
@@ -123,6 +123,29 @@ def test_dry_run_ladder_rows(full):
     assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
     assert lamb["config"].get("model.remat") == before["config"].get("model.remat")
     assert lamb["global_batch"] == 4 * before["global_batch"]
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_levers_each_alone_against_one_base(full):
+    """Issue 36, item 6's lever table: every lever a row of its own on the same base, its change
+    against that base; the XLA:GPU flag rows say why they cannot run on the CPU."""
+    section = json.loads(full[1].read_text())["sections"]["levers"]
+    base, rows = section["base"], {r["name"]: r for r in section["rows"]}
+    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_xla_flags",
+                          "triton_gemm_off", "command_buffers_off"]
+    assert base["tokens_per_s"] > 0 and base["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
+    assert base["config"]["model.block"] == "parallel" and base["config"]["model.attention"] == "pallas"
+    assert rows["loss_chunks"]["config"]["model.loss_chunks"] == 8
+    assert rows["scan_unroll"]["config"]["model.scan_unroll"] == 2  # the dry run's layers
+    assert rows["remat_dots"]["config"]["model.remat"] == "dots"
+    assert rows["half_batch"]["batch"] == base["batch"] // 2 and rows["no_xla_flags"]["xla_flags"] == []
+    for name in ("triton_gemm_off", "command_buffers_off"):
+        assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
+    for name in ("loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_xla_flags"):
+        r = rows[name]
+        assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
+        assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])
 
 
 @pytest.mark.slow

@@ -11,6 +11,8 @@ bench/campaign/:
                   shape; LayerNorm+residual and bias+GeLU, Pallas vs XLA             (kernels)
   mfu_ladder      MFU, tokens/s and peak memory as MegaScale's techniques are added one by one
                   to a 1.4B model on one device                                       (ladder)
+  levers          each one-GPU lever alone on one base configuration (sliced loss, unrolled
+                  layers, fused norms, remat, batch, XLA flags), its change in tokens/s (levers)
   torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)           (torch_peer)
   checkpoints     blocking vs total save, and restore, for 1/4/16 GB, with the host copy in
                   save() and on a thread (background_host_copy)                  (checkpoints)
@@ -57,11 +59,11 @@ import time
 from bench.campaign import claims, device, plots, process, summary
 from bench.common import RESULTS, command_line, invocation, result_path
 
-SECTIONS = ("kernels", "mfu_ladder", "torch_peer", "checkpoints", "profiled_steps")
+SECTIONS = ("kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
 # (on an H200, 2026-11-23: kernels 246 s, ladder 194 s without its first row and the later remat row,
 # torch 163 s, checkpoints 81 s before it measured background_host_copy too, profiled 23 s).
-LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "torch_peer": 600, "checkpoints": 900,
+LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "levers": 1200, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
 # tiny models' steps takes about half as long.

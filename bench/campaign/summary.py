@@ -48,6 +48,19 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
               + (f"  ({outcome(peer)})" if peer and outcome(peer) else ""))
 
 
+def levers(section: dict) -> None:
+    base = section["base"]
+    print(f"levers, each alone on the base ({', '.join(f'{k}={v}' for k, v in section['config'].items())}; "
+          f"XLA flags {' '.join(section['xla_flags']) or 'none'})")
+    print(f"{'lever':<21}{'batch':>6}{'tokens/s':>11}{'change':>9}")
+    for r in [base, *section["rows"]]:
+        if "tokens_per_s" not in r:
+            print(f"{r['name']:<21}{str(r.get('batch')):>6}  {outcome(r)}")
+            continue
+        change = f"{r['delta_pct']:+.1f}%" if "delta_pct" in r else ""
+        print(f"{r['name']:<21}{str(r['batch']):>6}{r['tokens_per_s']:>11.0f}{change:>9}")
+
+
 def checkpoints(section: dict) -> None:
     print(f"checkpoints (median of {section['repeats']}; background: checkpoint.background_host_copy=true, "
           "blocking = dispatch + the device copy)")
@@ -74,6 +87,7 @@ def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
     ok = {name: s for name, s in sections.items() if s["status"] == "ok"}
     tables = {"kernels": lambda: kernels(ok["kernels"]),
               "mfu_ladder": lambda: ladder(ok["mfu_ladder"], ok.get("torch_peer")),
+              "levers": lambda: levers(ok["levers"]),
               "checkpoints": lambda: checkpoints(ok["checkpoints"]),
               "profiled_steps": lambda: profiled(ok["profiled_steps"])}
     for name, table in tables.items():

@@ -17,6 +17,7 @@ PIECES = {  # name -> module with `run(settings) -> dict` (imported only when as
     "probe": "bench.campaign.device",
     "kernels": "bench.campaign.kernels",
     "mfu_ladder": "bench.campaign.ladder",
+    "levers": "bench.campaign.levers",
     "torch_peer": "bench.campaign.torch_peer",
     "checkpoints": "bench.campaign.checkpoints",
     "profiled_steps": "bench.campaign.profile",

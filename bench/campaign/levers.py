@@ -1,0 +1,72 @@
+"""Campaign section f, levers: the one-GPU speed levers of issue 36, each alone on one base
+configuration, with its measured change in tokens/s. Levers that lose stay in the table.
+
+    base                 parallel block, the ladder's window, cuDNN attention (Pallas in the dry
+                         run), AdamW, the ladder's tuned XLA flags, the largest batch that fits
+    loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
+    scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
+    fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
+    remat_dots           + model.remat=dots at the largest batch that then fits
+    half_batch           the base at half its batch: what the batch buys
+    no_xla_flags         the base without the tuned XLA flags
+    triton_gemm_off      + --xla_gpu_enable_triton_gemm=false: cuBLAS for every GEMM (GPU only)
+    command_buffers_off  + --xla_gpu_enable_command_buffer= : no CUDA graphs (GPU only)
+
+Each row is the MFU ladder's row runner (`ladder.Ladder.row`): its own process, its batch from the
+memory estimate, a row that does not fit or fails is that row's one-line error. Each row's
+`delta_tokens_per_s` and `delta_pct` are against the base row of this section, same run.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+from bench.campaign import ladder, model
+
+LOSS_CHUNKS = 8
+GPU_FLAGS = {"triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
+             "command_buffers_off": ("--xla_gpu_enable_command_buffer=",)}
+
+
+def base_config(dry_run: bool) -> dict:
+    return {**ladder.BASELINE, "model.block": "parallel", "model.window": ladder.WINDOW[dry_run],
+            "model.attention": "pallas" if dry_run else "cudnn"}
+
+
+def run(settings: dict) -> dict:
+    model.host_only_jax()
+    work_dir = tempfile.mkdtemp(prefix="campaign-levers-")
+    try:
+        return measure(ladder.Ladder(settings, work_dir))
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def measure(runner: ladder.Ladder) -> dict:
+    dry_run = runner.dry_run
+    base = base_config(dry_run)
+    flags = ladder.TUNED_XLA_FLAGS
+    first = runner.row("base", base, xla_flags=flags)
+    batch = first.get("batch") or 1
+    layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
+    rows = [
+        runner.row("loss_chunks", {**base, "model.loss_chunks": LOSS_CHUNKS}, batch=batch, xla_flags=flags),
+        runner.row("scan_unroll", {**base, "model.scan_unroll": layers}, batch=batch, xla_flags=flags),
+        runner.row("fused_norm_gelu", {**base, "model.fused_norm": "true", "model.fused_mlp": "true"},
+                   batch=batch, xla_flags=flags),
+        runner.row("remat_dots", {**base, "model.remat": "dots"}, xla_flags=flags, largest=True),
+        runner.row("half_batch", base, batch=max(1, batch // 2), xla_flags=flags),
+        runner.row("no_xla_flags", base, batch=batch),
+    ]
+    for name, extra in GPU_FLAGS.items():
+        if runner.settings["device"]["backend"] != "gpu":
+            rows.append({"name": name, "config": dict(base), "xla_flags": [*flags, *extra],
+                         "skipped": "skipped: needs a GPU (XLA:GPU flags)"})
+        else:
+            rows.append(runner.row(name, base, batch=batch, xla_flags=(*flags, *extra)))
+    for row in rows:
+        if ladder.measured(row) and ladder.measured(first):
+            row["delta_tokens_per_s"] = row["tokens_per_s"] - first["tokens_per_s"]
+            row["delta_pct"] = 100 * row["delta_tokens_per_s"] / first["tokens_per_s"]
+    return {"config": base, "xla_flags": list(flags), "base": first, "rows": rows}
