@@ -255,6 +255,12 @@ def test_dry_run_checkpoints_profile_and_pngs(full):
     profiled = result["sections"]["profiled_steps"]
     assert profiled["profiled_steps"] == [2, 4, 6] and profiled["devices"] == [0]
     assert all(s > 0 for s in profiled["device_compute_s"][0]) and len(profiled["device_collective_s"][0]) == 3
+    # where the time goes (issue 36, item 6): parts named by the model's scopes, the top ops
+    parts = {p: t for p, t in profiled["by_part"].items() if p != "total"}
+    assert parts["attention"] > 0 and parts["LM head/loss"] > 0 and parts["optimizer"] > 0
+    assert sum(parts.values()) == pytest.approx(profiled["by_part"]["total"])
+    assert len(profiled["top_ops"]) == 15 and profiled["op_table"]["config"]["model.block"] == "parallel"
+    assert "where the step's device time goes" in full[0].stdout
     stem = str(path)[:-len(".json")]
     assert result["pngs"] == [f"{stem}_{name}.png" for name in ("kernels", "ladder", "checkpoints", "device_heatmap")]
     assert result["png_problems"] == []

@@ -2,27 +2,38 @@
 device, checked end to end — every profiled step has a device_compute (> 0) and a
 device_collective row for the device (on one GPU its collectives take 0 s), and the report
 draws device_heatmap.png, which is copied next to the campaign's result.
+
+Then where the step's device time goes (`op_table`): the top ops of a traced train step, each
+named as a part of the model, and the seconds per part. Sections run independently, so this one
+cannot know the ladder's best row; it profiles the ladder's strongest fixed configuration
+(`strongest_config`: parallel block, sliding window, cuDNN attention on a GPU or XLA's on the
+CPU, AdamW, the tuned XLA flags on a GPU) at the whole model's depth and the batch the memory
+estimate allows, and the result says so.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
 import tempfile
 
-from bench.campaign import model, process
+from bench.campaign import ladder, model, process
 
 STEPS, PROFILE_EVERY = 6, 2
 TRAIN_LIMIT_S = 400
+OP_TABLE_LIMIT_S = 300  # the whole model compiles in about a minute on an H100
 # A smaller version of the ladder's model: the section checks the profiler's rows, not speed.
 SHAPE = {False: ["model.layers=4"], True: ["model.attention=xla"]}  # keyed by dry_run (cuDNN needs a GPU)
 
 
 def run(settings: dict) -> dict:
+    model.host_only_jax()  # this process only plans and reads; the runs have processes of their own
     scratch = tempfile.mkdtemp(prefix="campaign-profile-")
     try:
-        return checked_run(os.path.join(scratch, "run"), settings)
+        checked = checked_run(os.path.join(scratch, "run"), settings)
+        return {**checked, **op_table_run(os.path.join(scratch, "op_table.json"), settings)}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -60,3 +71,38 @@ def checked_run(run_dir: str, settings: dict) -> dict:
     return {"profiled_steps": expected, "devices": devices.tolist(),
             "device_compute_s": compute.tolist(), "device_collective_s": collective.tolist(),
             "device_heatmap": copied}
+
+
+def strongest_config(settings: dict) -> tuple[dict, tuple]:
+    """(config changes, XLA flags) of the ladder's strongest configuration that does not depend on
+    which rows won: the rows up to the fused attention, with cuDNN's (the H200's faster one) on a GPU."""
+    dry_run, gpu = settings["dry_run"], settings["device"]["backend"] == "gpu"
+    changes = {**ladder.BASELINE, "model.block": "parallel", "model.window": ladder.WINDOW[dry_run],
+               "model.attention": "cudnn" if gpu else "xla"}
+    return changes, ladder.TUNED_XLA_FLAGS if gpu else ()
+
+
+def op_table_run(out: str, settings: dict) -> dict:
+    """`python -m bench.campaign.op_table` on `strongest_config` in a process of its own: its top
+    ops, seconds per part and what it profiled."""
+    dry_run = settings["dry_run"]
+    changes, xla_flags = strongest_config(settings)
+    overrides = ladder.row_overrides(dry_run, changes)
+    batch = settings.get("batch") or model.pick_batch(overrides, settings["device"]["memory_limit_bytes"], dry_run)[0]
+    if batch is None:
+        raise RuntimeError(f"op table: {model.does_not_fit(model.estimate_bytes(overrides), settings['device']['memory_limit_bytes'])}")
+    env = dict(os.environ)
+    if xla_flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
+    done = process.run(process.python("bench.campaign.op_table", "--config", model.CONFIG, "--out", out,
+                                      *overrides, f"train.global_batch={batch}"),
+                       env=env, limit_s=OP_TABLE_LIMIT_S, prefix="  [op_table]")
+    if not done.ok:
+        raise RuntimeError(f"bench.campaign.op_table: {done.failure(OP_TABLE_LIMIT_S)}")
+    with open(out) as f:
+        table = json.load(f)
+    return {"top_ops": table["top_ops"], "by_part": table["by_part"],
+            "op_table": {"profiled": "the ladder's strongest fixed configuration (sections run independently: "
+                                     "the best ladder row is not known here)",
+                         "config": changes, "batch": batch, "xla_flags": list(xla_flags),
+                         "steps_traced": table["steps_traced"], "busy_s": table["busy_s"], "device": table["device"]}}

@@ -78,6 +78,19 @@ def profiled(section: dict) -> None:
     compute = ", ".join(f"{s * 1e3:.1f}" for s in section["device_compute_s"][0])
     print(f"profiled steps {section['profiled_steps']} on devices {section['devices']}: device 0 compute ms "
           f"[{compute}]; heat map {section['device_heatmap']}")
+    if "top_ops" not in section:  # results before the op table
+        return
+    table, total = section["op_table"], section["by_part"]["total"]
+    config = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in table["config"].items())
+    print(f"\nwhere the step's device time goes ({config}; batch {table['batch']}; "
+          f"{total * 1e3:.2f} ms of ops per step, device busy {table['busy_s'] * 1e3:.2f} ms)")
+    print(f"{'part':<24}{'ms/step':>10}{'share':>8}")
+    for part, seconds in section["by_part"].items():
+        if part != "total":
+            print(f"{part:<24}{seconds * 1e3:>10.3f}{seconds / total:>8.1%}")
+    print(f"\n{'top op':<40}{'part':<24}{'ms/step':>10}{'share':>8}  op_name")
+    for r in section["top_ops"]:
+        print(f"{r['op'][:39]:<40}{r['part']:<24}{r['seconds'] * 1e3:>10.3f}{r['share']:>8.1%}  {r['op_name'][-60:]}")
 
 
 def show(sections: dict, pngs: list[str], problems: list[str]) -> None:

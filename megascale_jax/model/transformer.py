@@ -52,6 +52,11 @@ class NormParams(nn.Module):
 
 def norm(c: ModelConfig, p: dict, x):
     """LayerNorm or RMSNorm of x with parameters `p`, computed in float32, returned in `c.dtype`."""
+    with jax.named_scope("norm"):  # the model's parts are named in the HLO metadata (profiles, op tables)
+        return _norm(c, p, x)
+
+
+def _norm(c: ModelConfig, p: dict, x):
     if c.norm == "layernorm" and c.fused_norm:
         return pallas_kernels.layer_norm(x, p["scale"], p["bias"], eps=c.epsilon, out_dtype=c.dtype)
     xf = x.astype(jnp.float32)
@@ -206,15 +211,30 @@ def layer(c: ModelConfig, par: ParallelConfig, p: dict, x, attention):
     collective each way instead of two (see `tensor_parallel`)."""
     a, m = p["attn"], p["mlp"]
     wo = a["wo"].reshape(-1, c.d_model)
+    scope = jax.named_scope  # each part named in the HLO metadata (profiles, bench/campaign/op_table.py)
     if c.block == "parallel":
-        q, k, v, *ups = column_matmul(norm(c, p["norm"], x), [*qkv_weights(c, a), *mlp_up_weights(c, m)], par)
-        out = row_matmul([attention(q, k, v), mlp_activation(c, ups, m)], [wo, m["w2"]], par)
+        h = norm(c, p["norm"], x)
+        with scope("qkv_mlp_up"):
+            q, k, v, *ups = column_matmul(h, [*qkv_weights(c, a), *mlp_up_weights(c, m)], par)
+        with scope("attention"):
+            o = attention(q, k, v)
+        with scope("mlp"):
+            hidden = mlp_activation(c, ups, m)
+        with scope("out_mlp_down"):
+            out = row_matmul([o, hidden], [wo, m["w2"]], par)
         return x + out + output_bias(c, a.get("bo"), m.get("b2"))
-    q, k, v = column_matmul(norm(c, p["norm1"], x), qkv_weights(c, a), par)
-    x = x + row_matmul([attention(q, k, v)], [wo], par) + output_bias(c, a.get("bo"))
+    h = norm(c, p["norm1"], x)
+    with scope("qkv_projection"):
+        q, k, v = column_matmul(h, qkv_weights(c, a), par)
+    with scope("attention"):
+        o = attention(q, k, v)
+    with scope("out_projection"):
+        x = x + row_matmul([o], [wo], par) + output_bias(c, a.get("bo"))
     x = _constrain(x, ("batch", "act_seq", "embed"))
-    ups = column_matmul(norm(c, p["norm2"], x), mlp_up_weights(c, m), par)
-    return x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
+    h = norm(c, p["norm2"], x)
+    with scope("mlp"):
+        ups = column_matmul(h, mlp_up_weights(c, m), par)
+        return x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
 
 
 class Block(nn.Module):
@@ -251,6 +271,11 @@ def scanned_blocks(length: int, remat: str = "none", unroll: int = 1):
 
 
 def embed_tokens(cfg: ModelConfig, embed, tokens, parallel: ParallelConfig = ParallelConfig()):
+    with jax.named_scope("embed"):
+        return _embed_tokens(cfg, embed, tokens, parallel)
+
+
+def _embed_tokens(cfg: ModelConfig, embed, tokens, parallel: ParallelConfig):
     if vocab_edges_manual(parallel):
         x = embed_lookup(embed, tokens, cfg.dtype)
     else:
@@ -266,11 +291,12 @@ def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = Par
 
 def project_vocab(cfg: ModelConfig, x, head, parallel: ParallelConfig = ParallelConfig()):
     # float32 accumulation: the loss should not see logits rounded to bf16
-    if vocab_edges_manual(parallel):
-        logits = vocab_logits(x, head.astype(cfg.dtype))
-    else:
-        logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
-    return _constrain(logits, ("batch", "seq", "vocab"))
+    with jax.named_scope("lm_head"):
+        if vocab_edges_manual(parallel):
+            logits = vocab_logits(x, head.astype(cfg.dtype))
+        else:
+            logits = jnp.einsum("bsd,dv->bsv", x, head.astype(cfg.dtype), preferred_element_type=jnp.float32)
+        return _constrain(logits, ("batch", "seq", "vocab"))
 
 
 def lm_logits(cfg: ModelConfig, final_norm_params, head, x, parallel: ParallelConfig = ParallelConfig()):
@@ -280,8 +306,9 @@ def lm_logits(cfg: ModelConfig, final_norm_params, head, x, parallel: ParallelCo
 
 def token_losses(logits, targets):
     """Each token's next-token cross entropy in float32: logsumexp(logits) - the target's logit."""
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    with jax.named_scope("loss"):
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
 def cross_entropy(logits, targets):

@@ -1,0 +1,147 @@
+"""The campaign's op table (bench/campaign/op_table.py): the part rules on hand-written HLO names,
+the module-text parser, and a real traced train step of the tiny model on the CPU, whose ops
+must cover every model part and add up to the step's device op time."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from bench.campaign import ladder, model, op_table, profile
+from bench.campaign.op_table import Instruction, part_of
+from megascale_jax.config import load_config
+from megascale_jax.observe import device_profile
+
+LAYER = "jit(train_step)/jvp(Transformer)/while/body/closed_call/layers"
+BACKWARD = "jit(train_step)/transpose(jvp(Transformer))/while/body/closed_call/layers"
+CPU = {"dry_run": True, "device": {"backend": "cpu", "memory_limit_bytes": None}}
+
+
+@pytest.mark.parametrize("instruction,part", [
+    (Instruction("fusion", f"{LAYER}/attention/bqkgd,bskd->bkgqs/dot_general"), "attention"),
+    (Instruction("custom-call", f"{LAYER}/attention/dot_product_attention"), "attention"),  # a cuDNN kernel
+    (Instruction("dot", f"{LAYER}/qkv_projection/dot_general"), "QKV projection"),
+    (Instruction("custom-call", f"{BACKWARD}/out_projection/dot_general"), "output projection"),  # cuBLAS
+    (Instruction("fusion", f"{BACKWARD}/mlp/dot_general"), "MLP"),
+    (Instruction("custom-call", f"{LAYER}/qkv_mlp_up/dot_general"), "QKV + MLP-up GEMM"),  # the parallel block's
+    (Instruction("fusion", f"{BACKWARD}/out_mlp_down/dot_general"), "output + MLP-down GEMM"),
+    (Instruction("fusion", "jit(step)/transpose(jvp(norm))/mul"), "norms"),  # a scope at the top: wrapped
+    (Instruction("fusion", "jit(train_step)/jvp(Transformer)/lm_head/bsd,dv->bsv/dot_general"), "LM head/loss"),
+    (Instruction("fusion", "jit(train_step)/jvp(loss)/reduce_max"), "LM head/loss"),
+    (Instruction("gather", "jit(train_step)/jvp(Transformer)/embed/jit(_take)/gather"), "embedding"),
+    (Instruction("fusion", "jit(train_step)/mul"), "optimizer"),  # outside the gradient
+    (Instruction("fusion", "jit(train_step)/jit(_where)/select_n"), "optimizer"),
+    (Instruction("copy", f"{LAYER}/mlp/mul"), "copies/transposes"),  # data movement first, whatever the scope
+    (Instruction("transpose", ""), "copies/transposes"),
+    (Instruction("fusion", "", (("dynamic-slice", ""), ("convert", f"{LAYER}/mlp/mul"), ("bitcast", ""))),
+     "copies/transposes"),
+    (Instruction("dynamic-slice", "jit(train_step)/jvp(Transformer)/while/body/jit(dynamic_index_in_dim)"),
+     "other"),  # the layer scan's plumbing, in the gradient but in no part
+    (Instruction("fusion", ""), "other"),  # no metadata: no guess
+    (Instruction(""), "other"),  # an op the module's text does not have
+])
+def test_rules_name_the_part(instruction, part):
+    assert part_of(instruction) == part
+
+
+def test_a_fusion_is_the_part_most_of_its_instructions_are_in():
+    mlp, attention = ("multiply", f"{LAYER}/mlp/mul"), ("divide", f"{LAYER}/attention/div")
+    own = f"{LAYER}/add"  # XLA gives a fusion a vaguer op_name than its instructions'
+    assert part_of(Instruction("fusion", own, (mlp, mlp, attention))) == "MLP"
+    assert part_of(Instruction("fusion", own, (mlp, attention))) == "other"  # a tie: no guess
+    assert part_of(Instruction("fusion", f"{LAYER}/norm/mul", (("add", ""),))) == "norms"  # none inside: its own
+    assert part_of(Instruction("all-reduce", f"{LAYER}/mlp/psum"), collective=True) == "collectives"
+
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_computation.1 (param_0: f32[4,8], param_1: s32[]) -> f32[4,8] {
+  %param_0 = f32[4,8]{1,0} parameter(0)
+  %constant.3 = f32[] constant(1), metadata={op_name="jit(step)/jvp(Transformer)/attention/div"}
+  %index = s32[] subtract(%constant.3, %constant.3), metadata={op_name="jit(step)/jvp(Transformer)/while/body/sub"}
+  ROOT %tanh.2 = f32[4,8]{1,0} tanh(%param_0), metadata={op_name="jit(step)/jvp(Transformer)/mlp/tanh" stack_frame_id=3}
+}
+
+ENTRY %main.9 (Arg_0.1: f32[4,8]) -> (f32[4,8], s32[]) {
+  %Arg_0.1 = f32[4,8]{1,0} parameter(0)
+  %tanh_fusion = f32[4,8]{1,0} fusion(%Arg_0.1), kind=kLoop, calls=%fused_computation.1
+  %while.4 = (f32[4,8]{1,0}, /*index=1*/s32[]) while(%tuple.3), condition=%cond, body=%body
+  ROOT %copy.5 = f32[4,8]{1,0} copy(%tanh_fusion), metadata={op_name="jit(step)/mul"}
+}
+"""
+
+
+def test_instructions_reads_opcodes_metadata_and_a_fusions_instructions():
+    found = op_table.instructions(HLO)
+    # Parameters, constants and scalars are left out of a fusion's instructions: a CSE'd constant
+    # and the loop index carry other ops' op_names.
+    assert found["tanh_fusion"] == Instruction("fusion", "", (("tanh", "jit(step)/jvp(Transformer)/mlp/tanh"),))
+    assert found["while.4"].opcode == "while"
+    assert found["copy.5"] == Instruction("copy", "jit(step)/mul")
+    assert part_of(found["tanh_fusion"]) == "MLP"
+
+
+def test_the_model_names_its_parts_in_the_lowered_steps_metadata():
+    """The scopes the rules read are the model's own (transformer.layer, norm, embed_tokens,
+    project_vocab, token_losses), for both blocks."""
+    from megascale_jax.model import transformer
+
+    for block, scopes in (("parallel", ("qkv_mlp_up", "out_mlp_down")), ("serial", ("qkv_projection", "out_projection"))):
+        cfg = load_config(None, ["model.layers=1", "model.d_model=32", "model.seq_len=16", f"model.block={block}"])
+        tokens = jnp.arange(2 * (cfg.model.seq_len + 1), dtype=jnp.int32).reshape(2, -1) % cfg.model.vocab
+        net = transformer.Transformer(cfg.model)
+        params = net.init(jax.random.key(0), tokens[:, :-1])["params"]
+        text = jax.jit(jax.grad(lambda p: transformer.loss_fn(net, p, tokens))).lower(params).as_text(debug_info=True)
+        for scope in (*scopes, "attention", "mlp", "norm", "embed", "lm_head", "loss"):
+            assert re.search(rf"[/(]{scope}[)/]", text), (block, scope)  # a scope at the top is wrapped: jvp(loss)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """A traced train step of the campaign's profiled configuration at the dry run's shapes:
+    (device 0's ops, the module's instructions, the table)."""
+    changes, _ = profile.strongest_config(CPU)
+    overrides = ladder.row_overrides(True, changes) + ["train.global_batch=2"]
+    hlo_text, module, path = op_table.trace_train_step(model.CONFIG, overrides, str(tmp_path_factory.mktemp("trace")))
+    ops = device_profile.read_ops(path, module)[0]
+    hlo = op_table.instructions(hlo_text)
+    return ops, hlo, op_table.table(ops, hlo, op_table.STEPS)
+
+
+def test_every_model_part_takes_time_in_a_real_step(traced):
+    _, _, table = traced
+    # the profiled configuration has the parallel block: its two fused GEMMs are parts of their own
+    for part in ("attention", "QKV + MLP-up GEMM", "output + MLP-down GEMM", "MLP", "LM head/loss", "norms",
+                 "embedding", "optimizer"):
+        assert table["by_part"].get(part, 0) > 0, (part, table["by_part"])
+    # The rules leave little unnamed: the layer scan's plumbing and metadata-less reductions.
+    assert table["by_part"].get("other", 0) < 0.25 * table["by_part"]["total"], table["by_part"]
+
+
+def test_the_parts_add_up_to_the_steps_device_op_time(traced):
+    ops, hlo, table = traced
+    # Every executed HLO op but the containers, whose time is their ops'.
+    op_time = sum(o.end_ns - o.start_ns for o in ops if not o.kind.startswith(device_profile.CONTAINERS))
+    parts = {p: s for p, s in table["by_part"].items() if p != "total"}
+    assert sum(parts.values()) == pytest.approx(table["by_part"]["total"], rel=1e-9)
+    assert table["by_part"]["total"] == pytest.approx(op_time / 1e9 / op_table.STEPS, rel=0.01)
+    assert set(parts) <= set(op_table.PARTS)
+    # Every op the trace names is an instruction of the compiled module.
+    assert {o.name for o in ops} <= set(hlo)
+
+    rows = table["top_ops"]
+    assert len(rows) == op_table.TOP
+    assert [r["seconds"] for r in rows] == sorted((r["seconds"] for r in rows), reverse=True)
+    assert all(r["share"] == pytest.approx(r["seconds"] / table["by_part"]["total"]) for r in rows)
+    assert table["busy_s"] > 0
+
+
+def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():
+    changes, flags = profile.strongest_config(CPU)
+    assert (changes["model.block"], changes["model.window"], changes["model.attention"], changes["optim.name"]) == (
+        "parallel", ladder.WINDOW[True], "xla", "adamw")
+    assert flags == ()
+    changes, flags = profile.strongest_config({"dry_run": False, "device": {"backend": "gpu"}})
+    assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ladder.TUNED_XLA_FLAGS)
