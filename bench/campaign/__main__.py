@@ -13,7 +13,8 @@ bench/campaign/:
                   to a 1.4B model on one device                                       (ladder)
   levers          each one-GPU lever alone on one base configuration (sliced loss, unrolled
                   layers, fused norms, remat, batch, XLA flags), its change in tokens/s (levers)
-  torch_peer      the ladder's first rows in PyTorch (Llama / GPT-NeoX)           (torch_peer)
+  torch_peer      the ladder's first three rows in PyTorch on the same token rows: Llama,
+                  GPT-NeoX, GPT-NeoX with FlexAttention's sliding window      (torch_peer)
   checkpoints     blocking vs total save, and restore, for 1/4/16 GB, with the host copy in
                   save() and on a thread (background_host_copy)                  (checkpoints)
   profiled_steps  observe.profile_every on the device, report's device heat map      (profile)

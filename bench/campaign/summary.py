@@ -46,6 +46,12 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
               f"{format_bytes(peak) if peak else 'n/a':>11}{estimate}"
               f"{number(peer.get('tokens_per_s'), '.0f', 13) if peer else ''}"
               + (f"  ({outcome(peer)})" if peer and outcome(peer) else ""))
+    same_tokens = [p for p in peers.values() if "losses" in p]  # peers before 2026-11-25 trained on one batch
+    if same_tokens:
+        ours = {r["name"]: r for r in section["rows"]}
+        print("PyTorch peer on the same token rows: " + "; ".join(
+            f"{p['row']} ({p['family']}, {p['attention']}): loss after {p['steps']} steps {p['final_loss']:.4f}, "
+            f"ours {number(ours.get(p['row'], {}).get('final_loss'), '.4f', 0)}" for p in same_tokens))
 
 
 def levers(section: dict) -> None:
