@@ -102,7 +102,7 @@ def test_the_model_names_its_parts_in_the_lowered_steps_metadata():
 def traced(tmp_path_factory):
     """A traced train step of the campaign's profiled configuration at the dry run's shapes:
     (device 0's ops, the module's instructions, the table)."""
-    changes, _ = profile.strongest_config(CPU)
+    changes, _ = ladder.strongest_fixed(CPU)
     overrides = ladder.row_overrides(True, changes) + ["train.global_batch=2"]
     hlo_text, module, path = op_table.trace_train_step(model.CONFIG, overrides, str(tmp_path_factory.mktemp("trace")))
     ops = device_profile.read_ops(path, module)[0]
@@ -138,10 +138,10 @@ def test_the_parts_add_up_to_the_steps_device_op_time(traced):
     assert table["busy_s"] > 0
 
 
-def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():
-    changes, flags = profile.strongest_config(CPU)
+def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the levers' base too
+    changes, flags = ladder.strongest_fixed(CPU)
     assert (changes["model.block"], changes["model.window"], changes["model.attention"], changes["optim.name"]) == (
         "parallel", ladder.WINDOW[True], "xla", "adamw")
     assert flags == ()
-    changes, flags = profile.strongest_config({"dry_run": False, "device": {"backend": "gpu"}})
+    changes, flags = ladder.strongest_fixed({"dry_run": False, "device": {"backend": "gpu"}})
     assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ladder.TUNED_XLA_FLAGS)

@@ -36,6 +36,17 @@ WINDOW = {False: 512, True: 16}  # keyed by dry_run; the dry run's sequence is 6
 TUNED_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",
                    "--xla_gpu_enable_while_loop_double_buffering=true")
 LAMB_MICROBATCHES = 4
+
+
+def strongest_fixed(settings: dict) -> tuple[dict, tuple]:
+    """(config changes, XLA flags) of the ladder's strongest configuration that does not depend on
+    which rows won, for the sections that cannot see the ladder's result (levers, the op table):
+    parallel block, the window, cuDNN attention (the H200's faster kernel) with the tuned XLA flags
+    on a GPU, XLA's attention and no flags elsewhere, AdamW."""
+    gpu = settings["device"]["backend"] == "gpu"
+    changes = {**BASELINE, "model.block": "parallel", "model.window": WINDOW[settings["dry_run"]],
+               "model.attention": "cudnn" if gpu else "xla"}
+    return changes, TUNED_XLA_FLAGS if gpu else ()
 STEPS = {False: (6, 2), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
 ROW_LIMIT_S = {False: 240, True: 120}
 

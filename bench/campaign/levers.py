@@ -1,8 +1,9 @@
 """Campaign section f, levers: the one-GPU speed levers of issue 36, each alone on one base
 configuration, with its measured change in tokens/s. Levers that lose stay in the table.
 
-    base                 parallel block, the ladder's window, cuDNN attention (Pallas in the dry
-                         run), AdamW, the ladder's tuned XLA flags, the largest batch that fits
+    base                 the ladder's strongest fixed configuration (`ladder.strongest_fixed`:
+                         parallel block, the window, cuDNN attention and the tuned XLA flags on a
+                         GPU), AdamW, the largest batch that fits
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
     scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
@@ -29,11 +30,6 @@ GPU_FLAGS = {"triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
              "command_buffers_off": ("--xla_gpu_enable_command_buffer=",)}
 
 
-def base_config(dry_run: bool) -> dict:
-    return {**ladder.BASELINE, "model.block": "parallel", "model.window": ladder.WINDOW[dry_run],
-            "model.attention": "pallas" if dry_run else "cudnn"}
-
-
 def run(settings: dict) -> dict:
     model.host_only_jax()
     work_dir = tempfile.mkdtemp(prefix="campaign-levers-")
@@ -45,8 +41,7 @@ def run(settings: dict) -> dict:
 
 def measure(runner: ladder.Ladder) -> dict:
     dry_run = runner.dry_run
-    base = base_config(dry_run)
-    flags = ladder.TUNED_XLA_FLAGS
+    base, flags = ladder.strongest_fixed(runner.settings)
     first = runner.row("base", base, xla_flags=flags)
     batch = first.get("batch") or 1
     layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
@@ -57,14 +52,14 @@ def measure(runner: ladder.Ladder) -> dict:
                    batch=batch, xla_flags=flags),
         runner.row("remat_dots", {**base, "model.remat": "dots"}, xla_flags=flags, largest=True),
         runner.row("half_batch", base, batch=max(1, batch // 2), xla_flags=flags),
-        runner.row("no_xla_flags", base, batch=batch),
     ]
-    for name, extra in GPU_FLAGS.items():
+    # XLA:GPU flags: the base's own (tuned) ones taken away, or one more added
+    for name, row_flags in (("no_xla_flags", ()), *((n, (*flags, *extra)) for n, extra in GPU_FLAGS.items())):
         if runner.settings["device"]["backend"] != "gpu":
-            rows.append({"name": name, "config": dict(base), "xla_flags": [*flags, *extra],
+            rows.append({"name": name, "config": dict(base), "xla_flags": list(row_flags),
                          "skipped": "skipped: needs a GPU (XLA:GPU flags)"})
         else:
-            rows.append(runner.row(name, base, batch=batch, xla_flags=(*flags, *extra)))
+            rows.append(runner.row(name, base, batch=batch, xla_flags=row_flags))
     for row in rows:
         if ladder.measured(row) and ladder.measured(first):
             row["delta_tokens_per_s"] = row["tokens_per_s"] - first["tokens_per_s"]

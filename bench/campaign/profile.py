@@ -6,8 +6,8 @@ draws device_heatmap.png, which is copied next to the campaign's result.
 Then where the step's device time goes (`op_table`): the top ops of a traced train step, each
 named as a part of the model, and the seconds per part. Sections run independently, so this one
 cannot know the ladder's best row; it profiles the ladder's strongest fixed configuration
-(`strongest_config`: parallel block, sliding window, cuDNN attention on a GPU or XLA's on the
-CPU, AdamW, the tuned XLA flags on a GPU) at the whole model's depth and the batch the memory
+(`ladder.strongest_fixed`: parallel block, sliding window, cuDNN attention on a GPU or XLA's on
+the CPU, AdamW, the tuned XLA flags on a GPU) at the whole model's depth and the batch the memory
 estimate allows, and the result says so.
 """
 
@@ -73,20 +73,11 @@ def checked_run(run_dir: str, settings: dict) -> dict:
             "device_heatmap": copied}
 
 
-def strongest_config(settings: dict) -> tuple[dict, tuple]:
-    """(config changes, XLA flags) of the ladder's strongest configuration that does not depend on
-    which rows won: the rows up to the fused attention, with cuDNN's (the H200's faster one) on a GPU."""
-    dry_run, gpu = settings["dry_run"], settings["device"]["backend"] == "gpu"
-    changes = {**ladder.BASELINE, "model.block": "parallel", "model.window": ladder.WINDOW[dry_run],
-               "model.attention": "cudnn" if gpu else "xla"}
-    return changes, ladder.TUNED_XLA_FLAGS if gpu else ()
-
-
 def op_table_run(out: str, settings: dict) -> dict:
-    """`python -m bench.campaign.op_table` on `strongest_config` in a process of its own: its top
+    """`python -m bench.campaign.op_table` on `ladder.strongest_fixed` in a process of its own: its top
     ops, seconds per part and what it profiled."""
     dry_run = settings["dry_run"]
-    changes, xla_flags = strongest_config(settings)
+    changes, xla_flags = ladder.strongest_fixed(settings)
     overrides = ladder.row_overrides(dry_run, changes)
     batch = settings.get("batch") or model.pick_batch(overrides, settings["device"]["memory_limit_bytes"], dry_run)[0]
     if batch is None:
