@@ -145,3 +145,16 @@ def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the
     assert flags == ()
     changes, flags = ladder.strongest_fixed({"dry_run": False, "device": {"backend": "gpu"}})
     assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ladder.TUNED_XLA_FLAGS)
+
+
+def test_an_op_table_that_fails_is_one_line_beside_the_profiled_runs_numbers(monkeypatch):
+    """Bad input (issue 36): the op table's run failing (the whole model not fitting, a compile
+    error) costs the table only; the section keeps the checked run's numbers."""
+    def fails(out, settings):
+        raise RuntimeError("bench.campaign.op_table: RESOURCE_EXHAUSTED: Out of memory while trying to allocate\n...")
+
+    monkeypatch.setattr(profile, "checked_run", lambda run_dir, settings: {"profiled_steps": [2, 4, 6]})
+    monkeypatch.setattr(profile, "op_table_run", fails)
+    result = profile.run(CPU)
+    assert result["profiled_steps"] == [2, 4, 6] and "top_ops" not in result
+    assert result["op_table_error"].startswith("RuntimeError: bench.campaign.op_table: RESOURCE_EXHAUSTED") and "\n" not in result["op_table_error"]

@@ -33,7 +33,11 @@ def run(settings: dict) -> dict:
     scratch = tempfile.mkdtemp(prefix="campaign-profile-")
     try:
         checked = checked_run(os.path.join(scratch, "run"), settings)
-        return {**checked, **op_table_run(os.path.join(scratch, "op_table.json"), settings)}
+        try:
+            table = op_table_run(os.path.join(scratch, "op_table.json"), settings)
+        except RuntimeError as e:  # e.g. the whole model not fitting: the checked run's numbers still count
+            table = {"op_table_error": process.one_line(e)}
+        return {**checked, **table}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 

@@ -84,7 +84,9 @@ def profiled(section: dict) -> None:
     compute = ", ".join(f"{s * 1e3:.1f}" for s in section["device_compute_s"][0])
     print(f"profiled steps {section['profiled_steps']} on devices {section['devices']}: device 0 compute ms "
           f"[{compute}]; heat map {section['device_heatmap']}")
-    if "top_ops" not in section:  # results before the op table
+    if "op_table_error" in section:
+        print(f"where the step's device time goes: {section['op_table_error']}")
+    if "top_ops" not in section:  # results before the op table, or its error
         return
     table, total = section["op_table"], section["by_part"]["total"]
     config = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in table["config"].items())
