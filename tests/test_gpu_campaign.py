@@ -23,7 +23,7 @@ from bench.campaign import model as campaign_model  # noqa: E402
 
 SECTIONS = ["kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps"]
 LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
-               "xla_flags", "remat", "lamb_4x_batch"]
+               "xla_flags", "remat", "lamb_4x_batch", "dense_twin"]
 TIMED_CONTENDERS = {"xla_dense_causal", "xla_window", "pallas_window"}  # the ones that run on the CPU
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -123,6 +123,10 @@ def test_dry_run_ladder_rows(full):
     assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
     assert lamb["config"].get("model.remat") == before["config"].get("model.remat")
     assert lamb["global_batch"] == 4 * before["global_batch"]
+    # the best row (the fastest: no MFU on the CPU) again with full causal attention
+    twin, best = by_name["dense_twin"], max(rows[:-1], key=lambda r: r["tokens_per_s"])
+    assert twin["twin_of"] == best["name"] and twin["config"] == {**best["config"], "model.window": "null"}
+    assert (twin["batch"], twin["microbatches"], twin["xla_flags"]) == (best["batch"], best["microbatches"], best["xla_flags"])
 
 
 @pytest.mark.slow
