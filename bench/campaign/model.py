@@ -45,7 +45,7 @@ def estimate_bytes(overrides: list[str]) -> float:
     cfg = load(overrides)
     memory = flops.memory_estimate(cfg)
     micro = cfg.train.global_batch // cfg.parallel.microbatches
-    logits = 2 * micro * cfg.model.seq_len * cfg.model.vocab * 4
+    logits = 2 * micro * cfg.model.seq_len * cfg.model.vocab * 4 / cfg.model.loss_chunks  # live: one slice's
     return memory["parameters"] + memory["gradients"] + memory["optimizer"] + residual_bytes(cfg, micro) + logits
 
 

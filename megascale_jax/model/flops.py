@@ -126,7 +126,8 @@ def memory_estimate(cfg: Config) -> dict:
     pp > 1 they follow the pipeline table: its stash slots per stage (flat in m for 1F1B, m·v for
     gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
     its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
-    fp32 logits of one microbatch are added for the last stage."""
+    fp32 logits of one microbatch are added for the last stage (one sequence slice's with
+    `model.loss_chunks`)."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
@@ -145,7 +146,7 @@ def memory_estimate(cfg: Config) -> dict:
         slots = pipeline_schedule.build(par.pp_schedule, mesh.pp, par.pp_virtual, par.microbatches).slots
         values = slots * chunk_io + chunk if par.pp_stash == "inputs" else slots * (chunk + chunk_io)
     activations = values * _DTYPE_BYTES[m.dtype]
-    activations += tokens * m.vocab / mesh.tp * 4  # fp32 logits for the loss
+    activations += tokens * m.vocab / mesh.tp * 4 / m.loss_chunks  # fp32 logits for the loss: one slice's
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}
     parts["total"] = sum(parts.values())

@@ -130,6 +130,9 @@ def test_memory_estimate_sharding():
     # Fewer sequences per microbatch -> proportionally fewer stored activations.
     micro = flops.memory_estimate(dataclasses.replace(cfg, parallel=ParallelConfig(microbatches=2)))
     assert micro["activations"] == pytest.approx(one["activations"] / 2)
+    # The loss in 4 sequence slices holds one slice's fp32 logits: 3/4 of 8 x seq x vocab x 4 bytes fewer.
+    sliced = flops.memory_estimate(dataclasses.replace(cfg, model=dataclasses.replace(SMALL, loss_chunks=4)))
+    assert one["activations"] - sliced["activations"] == pytest.approx(3 / 4 * 8 * SMALL.seq_len * SMALL.vocab * 4)
 
 
 def test_memory_estimate_follows_the_pipeline_table():
