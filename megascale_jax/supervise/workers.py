@@ -150,9 +150,10 @@ class WorkerGroup:
 
 
 # A native crash prints glog's fatal line, then ~30 lines of `@ 0x...` frames, Python's
-# faulthandler dump (`Fatal Python error: Aborted`, `File "...", line N in f`) and the list of
+# faulthandler dump (`Fatal Python error: Aborted`, `Current thread ...` or, for one thread,
+# `Stack (most recent call first):`, `File "...", line N in f`) and the list of
 # extension modules: none of that names the problem. tqdm bars are progress, not errors.
-_NOISE = re.compile(r"""^\s*(@\s+0x|PC:\s+@|\*\*\*\s|File\s"|Fatal\sPython\serror|Current\sthread|Thread\s0x
+_NOISE = re.compile(r"""^\s*(@\s+0x|PC:\s+@|\*\*\*\s|File\s"|Fatal\sPython\serror|Current\sthread|Thread\s0x|Stack\s\(most
                      |Extension\smodules:|Traceback\s\(most|\.\.\.|\^+$|-+$|=+$|<no\sPython\sframe>)
                      |\d+%\|.*\|.*(it|step)/s""", re.X)
 _GLOG = r"[FEWI]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] "

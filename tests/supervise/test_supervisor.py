@@ -804,3 +804,13 @@ def test_a_raised_loop_defers_to_a_peer_that_exits_a_moment_later():
     start = time.time()
     assert supervisor._peer_exit(Group(None), raised, alive_at=0.0) is None
     assert time.time() - start >= 0.9  # it waited the grace before keeping the raised loop
+
+
+def test_a_single_thread_faulthandler_dump_is_noise_not_the_error():
+    """The injected abort dumps only its own thread (`faulthandler.enable(all_threads=False)`:
+    walking XLA's threads' frames could itself segfault), which faulthandler heads differently."""
+    from megascale_jax.supervise.workers import _meaningful, last_error_line
+
+    log = ["F1122 17:01:02.123456   48213 faults.py:1] injected abort before step 3 (MEGASCALE_FAULT_ABORT)",
+           "Fatal Python error: Aborted", "", "Stack (most recent call first):", '  File "/r/train.py", line 9 in main']
+    assert last_error_line(log) == log[0] and _meaningful(log) == [log[0]]
