@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import statistics
 
+from bench.campaign.ladder import measured
+
 KEYS = ("device", "mfu_best", "tokens_per_s_best", "batch_best", "peer_same_work_tokens_per_s",
         "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_peer",
         "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb", "device_to_host_gb_per_s")
@@ -58,10 +60,6 @@ def summary(device: str, sections: dict) -> dict:
     if background:
         out["device_to_host_gb_per_s"] = device_to_host_gb_per_s(max(background, key=lambda r: r["state_gb"]))
     return out
-
-
-def measured(row: dict) -> bool:
-    return row.get("tokens_per_s") is not None
 
 
 def fastest(rows):

@@ -27,6 +27,8 @@ import re
 import sys
 import tempfile
 
+from megascale_jax.observe.collectives import COMPUTATION_HEADER, INSTRUCTION
+
 STEPS = 2  # traced, after one untraced step
 TOP = 15
 
@@ -100,46 +102,29 @@ def part_of(instruction: Instruction, collective: bool = False) -> str:
 
 # ============================================================================ the compiled module's text
 
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-_SCALAR = re.compile(r"\w+\[\]\s")  # a shape like "s32[] "
+_CALLS = re.compile(r"calls=%([\w.\-]+)")  # a fusion's computation (not a loop's body: its time is its ops')
+_SCALAR = re.compile(r"\w+\[\]")  # a shape like "s32[]"
 
 
 def instructions(hlo_text: str) -> dict[str, Instruction]:
     """HLO instruction name -> `Instruction`, for every instruction in a compiled module's text
-    (`compiled.as_text()`), a fusion with the instructions of the computation it calls."""
+    (`compiled.as_text()`, read line by line with `observe.collectives`' patterns), a fusion with
+    the instructions of the computation it calls."""
     own, inside, calls = {}, collections.defaultdict(list), {}
     computation = None
     for line in hlo_text.splitlines():
-        if (m := _INSTRUCTION.match(line)) and computation is not None:
-            name, rest = m.groups()
-            op_name = _OP_NAME.search(rest)
-            own[name] = (_opcode(rest), op_name.group(1) if op_name else "")
-            if own[name][0] not in ("parameter", "constant") and not _SCALAR.match(rest):
-                inside[computation].append(own[name])
-            if called := _CALLS.search(rest):
-                calls[name] = called.group(1)
-        elif m := _COMPUTATION.match(line):
-            computation = m.group(1)
+        if (header := COMPUTATION_HEADER.match(line)) and not line.startswith(" "):
+            computation = header["name"]
+        elif computation is not None and (i := INSTRUCTION.match(line)):
+            op_name = _OP_NAME.search(i["rest"])
+            own[i["name"]] = (i["op"], op_name.group(1) if op_name else "")
+            if i["op"] not in ("parameter", "constant") and not _SCALAR.fullmatch(i["shape"]):
+                inside[computation].append(own[i["name"]])
+            if called := _CALLS.search(i["rest"]):
+                calls[i["name"]] = called.group(1)
     return {name: Instruction(opcode, op_name, tuple(inside.get(calls.get(name), ())))
             for name, (opcode, op_name) in own.items()}
-
-
-def _opcode(rest: str) -> str:
-    """'f32[4,8]{1,0} fusion(%a), kind=kLoop' -> 'fusion'; also past a tuple shape '(f32[], s32[]) while(...)'."""
-    if rest.startswith("("):  # skip the tuple shape, whose parts hold spaces
-        depth = 0
-        for i, ch in enumerate(rest):
-            depth += {"(": 1, ")": -1}.get(ch, 0)
-            if depth == 0:
-                rest = rest[i + 1:].lstrip()
-                break
-    else:
-        rest = rest.split(" ", 1)[1] if " " in rest else ""
-    m = re.match(r"([\w\-]+)\(", rest)
-    return m.group(1) if m else ""
 
 
 # ============================================================================ the table

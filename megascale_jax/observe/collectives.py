@@ -31,8 +31,10 @@ OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
-_INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
-_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) .*\{$")
+# One HLO instruction line and one computation's header line of a module's text (also
+# bench/campaign/op_table.py reads modules with them).
+INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
+COMPUTATION_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) .*\{$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
 _CALLEE = re.compile(r"\b(?:body|calls|to_apply)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))")
@@ -109,10 +111,10 @@ def collectives(hlo_text: str) -> list[Collective]:
     computations: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
     entry, current = None, None
     for line in hlo_text.splitlines():
-        if (h := _HEADER.match(line)) and not line.startswith(" "):
+        if (h := COMPUTATION_HEADER.match(line)) and not line.startswith(" "):
             current = h.group("name")
             entry = current if line.startswith("ENTRY") else entry
-        elif current and (i := _INSTRUCTION.match(line)):
+        elif current and (i := INSTRUCTION.match(line)):
             computations[current].append((i.group("name"), i.group("shape"), i.group("op"), i.group("rest")))
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
