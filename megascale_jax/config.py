@@ -162,6 +162,9 @@ class TrainConfig:
     # Before compiling, compare flops.memory_estimate with the device's memory (GPU: its bytes
     # limit; CPU: the RAM available to the simulated devices) and refuse a config that cannot fit.
     memory_check: bool = True
+    # Each step's input state gives its buffers to its output (jit donation): one state in memory,
+    # not two. false only to measure what that saves (the GPU campaign's lever table).
+    donate: bool = True
     # Keep compiled executables in RUN_DIR/compile_cache, so a restart loads them instead of
     # compiling (training/compile_cache.py; not used by a CPU job of several processes).
     compile_cache: bool = True

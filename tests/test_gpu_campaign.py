@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jaxlib
@@ -136,8 +137,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     against that base; the XLA:GPU flag rows say why they cannot run on the CPU."""
     section = json.loads(full[1].read_text())["sections"]["levers"]
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
-    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_xla_flags",
-                          "triton_gemm_off", "command_buffers_off"]
+    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_donation",
+                          "no_xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are XLA:GPU's
     assert base["config"] == campaign_ladder.strongest_fixed({"dry_run": True, "device": {"backend": "cpu"}})[0]
     assert base["config"]["model.block"] == "parallel" and base["config"]["model.attention"] == "xla"
@@ -145,9 +146,11 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["scan_unroll"]["config"]["model.scan_unroll"] == 2  # the dry run's layers
     assert rows["remat_dots"]["config"]["model.remat"] == "dots"
     assert rows["half_batch"]["batch"] == base["batch"] // 2 and rows["no_xla_flags"]["xla_flags"] == []
-    for name in ("no_xla_flags", "triton_gemm_off", "command_buffers_off"):
+    assert rows["no_donation"]["config"]["train.donate"] == "false"
+    assert rows["horizontal_fusion_off"]["xla_flags"] == ["--xla_gpu_use_horizontal_fusion=false"]
+    for name in ("no_xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
-    for name in ("loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch"):
+    for name in ("loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_donation"):
         r = rows[name]
         assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
         assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])
@@ -321,6 +324,7 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
         (["--tiny", "--out", os.path.join(RESULTS, "x.json")],
          "error: --tiny measures nothing worth keeping; pass an --out outside bench/results/"),
         (["--dry-run", "--batch", "0"], "error: --batch must be at least 1, got 0"),
+        (["--dry-run", "--budget-s", "0"], "error: --budget-s must be positive, got 0"),
         (["--out", str(tmp_path / "x.json")],  # no GPU here, and no --dry-run
          "error: python -m bench.campaign needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
          "or pass --dry-run to exercise every section at tiny shapes on the CPU"),
@@ -349,6 +353,43 @@ def test_a_row_that_cannot_fit_is_recorded_without_starting_it(tmp_path):
     assert row["error"] == (f"does not fit: estimate {campaign_model.flops.format_bytes(needed)} > limit 921.6 MiB "
                             "(90% of 1.0 GiB)")
     assert not os.listdir(tmp_path)  # never started: no row result was written
+
+
+def test_a_row_is_not_started_past_its_sections_deadline_and_is_logged(tmp_path):
+    """Under --budget-s a row that could not finish is a "not started" row, never a killed one,
+    and every row (run or not) lands in the section's progress file as it is decided."""
+    progress = tmp_path / "rows.jsonl"
+    settings = {"dry_run": True, "device": {"backend": "cpu", "memory_limit_bytes": None},
+                "deadline": time.time() + campaign_ladder.MIN_ROW_S / 2, "progress_file": str(progress)}
+    row = campaign_ladder.Ladder(settings, str(tmp_path / "rows")).row("parallel_block", campaign_ladder.BASELINE)
+    assert "tokens_per_s" not in row and row["skipped"].startswith("skipped: not started, ")
+    assert f"a row needs {campaign_ladder.MIN_ROW_S}" in row["skipped"]
+    assert not (tmp_path / "rows").exists()  # never started
+    assert [json.loads(line) for line in progress.read_text().splitlines()] == [row]
+
+
+def test_a_failed_section_keeps_the_rows_it_finished(tmp_path):
+    """A section that dies (here on purpose; on a GPU, its time limit) still reports the rows it
+    had appended to its progress file; a last line cut off by the kill is left out."""
+    from bench.campaign import __main__ as campaign_main
+
+    rows = [{"name": "serial_dense_adamw", "tokens_per_s": 1.0}, {"name": "parallel_block", "tokens_per_s": 2.0}]
+    (tmp_path / "levers.rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"name": "sli')
+    settings = {"dry_run": True, "fail_sections": ["levers"]}
+    record = campaign_main.run_piece("levers", settings, str(tmp_path), limit_s=120)
+    assert record["status"] == "error" and "InjectedFailure" in record["reason"]
+    assert record["rows_done"] == rows
+
+
+@pytest.mark.xdist_group("gpu-campaign-partial")
+def test_a_section_the_budget_cannot_fit_is_skipped_with_why(tmp_path):
+    path = tmp_path / "result.json"
+    done = campaign("--dry-run", "--only", "checkpoints", "--budget-s", "1", "--out", str(path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    section = json.loads(path.read_text())["sections"]["checkpoints"]
+    assert section["status"] == "skipped"
+    assert section["reason"] == "not started: 0 s of --budget-s left (a section needs 30)"
+    assert done.stdout.splitlines()[-1] == f"wrote {path}; not started (--budget-s): checkpoints"
 
 
 def test_an_error_whose_first_line_is_a_header_keeps_its_cause():

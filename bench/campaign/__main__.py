@@ -4,6 +4,7 @@
     python -m bench.campaign --only kernels,checkpoints --overwrite   # rerun sections
     python -m bench.campaign --dry-run                # every section, tiny, on the CPU
     python -m bench.campaign --tiny                   # every section, tiny, on the GPU (smoke test)
+    python -m bench.campaign --only mfu_ladder --budget-s 540   # stop starting work after 540 s
 
 Run from the checkout's root (or with it on PYTHONPATH). Sections, each in its own module of
 bench/campaign/:
@@ -30,7 +31,12 @@ its numbers. An existing result is never replaced
 without --overwrite; with --only, the sections run replace theirs in an existing result and
 the others are kept (each section records the command that produced it). The file is written
 after every section, so a campaign stopped from outside (a lease's time limit) keeps what it
-finished.
+finished. A lent GPU is held for a fixed time per call (the device tool: 600 s): --budget-s
+makes the campaign fit it. A section starts only with at least MIN_SECTION_S of the budget left
+(otherwise it is recorded as skipped, with why) and runs under what is left; inside the MFU ladder
+and the levers, a row starts only while its section has MIN_ROW_S left (otherwise it is a
+"skipped: not started" row). Rows are also appended to a progress file as they finish, so a
+section that is killed anyway (its time limit) keeps its finished rows, as `rows_done`.
 
 Isolation: this process never starts a JAX backend (that would reserve most of the GPU's
 memory); it probes the device, then runs each section as `python -m bench.campaign.worker` in
@@ -66,6 +72,8 @@ SECTIONS = ("kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "pro
 # torch 163 s, checkpoints 81 s before it measured background_host_copy too, profiled 23 s).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "levers": 1200, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
+MIN_SECTION_S = 30  # a section is not started with less of --budget-s left than this
+SAVE_MARGIN_S = 10  # kept back from --budget-s for the final plots and save
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
 # tiny models' steps takes about half as long.
 DRY_RUN_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -90,6 +98,9 @@ def parse_args(argv):
                         help="every section at the dry run's tiny shapes on this machine's backend (a GPU smoke test)")
     parser.add_argument("--batch", type=int, default=None, metavar="N",
                         help="sequences per microbatch in the training sections (default: the largest the estimate fits)")
+    parser.add_argument("--budget-s", type=float, default=None, metavar="S",
+                        help="start no section (and no ladder or lever row) that cannot finish within S seconds "
+                             "of the campaign's start (a lent GPU's per-call time limit)")
     parser.add_argument("--out", default=None, help="result file (default bench/results/gpu_<device>_<date>.json)")
     parser.add_argument("--overwrite", action="store_true", help="replace (or, with --only, update) an existing result")
     parser.add_argument("--fail-section", action="append", default=[], help=argparse.SUPPRESS)  # tests only
@@ -104,25 +115,58 @@ def inside(path: str, folder: str) -> bool:
     return os.path.commonpath([os.path.realpath(path), os.path.realpath(folder)]) == os.path.realpath(folder)
 
 
-def run_piece(name: str, settings: dict, scratch: str) -> dict:
-    """Run section (or probe) `name` in its own process; its record: status, seconds, numbers."""
+def run_piece(name: str, settings: dict, scratch: str, limit_s: float | None = None) -> dict:
+    """Run section (or probe) `name` in its own process for at most `limit_s` (default LIMIT_S);
+    its record: status, seconds, numbers. The section may start work until `settings["deadline"]`
+    (epoch seconds), a little before its limit, and appends each finished row to
+    `settings["progress_file"]`: a section that fails or is killed keeps those rows (`rows_done`)."""
+    limit_s = LIMIT_S[name] if limit_s is None else limit_s
+    progress = os.path.join(scratch, f"{name}.rows.jsonl")
+    settings = {**settings, "deadline": time.time() + limit_s - SAVE_MARGIN_S, "progress_file": progress}
     settings_path = os.path.join(scratch, f"{name}.settings.json")
     result_file = os.path.join(scratch, f"{name}.result.json")
     with open(settings_path, "w") as f:
         json.dump(settings, f)
-    print(f"== {name} (limit {LIMIT_S[name]} s)", flush=True)
+    print(f"== {name} (limit {limit_s:.0f} s)", flush=True)
     start = time.perf_counter()
     done = process.run(process.python("bench.campaign.worker", name, settings_path, result_file),
-                       env=dict(os.environ), limit_s=LIMIT_S[name], prefix=f"[{name}]")
+                       env=dict(os.environ), limit_s=limit_s, prefix=f"[{name}]")
     record = {"seconds": round(time.perf_counter() - start, 1), "command": command_line(),
               "finished": datetime.datetime.now().isoformat(timespec="seconds")}
     if not done.ok:
-        return {"status": "error", "reason": done.failure(LIMIT_S[name]), **record}
+        rows = rows_done(progress)
+        return {"status": "error", "reason": done.failure(limit_s), **record, **({"rows_done": rows} if rows else {})}
     with open(result_file) as f:
         result = json.load(f)
     if "skipped" in result:
         return {"status": "skipped", "reason": result["skipped"], **record}
     return {"status": "ok", **record, **result}
+
+
+def rows_done(progress_file: str) -> list[dict]:
+    """The rows a section appended to its progress file before it ended (a last line cut off by
+    a kill is left out)."""
+    if not os.path.exists(progress_file):
+        return []
+    rows = []
+    with open(progress_file) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break
+    return rows
+
+
+def section_limit(name: str, deadline: float | None) -> tuple[float | None, str]:
+    """(time limit, '') for section `name` under the campaign's deadline, or (None, why) when too
+    little of --budget-s is left to start it."""
+    if deadline is None:
+        return LIMIT_S[name], ""
+    left = deadline - time.time() - SAVE_MARGIN_S
+    if left < MIN_SECTION_S:
+        return None, f"not started: {max(left, 0):.0f} s of --budget-s left (a section needs {MIN_SECTION_S})"
+    return min(LIMIT_S[name], left), ""
 
 
 def save(path: str, result: dict) -> None:
@@ -154,17 +198,21 @@ def main(argv=None) -> int:
     if args.batch is not None and args.batch < 1:
         print(f"error: --batch must be at least 1, got {args.batch}", file=sys.stderr)
         return 2
+    if args.budget_s is not None and args.budget_s <= 0:
+        print(f"error: --budget-s must be positive, got {args.budget_s:g}", file=sys.stderr)
+        return 2
+    deadline = None if args.budget_s is None else time.time() + args.budget_s
     scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections
     # torch (the PyTorch peer) keeps its compile cache in $TMPDIR/torchinductor_<user> unless told
     # otherwise; the sections inherit this, so the campaign leaves nothing behind.
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(scratch, "torchinductor"))
     try:
-        return campaign(args, only, fail, scratch)
+        return campaign(args, only, fail, scratch, deadline)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
+def campaign(args, only: list[str], fail: list[str], scratch: str, deadline: float | None = None) -> int:
     tiny = args.dry_run or args.tiny
     probe = run_piece("probe", {"dry_run": tiny}, scratch)
     if probe["status"] != "ok":
@@ -202,9 +250,14 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
               "tiny": args.tiny, "date": date, **device.host_facts(),
               "memory_limit_bytes": found["memory_limit_bytes"],
               "xla_python_client_mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")}
-    failed = []
+    failed, not_started = [], []
     for section in only:
-        sections[section] = run_piece(section, settings, scratch)
+        limit, why = section_limit(section, deadline)
+        if limit is None:
+            sections[section] = {"status": "skipped", "reason": why, "seconds": 0.0, "command": command_line()}
+            not_started.append(section)
+        else:
+            sections[section] = run_piece(section, settings, scratch, limit)
         if sections[section]["status"] == "error":
             failed.append(section)
             print(f"[{section}] error: {sections[section]['reason']}", flush=True)
@@ -217,7 +270,8 @@ def campaign(args, only: list[str], fail: list[str], scratch: str) -> int:
     print()
     summary.show(sections, pngs, problems)
     summary.claims(claimed)
-    print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else ""))
+    print(f"\nwrote {path}" + (f"; sections that failed: {', '.join(failed)}" if failed else "")
+          + (f"; not started (--budget-s): {', '.join(not_started)}" if not_started else ""))
     return 1 if failed else 0
 
 

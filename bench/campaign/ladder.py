@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 
 from bench.campaign import model, process
 
@@ -50,6 +51,9 @@ def strongest_fixed(settings: dict) -> tuple[dict, tuple]:
     return changes, TUNED_XLA_FLAGS if gpu else ()
 STEPS = {False: (6, 2), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
 ROW_LIMIT_S = {False: 240, True: 120}
+# A row is not started with less than this left before the section's deadline (--budget-s): on an
+# H200 a 1.4B row took 20-45 s (compile, 6 steps), so one started later would only be killed.
+MIN_ROW_S = 30
 
 
 @dataclasses.dataclass
@@ -67,7 +71,20 @@ class Ladder:
             xla_flags: tuple = (), largest: bool = False) -> dict:
         """Measure one row with `changes` as config overrides; `batch` sequences per microbatch
         (None: the campaign's --batch, else the largest the estimate allows; `largest`: the
-        largest, whatever --batch says)."""
+        largest, whatever --batch says). The row is appended to the section's progress file."""
+        row = self._row(name, changes, microbatches, batch, xla_flags, largest)
+        if self.settings.get("progress_file"):
+            with open(self.settings["progress_file"], "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+
+    def time_left(self) -> float | None:
+        """Seconds until the section's deadline (None: no deadline)."""
+        deadline = self.settings.get("deadline")
+        return None if deadline is None else deadline - time.time()
+
+    def _row(self, name: str, changes: dict, microbatches: int, batch: int | None, xla_flags: tuple,
+             largest: bool) -> dict:
         overrides = row_overrides(self.dry_run, changes, microbatches)
         limit = self.settings["device"]["memory_limit_bytes"]
         if not largest:
@@ -83,6 +100,11 @@ class Ladder:
             return {**row, "error": model.does_not_fit(estimate, limit)}
         if changes.get("model.attention") == "cudnn" and self.settings["device"]["backend"] != "gpu":
             return {**row, "skipped": "skipped: needs a GPU"}
+        left = self.time_left()
+        if left is not None and left < MIN_ROW_S:
+            return {**row, "skipped": f"skipped: not started, {max(left, 0):.0f} s left of the section's time "
+                                      f"(--budget-s; a row needs {MIN_ROW_S})"}
+        limit_s = ROW_LIMIT_S[self.dry_run] if left is None else min(ROW_LIMIT_S[self.dry_run], left)
         steps, skip = STEPS[self.dry_run]
         out = os.path.join(self.work_dir, f"{name}.json")
         env = dict(os.environ)
@@ -92,9 +114,9 @@ class Ladder:
             "bench.parallel.train_step", "--config", model.CONFIG, "--name", name, "--out", out, "--skip", str(skip),
             "--run-dir", os.path.join(self.work_dir, name),
             *overrides, f"train.global_batch={batch * microbatches}", f"train.steps={steps}")
-        done = process.run(command, env=env, limit_s=ROW_LIMIT_S[self.dry_run], prefix=f"  [{name}]")
+        done = process.run(command, env=env, limit_s=limit_s, prefix=f"  [{name}]")
         if not done.ok:
-            return {**row, "error": done.failure(ROW_LIMIT_S[self.dry_run])}
+            return {**row, "error": done.failure(limit_s)}
         with open(out) as f:
             result = json.load(f)
         return {**row, **{k: result[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes_in_use",

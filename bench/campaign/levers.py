@@ -9,9 +9,15 @@ configuration, with its measured change in tokens/s. Levers that lose stay in th
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
     remat_dots           + model.remat=dots at the largest batch that then fits
     half_batch           the base at half its batch: what the batch buys
+    no_donation          train.donate=false (the step's output state a second copy) at the largest
+                         batch that then fits: what donating the state buys
     no_xla_flags         the base without the tuned XLA flags
     triton_gemm_off      + --xla_gpu_enable_triton_gemm=false: cuBLAS for every GEMM (GPU only)
     command_buffers_off  + --xla_gpu_enable_command_buffer= : no CUDA graphs (GPU only)
+    horizontal_fusion_off + --xla_gpu_use_horizontal_fusion=false: XLA's horizontal loop fusion is
+                         its optimizer fusion (one kernel updates many small parameter arrays, as
+                         apex's multi_tensor_apply does); off, each array's update is its own
+                         kernel (GPU only)
 
 Each row is the MFU ladder's row runner (`ladder.Ladder.row`): its own process, its batch from the
 memory estimate, a row that does not fit or fails is that row's one-line error. Each row's
@@ -27,7 +33,8 @@ from bench.campaign import ladder, model
 
 LOSS_CHUNKS = 8
 GPU_FLAGS = {"triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
-             "command_buffers_off": ("--xla_gpu_enable_command_buffer=",)}
+             "command_buffers_off": ("--xla_gpu_enable_command_buffer=",),
+             "horizontal_fusion_off": ("--xla_gpu_use_horizontal_fusion=false",)}
 
 
 def run(settings: dict) -> dict:
@@ -52,6 +59,7 @@ def measure(runner: ladder.Ladder) -> dict:
                    batch=batch, xla_flags=flags),
         runner.row("remat_dots", {**base, "model.remat": "dots"}, xla_flags=flags, largest=True),
         runner.row("half_batch", base, batch=max(1, batch // 2), xla_flags=flags),
+        runner.row("no_donation", {**base, "train.donate": "false"}, xla_flags=flags, largest=True),
     ]
     # XLA:GPU flags: the base's own (tuned) ones taken away, or one more added
     for name, row_flags in (("no_xla_flags", ()), *((n, (*flags, *extra)) for n, extra in GPU_FLAGS.items())):

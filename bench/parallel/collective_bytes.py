@@ -69,14 +69,14 @@ LAYOUTS = {
 
 def measure(overrides: list[str]) -> dict:
     from megascale_jax.observe import collectives
-    from megascale_jax.parallel import pipeline
+    from megascale_jax.training import trainer as trainer_module
     from megascale_jax.parallel.mesh import make_mesh
     from megascale_jax.planner import traffic
     from megascale_jax.planner.workload import from_config
 
     compiled = compile_train_step(SHAPE + overrides)
     cfg = compiled.cfg
-    runs = pipeline.branch_runs(cfg, stage=cfg.mesh.pp - 1) if cfg.mesh.pp > 1 else {}
+    runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
     w = from_config(cfg, gpus=8)
     planned = traffic.bytes_per_axis(w)

@@ -127,7 +127,7 @@ def memory_estimate(cfg: Config) -> dict:
     gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
     its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
     fp32 logits of one microbatch are added for the last stage (one sequence slice's with
-    `model.loss_chunks`)."""
+    `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
@@ -149,6 +149,8 @@ def memory_estimate(cfg: Config) -> dict:
     activations += tokens * m.vocab / mesh.tp * 4 / m.loss_chunks  # fp32 logits for the loss: one slice's
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}
+    if not cfg.train.donate:  # the step's new state beside the one it was given
+        parts["undonated state"] = params * 4 + optimizer
     parts["total"] = sum(parts.values())
     return parts
 

@@ -49,6 +49,18 @@ class Trainer:
     eval_loss: Callable[[Any, jax.Array], jax.Array]
 
 
+# The name scope of the optimizer update, a branch of the train step's hold (a lax.cond): its
+# collectives (norms, ZeRO-1's gather) carry it in their op_name, as `observe.collectives` counts.
+OPTIMIZER_UPDATE = "optimizer_update"
+
+
+def branch_runs(cfg: Config, stage: int) -> dict[str, int]:
+    """How many times per step a device of pipeline stage `stage` runs each scoped branch of the
+    train step (`observe.collectives.bytes_per_axis`): the optimizer update once, the pipeline's
+    branches as `pipeline.branch_runs` counts them."""
+    return {OPTIMIZER_UPDATE: 1, **(pipeline.branch_runs(cfg, stage) if cfg.mesh.pp > 1 else {})}
+
+
 def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
     model = Transformer(cfg.model, cfg.parallel)
     replicated = sharding.replicated(mesh)
@@ -95,17 +107,28 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
 
     def train_step(state: TrainState, batch):
         loss, grads = loss_and_grads(state.params, batch)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": current_learning_rate(opt_state)}
-        updated = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        grad_norm = optax.tree.norm(grads)
         # A non-finite step keeps the state it was given, so the host can replay it (training.triage).
         # The host sees a step's metrics one step late, after the next step was dispatched: that
         # step must keep it too. So a non-finite step marks the state held (step -1 - updates
         # done), and a held state passes through every step unchanged until the host releases it.
-        finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"]) & (state.step >= 0)
-        held = state.replace(step=jnp.where(state.step >= 0, -1 - state.step, state.step))
-        return jax.tree.map(lambda new, old: jnp.where(finite, new, old), updated, held), metrics
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & (state.step >= 0)
+
+        @functools.partial(pipeline.scoped, OPTIMIZER_UPDATE)  # its collectives: once per step
+        def update(state):
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                              opt_state=opt_state)
+
+        def hold(state):
+            return state.replace(step=jnp.where(state.step >= 0, -1 - state.step, state.step))
+
+        # A cond, not a select between the updated and the given state: the select kept the
+        # updated state in temporaries beside the donated one (on XLA:CPU +0.55x the parameters'
+        # bytes, 9% of a small step's peak); the cond updates in place (tests/training/test_triage).
+        new = jax.lax.cond(finite, update, hold, state)
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": current_learning_rate(new.opt_state)}
+        return new, metrics
 
     def reorder(convert, **jit_options):
         """A whole-state layer-order conversion: compiled, or the identity where the orders agree."""
@@ -126,7 +149,8 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         to_canonical=reorder(layout.to_canonical), to_stored=reorder(layout.to_stored, donate_argnums=0),
         train_step=_with_rules(cfg, mesh, jax.jit(
             train_step, in_shardings=(state_shardings, batch_sharding),
-            out_shardings=(state_shardings, metric_shardings), donate_argnums=0, compiler_options=options)),
+            out_shardings=(state_shardings, metric_shardings), donate_argnums=0 if cfg.train.donate else (),
+            compiler_options=options)),
         loss_and_grads=_with_rules(cfg, mesh, jax.jit(
             loss_and_grads, in_shardings=(param_shardings, batch_sharding), compiler_options=options)),
         eval_loss=_with_rules(cfg, mesh, jax.jit(

@@ -234,6 +234,35 @@ def test_parameter_estimate_matches_the_real_per_device_shards(layout):
     assert flops.memory_estimate(cfg)["parameters"] == pytest.approx(real, rel=0.02)
 
 
+def test_an_undonated_step_holds_a_second_state_and_the_estimate_counts_it():
+    """train.donate=false (the campaign's no_donation lever): XLA's buffer assignment aliases no
+    output to the state, so the compiled step holds the new state beside the old, and the memory
+    estimate adds that second state (parameters and moments); donated, the whole state is aliased."""
+    import math
+
+    from megascale_jax.parallel.mesh import make_mesh
+    from megascale_jax.training.trainer import build_trainer
+
+    def compiled(donate):
+        cfg = load_config(None, ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=2",
+                                 "model.seq_len=32", "train.global_batch=4", "optim.name=adamw", "mesh.dp=1", "mesh.tp=1",
+                                 f"train.donate={str(donate).lower()}"])
+        trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+        state = jax.eval_shape(trainer.init)
+        batch = jax.ShapeDtypeStruct((4, 33), jax.numpy.int32, sharding=trainer.batch_sharding)
+        analysis = trainer.train_step.lower(state, batch).compile().memory_analysis()
+        params = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+        return cfg, analysis, params
+
+    cfg, donated, params = compiled(True)
+    undonated_cfg, undonated, _ = compiled(False)
+    assert donated.alias_size_in_bytes >= 3 * params  # parameters and both AdamW moments
+    assert undonated.alias_size_in_bytes == 0
+    assert flops.compiled_bytes(undonated) - flops.compiled_bytes(donated) >= 0.99 * 3 * params
+    extra = flops.memory_estimate(undonated_cfg)["total"] - flops.memory_estimate(cfg)["total"]
+    assert extra == pytest.approx(3 * flops.memory_estimate(cfg)["parameters"])
+
+
 def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
     """The pre-flight check on XLA's own buffer assignment (training.trainer.check_compiled_memory): a step
     whose compiled peak exceeds the limit is refused naming both sizes; one that fits passes."""

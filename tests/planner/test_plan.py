@@ -16,13 +16,13 @@ from megascale_jax import pipeline_schedule, plan
 from megascale_jax.config import load_config
 from megascale_jax.model import flops
 from megascale_jax.observe import collectives
-from megascale_jax.parallel import pipeline
 from megascale_jax.parallel.mesh import make_mesh
 import dataclasses
 
 from megascale_jax.planner import calibration, costs, predict, published, traffic, validation
 from megascale_jax.planner.search import candidates, plan as plan_layout
 from megascale_jax.planner.workload import from_config
+from megascale_jax.training import trainer as trainer_module
 from megascale_jax.training.trainer import build_trainer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -460,7 +460,7 @@ def test_planned_bytes_per_mesh_axis_equal_the_compiled_steps_collectives(layout
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
                                  sharding=trainer.batch_sharding)
     hlo = trainer.train_step.lower(state, batch).compile().as_text()
-    runs = pipeline.branch_runs(cfg, stage=cfg.mesh.pp - 1) if cfg.mesh.pp > 1 else {}
+    runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     measured = collectives.bytes_per_axis(hlo, mesh, runs)
     planned = traffic.bytes_per_axis(from_config(cfg, gpus=8))
     # A scalar all-reduce over (dp, pp) sums the loss: bytes, not traffic.

@@ -47,6 +47,38 @@ def test_a_non_finite_step_holds_the_state_until_released():
     assert all(np.array_equal(a, b) for a, b in zip(leaves(replayed), leaves(reference)))
 
 
+def test_the_hold_costs_no_memory_beside_a_plain_donated_step():
+    """The hold is a lax.cond around the optimizer update, not a select between the updated and
+    the given state: a select needs the updated state in temporaries beside the donated one
+    (on XLA:CPU 0.55x the parameters' bytes, 9% of this step's peak), the cond updates in place.
+    The reference is the same step with no hold at all, built here from optax."""
+    import optax
+
+    from megascale_jax.model import flops
+    from megascale_jax.model.transformer import loss_fn
+    from megascale_jax.parallel import sharding
+    from megascale_jax.training.state import TrainState
+
+    cfg = load_config(None, ["model.layers=4", "model.d_model=256", "model.heads=4", "model.kv_heads=2",
+                             "model.seq_len=32", "train.global_batch=2", "optim.name=adamw", "mesh.dp=1", "mesh.tp=1"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    state = jax.eval_shape(trainer.init)
+    batch = jax.ShapeDtypeStruct((2, cfg.model.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding)
+    optimizer = optax.chain(optax.clip_by_global_norm(cfg.optim.clip), optax.adamw(1e-3, weight_decay=0.1))
+
+    def plain_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(trainer.model, p, batch))(state.params)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state), loss
+
+    plain_state = TrainState(state.step, state.params, jax.eval_shape(optimizer.init, state.params))
+    with jax.set_mesh(trainer.mesh), sharding.axis_rules(cfg):
+        plain = jax.jit(plain_step, donate_argnums=0).lower(plain_state, batch).compile().memory_analysis()
+    held = trainer.train_step.lower(state, batch).compile().memory_analysis()
+    params = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state.params))
+    assert flops.compiled_bytes(held) <= flops.compiled_bytes(plain) + 0.05 * params
+
+
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
