@@ -77,9 +77,10 @@ class ModelConfig:
     fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
     # What each layer's backward recomputes instead of storing (transformer.REMAT_POLICIES):
-    # none stores everything; dots keeps the matmul outputs and recomputes norms, GeLU and the
-    # attention softmax; full keeps only each layer's input and reruns the layer.
-    remat: Literal["none", "dots", "full"] = "none"
+    # none stores everything; elementwise recomputes the norms and the MLP activation from their
+    # bf16 inputs (transformer.elementwise); dots keeps the matmul outputs and recomputes norms,
+    # GeLU and the attention softmax; full keeps only each layer's input and reruns the layer.
+    remat: Literal["none", "elementwise", "dots", "full"] = "none"
     # The loss in this many slices of the sequence: each slice's float32 logits are computed,
     # reduced to its cross entropy and dropped, and recomputed in the backward, so the step never
     # holds the whole (batch, seq, vocab) float32 logits (412 MB a sequence at vocab 50,304 and seq

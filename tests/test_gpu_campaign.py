@@ -117,8 +117,12 @@ def test_dry_run_ladder_rows(full):
     assert by_name["fused_norm_gelu"]["config"]["model.attention"] == "pallas"  # the next rows keep the winner
     assert by_name["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     remat = by_name["remat"]
-    assert remat["config"]["model.remat"] == "dots" and remat["kept"] == (
-        remat["tokens_per_s"] > by_name["xla_flags"]["tokens_per_s"])
+    tried = {c["name"]: c for c in remat["candidates"]}
+    assert list(tried) == ["remat_elementwise", "remat_dots"]
+    assert [c["config"]["model.remat"] for c in tried.values()] == ["elementwise", "dots"]
+    faster = max(tried.values(), key=lambda c: c["tokens_per_s"])
+    assert remat["config"] == faster["config"] and remat["tokens_per_s"] == faster["tokens_per_s"]
+    assert remat["kept"] == (remat["tokens_per_s"] > by_name["xla_flags"]["tokens_per_s"])
     lamb = by_name["lamb_4x_batch"]
     before = remat if remat["kept"] else by_name["xla_flags"]  # the rows below carry remat only if it won
     assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
@@ -137,7 +141,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     against that base; the XLA:GPU flag rows say why they cannot run on the CPU."""
     section = json.loads(full[1].read_text())["sections"]["levers"]
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
-    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_donation",
+    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_elementwise", "remat_dots",
+                          "half_batch", "no_donation",
                           "no_xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are XLA:GPU's
     assert base["config"] == campaign_ladder.strongest_fixed({"dry_run": True, "device": {"backend": "cpu"}})[0]
@@ -145,12 +150,14 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["loss_chunks"]["config"]["model.loss_chunks"] == 8
     assert rows["scan_unroll"]["config"]["model.scan_unroll"] == 2  # the dry run's layers
     assert rows["remat_dots"]["config"]["model.remat"] == "dots"
+    assert rows["remat_elementwise"]["config"]["model.remat"] == "elementwise"
     assert rows["half_batch"]["batch"] == base["batch"] // 2 and rows["no_xla_flags"]["xla_flags"] == []
     assert rows["no_donation"]["config"]["train.donate"] == "false"
     assert rows["horizontal_fusion_off"]["xla_flags"] == ["--xla_gpu_use_horizontal_fusion=false"]
     for name in ("no_xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
-    for name in ("loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_dots", "half_batch", "no_donation"):
+    for name in ("loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_elementwise", "remat_dots", "half_batch",
+                 "no_donation"):
         r = rows[name]
         assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
         assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])

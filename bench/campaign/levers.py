@@ -57,6 +57,7 @@ def measure(runner: ladder.Ladder) -> dict:
         runner.row("scan_unroll", {**base, "model.scan_unroll": layers}, batch=batch, xla_flags=flags),
         runner.row("fused_norm_gelu", {**base, "model.fused_norm": "true", "model.fused_mlp": "true"},
                    batch=batch, xla_flags=flags),
+        runner.row("remat_elementwise", {**base, "model.remat": "elementwise"}, xla_flags=flags, largest=True),
         runner.row("remat_dots", {**base, "model.remat": "dots"}, xla_flags=flags, largest=True),
         runner.row("half_batch", base, batch=max(1, batch // 2), xla_flags=flags),
         runner.row("no_donation", {**base, "train.donate": "false"}, xla_flags=flags, largest=True),

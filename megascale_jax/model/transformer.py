@@ -16,6 +16,8 @@ mesh axes lives in `megascale_jax.parallel.sharding`, not here.
 
 from __future__ import annotations
 
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -50,10 +52,19 @@ class NormParams(nn.Module):
         return p
 
 
+def elementwise(c: ModelConfig, fn):
+    """`fn` as is, or with `model.remat=elementwise` under `jax.checkpoint`: its backward keeps
+    only its inputs and recomputes the rest. Autodiff of a LayerNorm keeps three float32 copies
+    of its input's size, and of GeLU five of the MLP's width (about 100 KB a token and layer at
+    d_model 2,048): memory-bound work a backward redoes from one bf16 input for a few percent
+    of a layer's time."""
+    return jax.checkpoint(fn) if c.remat == "elementwise" else fn
+
+
 def norm(c: ModelConfig, p: dict, x):
     """LayerNorm or RMSNorm of x with parameters `p`, computed in float32, returned in `c.dtype`."""
     with jax.named_scope("norm"):  # the model's parts are named in the HLO metadata (profiles, op tables)
-        return _norm(c, p, x)
+        return elementwise(c, functools.partial(_norm, c))(p, x)
 
 
 def _norm(c: ModelConfig, p: dict, x):
@@ -182,6 +193,11 @@ def mlp_up_weights(c: ModelConfig, m: dict) -> list:
 
 def mlp_activation(c: ModelConfig, ups: list, m: dict):
     """The MLP's hidden activation from the outputs of `mlp_up_weights` (biases not yet added)."""
+    hidden = elementwise(c, functools.partial(_mlp_activation, c))(ups, m)
+    return _constrain(hidden, ("batch", "seq", "mlp"))
+
+
+def _mlp_activation(c: ModelConfig, ups: list, m: dict):
     def biased(u, name):
         return u + m[name].astype(c.dtype) if c.bias else u
 
@@ -192,7 +208,7 @@ def mlp_activation(c: ModelConfig, ups: list, m: dict):
         hidden = pallas_kernels.bias_gelu(ups[0], m["b1"].astype(c.dtype), approximate=c.activation == "gelu_tanh")
     else:
         hidden = jax.nn.gelu(biased(ups[0], "b1"), approximate=c.activation == "gelu_tanh")
-    return _constrain(hidden, ("batch", "seq", "mlp"))
+    return hidden
 
 
 def output_bias(c: ModelConfig, *biases):
@@ -257,14 +273,15 @@ class Block(nn.Module):
 # model.remat -> what a layer's forward keeps for its backward (None: everything autodiff saves).
 # dots: matmul outputs without batch dimensions (the projections and MLP matmuls, not attention's
 # batched score products), the usual choice when memory, not FLOPs, limits the batch.
-REMAT_POLICIES = {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+REMAT_POLICIES = {"none": None, "elementwise": None,  # elementwise: inside the layer (`elementwise`)
+                  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                   "full": jax.checkpoint_policies.nothing_saveable}
 
 
 def scanned_blocks(length: int, remat: str = "none", unroll: int = 1):
     """`length` stacked layers as one module: `(x, None) -> (x, None)`, each layer rematerialised
     per `remat` (a ModelConfig.remat value), `unroll` of them per loop iteration."""
-    block = Block if remat == "none" else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    block = Block if REMAT_POLICIES[remat] is None else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return nn.scan(
         block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
         unroll=min(unroll, length), metadata_params={nn.PARTITION_NAME: "layers"})

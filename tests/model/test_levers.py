@@ -87,3 +87,32 @@ def test_an_unrolled_layer_scan_has_the_same_loss_and_gradients_and_no_loop():
         np.testing.assert_allclose(g_u, g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()))
     loops = [step.lower(params).as_text().count("stablehlo.while") for step in steps]  # before XLA's passes
     assert loops[0] >= 1 and loops[1] == 0, loops
+
+
+@pytest.mark.parametrize("block,activation,norm", [("parallel", "gelu_tanh", "layernorm"),
+                                                   ("serial", "swiglu", "rmsnorm")])
+def test_elementwise_remat_has_the_same_loss_and_gradients_and_keeps_less(block, activation, norm):
+    """model.remat=elementwise: the norms and the MLP activation recomputed in the backward from
+    their inputs. Same loss and gradients as remat=none (the same ops, run again); the residuals
+    the backward keeps shrink by at least the float32 d_model-wide copies a norm's autodiff keeps
+    per token (LayerNorm three, RMSNorm two) and those of the MLP-wide activation (GeLU three,
+    SwiGLU two), in every layer."""
+    cfg = ModelConfig(**SHAPE, block=block, activation=activation, norm=norm, bias=activation != "swiglu")
+    plain, recomputed = Transformer(cfg), Transformer(dataclasses.replace(cfg, remat="elementwise"))
+    params = perturbed_params(plain, seed=5)
+    batch = jax.random.randint(jax.random.key(6), (3, cfg.seq_len + 1), 0, cfg.vocab)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(plain, p, batch)))(params)
+    loss_r, grads_r = jax.jit(jax.value_and_grad(lambda p: loss_fn(recomputed, p, batch)))(params)
+    np.testing.assert_allclose(float(loss_r), float(loss), rtol=1e-6)
+    for (path, g_r), g in zip(jax.tree_util.tree_flatten_with_path(grads_r)[0], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(g_r, g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()), err_msg=str(path))
+
+    def kept(model):  # bytes of what the vjp closes over (the parameters are the same in both)
+        backward = jax.eval_shape(lambda p: jax.vjp(lambda p: loss_fn(model, p, batch), p)[1], params)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
+
+    tokens, mlp = 3 * cfg.seq_len, cfg.mlp_dim
+    norms, copies = (1 if block == "parallel" else 2), (3 if norm == "layernorm" else 2)
+    activation_copies = 3 if activation == "gelu_tanh" else 2
+    assert kept(plain) - kept(recomputed) >= tokens * cfg.layers * 4 * (
+        norms * copies * cfg.d_model + activation_copies * mlp)

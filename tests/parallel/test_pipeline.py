@@ -50,6 +50,7 @@ COLLECTIVE_MATMUL = ("parallel.sequence_parallel=true", "parallel.tp_overlap=col
 RESIDUALS = ("parallel.pp_stash=residuals",)
 ALL_REDUCE = ("parallel.zero1=false",)  # the default is ZeRO-1 (reduce-scatter)
 REMAT = ("model.remat=dots",)
+ELEMENTWISE = ("model.remat=elementwise",)
 GRID = [
     # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
     (2, 2, 2, "gpipe", 1, 2, ()),
@@ -69,13 +70,15 @@ GRID = [
     (4, 2, 1, "interleaved_1f1b", 2, 2, ALL_REDUCE + RESIDUALS),
     # layers rematerialised inside each chunk, the chunk's vjp residuals stashed
     (2, 2, 2, "1f1b", 1, 2, REMAT + RESIDUALS),
+    # norms and activations recomputed inside each layer, under tp collectives, residuals stashed
+    (2, 2, 2, "1f1b", 1, 2, ELEMENTWISE + COLLECTIVE_MATMUL + RESIDUALS),
 ]
 
 
 def grid_id(dp, pp, tp, schedule, v, m, extra):
     return (f"dp{dp}pp{pp}tp{tp}-{schedule}-v{v}m{m}{'-collective-matmul' if COLLECTIVE_MATMUL[1] in extra else ''}"
             f"{'-residuals' if RESIDUALS[0] in extra else ''}{'-all-reduce' if ALL_REDUCE[0] in extra else ''}"
-            f"{'-remat' if REMAT[0] in extra else ''}")
+            f"{'-remat' if REMAT[0] in extra else ''}{'-elementwise' if ELEMENTWISE[0] in extra else ''}")
 
 
 @pytest.mark.slow
