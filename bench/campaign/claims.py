@@ -14,7 +14,7 @@ measure (a dry run, a section that failed, a row that did not fit) is None, neve
 * checkpoint_block_fraction_16gb: with checkpoint.background_host_copy, the 16 GB save's blocking
   share of its total time.
 * device_to_host_gb_per_s: the background saves' device-to-host copy rate at the largest size
-  measured (state bytes / the writer thread's host-copy seconds).
+  measured (state bytes / the writer thread's copy into pinned host memory, median seconds).
 """
 
 from __future__ import annotations
@@ -86,6 +86,9 @@ def attention_worst_ratio(rows: list[dict]):
 
 
 def device_to_host_gb_per_s(row: dict):
-    copies = [s["background_parts_s"]["host_copy"] for s in row.get("saves", [])
-              if s.get("background_parts_s", {}).get("host_copy")]
+    """The state's GB over the median background device-to-host copy (into pinned host memory);
+    a result from before that copy was its own part times orbax's whole save (`host_copy`)."""
+    parts = [s.get("background_parts_s", {}) for s in row.get("saves", [])]
+    copies = [p.get("device_to_host", p.get("host_copy")) for p in parts]
+    copies = [c for c in copies if c]
     return row["state_gb"] / statistics.median(copies) if copies else None

@@ -79,6 +79,21 @@ def device_copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def to_pinned_host(tree):
+    """Each array of `tree` copied into pinned host memory, where its devices have it (GPUs and
+    the CPU; not every platform), else as it is; blocks until the copies landed. Page-locked
+    memory is what the GPU's copy engines write at PCIe rate (cudaMemcpy from device to pageable
+    memory goes through a staging buffer: the H200 campaign measured ~4 GB/s through orbax).
+    The copy runs on the device's transfer stream, beside the training step's compute."""
+    def move(x):
+        device = next(iter(x.sharding.device_set))
+        if not any(m.kind == "pinned_host" for m in device.addressable_memories()):
+            return x
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
+
+    return jax.block_until_ready(jax.tree.map(move, tree))
+
+
 def _write_arrays_whole() -> None:
     """Replica-parallel saving slices replicated arrays across their replicas with one small
     compiled op per shape: ~10 s of compilation inside the first blocking save, for no gain
@@ -208,20 +223,24 @@ class Checkpointer:
 
     def _save_in_background(self, step: int, copy, sums, meta: dict, data_state: dict,
                             commit_when: Callable[[], bool] | None) -> None:
-        """The blocking stage's work, on a thread: orbax reads `copy`, which nothing donates.
-        Records `background_parts_s`: until the device copy was ready (an upper bound on its device
-        time: it includes finishing the step that produced the state), and orbax's save()."""
+        """The blocking stage's work, on a thread: `copy` (which nothing donates) goes to pinned
+        host memory, and orbax saves that. Records `background_parts_s`: until the device copy was
+        ready (an upper bound on its device time: it includes finishing the step that produced the
+        state), the device-to-host copy, and orbax's save() of the host arrays."""
         pending = self._pending
         try:
             jax.block_until_ready(copy)
             copied = time.perf_counter()
+            on_host = to_pinned_host(copy)
+            landed = time.perf_counter()
             meta["checksums"] = _flat(jax.device_get(sums))
             if commit_when is not None and not commit_when():
                 pending["error"] = f"abandoned: step {step} was not recorded finite"
                 return
-            self._orbax_save(step, copy, meta, data_state)
+            self._orbax_save(step, on_host, meta, data_state)
             pending["background_parts_s"] = {"device_copy": round(copied - pending["dispatched"], 4),
-                                             "host_copy": round(time.perf_counter() - copied, 4)}
+                                             "device_to_host": round(landed - copied, 4),
+                                             "orbax_save": round(time.perf_counter() - landed, 4)}
         except Exception as e:  # noqa: BLE001 — reported by poll(), like a failed background write
             pending["error"] = cli.one_line(e)
 

@@ -49,7 +49,6 @@ def reference_for(*overrides):
 COLLECTIVE_MATMUL = ("parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul")
 RESIDUALS = ("parallel.pp_stash=residuals",)
 ALL_REDUCE = ("parallel.zero1=false",)  # the default is ZeRO-1 (reduce-scatter)
-REMAT = ("model.remat=dots",)
 ELEMENTWISE = ("model.remat=elementwise",)
 GRID = [
     # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
@@ -68,9 +67,8 @@ GRID = [
     # without ZeRO-1: chunk gradients all-reduced over dp inside the tick loop
     (2, 2, 2, "1f1b", 1, 4, ALL_REDUCE),
     (4, 2, 1, "interleaved_1f1b", 2, 2, ALL_REDUCE + RESIDUALS),
-    # layers rematerialised inside each chunk, the chunk's vjp residuals stashed
-    (2, 2, 2, "1f1b", 1, 2, REMAT + RESIDUALS),
-    # norms and activations recomputed inside each layer, under tp collectives, residuals stashed
+    # norms and activations rematerialised inside each layer (jax.checkpoint, as model.remat=dots
+    # is through its policy), under tp collectives, the chunk's vjp residuals stashed
     (2, 2, 2, "1f1b", 1, 2, ELEMENTWISE + COLLECTIVE_MATMUL + RESIDUALS),
 ]
 
@@ -78,7 +76,7 @@ GRID = [
 def grid_id(dp, pp, tp, schedule, v, m, extra):
     return (f"dp{dp}pp{pp}tp{tp}-{schedule}-v{v}m{m}{'-collective-matmul' if COLLECTIVE_MATMUL[1] in extra else ''}"
             f"{'-residuals' if RESIDUALS[0] in extra else ''}{'-all-reduce' if ALL_REDUCE[0] in extra else ''}"
-            f"{'-remat' if REMAT[0] in extra else ''}{'-elementwise' if ELEMENTWISE[0] in extra else ''}")
+            f"{'-elementwise' if ELEMENTWISE[0] in extra else ''}")
 
 
 @pytest.mark.slow
