@@ -33,6 +33,7 @@ CPU = {"dry_run": True, "device": {"backend": "cpu", "memory_limit_bytes": None}
     (Instruction("gather", "jit(train_step)/jvp(Transformer)/embed/jit(_take)/gather"), "embedding"),
     (Instruction("fusion", "jit(train_step)/mul"), "optimizer"),  # outside the gradient
     (Instruction("fusion", "jit(train_step)/jit(_where)/select_n"), "optimizer"),
+    (Instruction("fusion", "jit(train_step)/cond/branch_1_fun/optimizer_update/mul"), "optimizer"),  # the update
     (Instruction("copy", f"{LAYER}/mlp/mul"), "copies/transposes"),  # data movement first, whatever the scope
     (Instruction("transpose", ""), "copies/transposes"),
     (Instruction("fusion", "", (("dynamic-slice", ""), ("convert", f"{LAYER}/mlp/mul"), ("bitcast", ""))),

@@ -28,6 +28,7 @@ import sys
 import tempfile
 
 from megascale_jax.observe.collectives import COMPUTATION_HEADER, INSTRUCTION
+from megascale_jax.training.trainer import OPTIMIZER_UPDATE
 
 STEPS = 2  # traced, after one untraced step
 TOP = 15
@@ -39,7 +40,8 @@ PARTS = ("attention", "QKV projection", "output projection", "MLP", "QKV + MLP-u
 # are parts of their own ("mlp" is then its activation).
 SCOPE_PARTS = {"attention": "attention", "qkv_projection": "QKV projection", "out_projection": "output projection",
                "mlp": "MLP", "qkv_mlp_up": "QKV + MLP-up GEMM", "out_mlp_down": "output + MLP-down GEMM",
-               "lm_head": "LM head/loss", "loss": "LM head/loss", "norm": "norms", "embed": "embedding"}
+               "lm_head": "LM head/loss", "loss": "LM head/loss", "norm": "norms", "embed": "embedding",
+               OPTIMIZER_UPDATE: "optimizer"}
 COPY_OPCODES = ("copy", "copy-start", "copy-done", "transpose")
 # Opcodes that move, cast or re-lay-out data without arithmetic: a fusion of nothing else is a copy.
 MOVES = frozenset(("parameter", "constant", "convert", "bitcast", "bitcast-convert", "copy", "transpose", "reshape",
