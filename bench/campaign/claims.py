@@ -86,9 +86,7 @@ def attention_worst_ratio(rows: list[dict]):
 
 
 def device_to_host_gb_per_s(row: dict):
-    """The state's GB over the median background device-to-host copy (into pinned host memory);
-    a result from before that copy was its own part times orbax's whole save (`host_copy`)."""
-    parts = [s.get("background_parts_s", {}) for s in row.get("saves", [])]
-    copies = [p.get("device_to_host", p.get("host_copy")) for p in parts]
-    copies = [c for c in copies if c]
+    """The state's GB over the median background device-to-host copy (into pinned host memory)."""
+    copies = [s["background_parts_s"]["device_to_host"] for s in row.get("saves", [])
+              if s.get("background_parts_s", {}).get("device_to_host")]
     return row["state_gb"] / statistics.median(copies) if copies else None

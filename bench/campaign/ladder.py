@@ -161,14 +161,9 @@ def climb(ladder: Ladder) -> dict:
 
     candidates = [ladder.row(f"fused_attention_{impl}", {**config, "model.attention": impl})
                   for impl in ("cudnn", "pallas")]
-    timed = [c for c in candidates if measured(c)]
-    if timed:
-        best = max(timed, key=lambda c: c["tokens_per_s"])
-        config["model.attention"] = best["config"]["model.attention"]
-        rows.append({**best, "name": "fused_attention", "candidates": candidates})
-    else:  # neither ran: the row says why, and the next rows keep XLA attention
-        rows.append({"name": "fused_attention", "config": dict(config), "candidates": candidates,
-                     "error": "; ".join(f"{c['name']}: {c.get('error') or c.get('skipped')}" for c in candidates)})
+    rows.append(fastest_of("fused_attention", candidates, config))
+    if measured(rows[-1]):  # else neither ran, and the next rows keep XLA attention
+        config["model.attention"] = rows[-1]["config"]["model.attention"]
 
     fused = {**config, "model.fused_norm": "true", "model.fused_mlp": "true"}
     rows.append(ladder.row("fused_norm_gelu", fused))
@@ -183,12 +178,10 @@ def climb(ladder: Ladder) -> dict:
     # allows: elementwise (norms and activation from their inputs: ~no FLOPs) and dots.
     candidates = [ladder.row(f"remat_{policy}", {**config, "model.remat": policy}, xla_flags=TUNED_XLA_FLAGS,
                              largest=True) for policy in REMAT_CANDIDATES]
-    timed = [c for c in candidates if measured(c)]
-    best = max(timed, key=lambda c: c["tokens_per_s"]) if timed else candidates[0]
-    rows.append({**best, "name": "remat", "candidates": candidates})
+    rows.append(fastest_of("remat", candidates, config))
     rows[-1]["kept"] = faster(rows[-1], rows[-2])
     if rows[-1]["kept"]:
-        config = dict(best["config"])
+        config = dict(rows[-1]["config"])
 
     # Same memory per microbatch as the configuration carried this far, four of them per step.
     config = {**config, "optim.name": "lamb"}
@@ -198,6 +191,16 @@ def climb(ladder: Ladder) -> dict:
     rows.append(dense_twin(ladder, rows))
     return {"config": os.path.relpath(model.CONFIG, model.REPO), "window": WINDOW[dry_run],
             "rows": rows}
+
+
+def fastest_of(name: str, candidates: list[dict], config: dict) -> dict:
+    """Row `name`: the fastest measured candidate, with every candidate beside it; where none ran,
+    a row of `config` (the configuration carried so far) whose error says why each did not."""
+    timed = [c for c in candidates if measured(c)]
+    if timed:
+        return {**max(timed, key=lambda c: c["tokens_per_s"]), "name": name, "candidates": candidates}
+    return {"name": name, "config": dict(config), "candidates": candidates,
+            "error": "; ".join(f"{c['name']}: {c.get('error') or c.get('skipped')}" for c in candidates)}
 
 
 def dense_twin(ladder: Ladder, rows: list[dict]) -> dict:

@@ -7,6 +7,8 @@ configuration, with its measured change in tokens/s. Levers that lose stay in th
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
     scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
+    remat_elementwise    + model.remat=elementwise (norms and MLP activation recomputed in the
+                         backward) at the largest batch that then fits
     remat_dots           + model.remat=dots at the largest batch that then fits
     half_batch           the base at half its batch: what the batch buys
     no_donation          train.donate=false (the step's output state a second copy) at the largest
@@ -55,6 +57,7 @@ def measure(runner: ladder.Ladder) -> dict:
     first = runner.row("base", base, xla_flags=flags)
     batch = first.get("batch") or 1
     layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
+
     def lever(name: str, changes: dict, **how) -> dict:
         if dry_run and name in LADDER_RUNS:  # the same code as a ladder row of the same dry run
             return {"name": name, "config": changes, "xla_flags": list(flags),

@@ -82,8 +82,24 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, axes_of_layers) -> optax.
         learning_rate=learning_rate_schedule(cfg, total_steps), cfg=cfg, axes_of_layers=axes_of_layers)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax.clip_by_global_norm, taking the gradients' global norm as `grad_norm=` where the
+    caller has it: the train step computes it for its finite check, outside the cond that holds
+    the update, and XLA cannot share one reduction across a cond's boundary (recomputed, it was a
+    second full read of the gradients every step). Without it, the norm is computed here. The
+    arithmetic is optax's, so the updates are the same bit for bit."""
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        trigger = jnp.squeeze(norm < max_norm)
+        return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm),
+                            updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
 def _optimizer(learning_rate, cfg: OptimConfig, axes_of_layers) -> optax.GradientTransformation:
-    clip = optax.clip_by_global_norm(cfg.clip) if cfg.clip is not None else optax.identity()
+    clip = clip_by_global_norm(cfg.clip) if cfg.clip is not None else optax.identity()
     if cfg.name == "adamw":
         return optax.chain(clip, optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                                              weight_decay=cfg.weight_decay, mask=decay_mask))

@@ -116,7 +116,7 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
 
         @functools.partial(pipeline.scoped, OPTIMIZER_UPDATE)  # its collectives: once per step
         def update(state):
-            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
             return TrainState(step=state.step + 1, params=optax.apply_updates(state.params, updates),
                               opt_state=opt_state)
 

@@ -162,3 +162,16 @@ def test_the_state_carries_the_learning_rate_each_update_used(name):
         _, state = tx.update(random_tree(jax.random.key(k + 1)), state, params)
         np.testing.assert_allclose(optim.current_learning_rate(state), schedule(k), rtol=1e-6)
     assert float(optim.current_learning_rate(state)) == pytest.approx(2.0 * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi / 16))))
+
+
+@pytest.mark.parametrize("scale", [0.01, 10.0], ids=["under-the-limit", "clipped"])
+def test_clipping_with_a_given_norm_is_optax_clipping(scale):
+    """optim.clip_by_global_norm with the train step's own norm (`grad_norm=`), and without it,
+    gives what optax.clip_by_global_norm gives, bit for bit, below and above the limit."""
+    grads = random_tree(jax.random.key(3), scale)
+    want, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    ours = optim.clip_by_global_norm(1.0)
+    for kwargs in ({"grad_norm": optax.tree.norm(grads)}, {}):
+        got, _ = ours.update(grads, ours.init(grads), **kwargs)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)

@@ -79,6 +79,19 @@ def test_the_hold_costs_no_memory_beside_a_plain_donated_step():
     assert flops.compiled_bytes(held) <= flops.compiled_bytes(plain) + 0.05 * params
 
 
+def test_the_step_reduces_the_gradients_to_their_norm_once():
+    """The finite check's global norm is the one clipping uses (optim.clip_by_global_norm's
+    `grad_norm=`): the compiled step has a single scalar square root, not one on each side of the
+    hold's cond (XLA cannot share a reduction across it)."""
+    import re
+
+    cfg = load_config(None, SMALL + ["mesh.dp=1", "mesh.tp=1", "optim.name=adamw"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    batch = jax.ShapeDtypeStruct((4, cfg.model.seq_len + 1), jax.numpy.int32, sharding=trainer.batch_sharding)
+    hlo = trainer.train_step.lower(jax.eval_shape(trainer.init), batch).compile().as_text()
+    assert len(re.findall(r"= f32\[\] sqrt\(", hlo)) == 1
+
+
 def metrics(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
