@@ -40,7 +40,7 @@ def main(argv=None) -> int:
           f"{summary['within_target']} of {len(all_errors)} points within {validation.TARGET_MAX:.0%}")
 
     ablation = published.megascale_ablation(calibration.gpu("a100-80g", held_out="megascale2024"))
-    print("\nMegaScale Table 3 (175B, 256 A100s, batch 256; MFU %, the baseline's FLOPs as numerator)")
+    print("\nMegaScale Table 3 (175B, 256 A100s, batch 256; MFU %, each row's own model FLOPs: the window's from (2) on, as Table 2 counts them)")
     print(f"  {'step':<46}{'paper':>7}{'planner':>9}{'paper +':>9}{'planner +':>11}")
     for r in ablation:
         print(f"  {r['step']:<46}{r['published_mfu']:>7.1f}{r['predicted_mfu']:>9.1f}"

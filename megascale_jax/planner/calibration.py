@@ -2,9 +2,10 @@
 
 Three kinds of value, each marked in the file:
 * datasheet values (peak FLOP/s, HBM size and bandwidth, NVLink and NIC bandwidth);
-* values taken from a named public model or paper (ring-step latencies as in Calculon's A100
-  system file; FlashAttention-2's reported efficiency);
-* a priori estimates (the matmul efficiency curve, the achieved share of link bandwidth, the
+* values taken from a named public model, paper or measurement (ring-step latencies as in
+  Calculon's A100 system file; FlashAttention-2's reported efficiency; the NICs' and H100
+  NVLink's achieved bandwidth and the SMs an NCCL collective holds, from NCCL's own issue threads);
+* a priori estimates (the matmul efficiency curve, A100 NVLink's achieved share of its bandwidth, the
   elementwise HBM passes), written down before the planner was first compared with the published
   runs in tests/planner/published.py and not tuned to them since.
 When this project measures a GPU (`python -m bench.campaign`), its numbers replace the estimates.
@@ -47,6 +48,11 @@ class Gpu:
     gemm_tile: tuple[int, int]  # the GEMM output tile one SM computes at a time
     attention_efficiency: float
     elementwise_passes: float
+    collective_sms: int = 0  # SMs an NCCL collective holds while it runs (`costs.overlapped_s`)
+
+    @property
+    def collective_sm_share(self) -> float:
+        return self.collective_sms / self.sms
 
 
 def tile_wave_efficiency(rows: int, cols: int, tile: tuple[int, int], sms: int) -> float:
@@ -101,13 +107,13 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
         flops = 2 * n**3
         waves = tile_wave_efficiency(n, n, tile, g["sms"])
         e_max = e_max / (flops / (flops + half)) / waves
-    eff = g["link_efficiency"]
     # The node's NIC bandwidth shared by its GPUs (each GPU drives its own rail in a DGX).
     nic_per_gpu = count * gbps / 8 * 1e9 / g["gpus_per_node"]
     return Gpu(
         key=key, name=g["name"], peak_flops=g["peak_tflops"] * 1e12, hbm_bytes=g["hbm_gib"] * 2**30,
         hbm_bandwidth=g["hbm_tbps"] * 1e12, gpus_per_node=g["gpus_per_node"],
-        nvlink=Link(g["nvlink_gbps"] * 1e9 * eff, g["nvlink_latency_us"] * 1e-6),
-        nic=Link(nic_per_gpu * eff, g["nic_latency_us"] * 1e-6),
+        nvlink=Link(g["nvlink_gbps"] * 1e9 * g["nvlink_efficiency"], g["nvlink_latency_us"] * 1e-6),
+        nic=Link(nic_per_gpu * g["nic_efficiency"], g["nic_latency_us"] * 1e-6),
         matmul_max_efficiency=e_max, matmul_half_flops=half, sms=g["sms"], gemm_tile=tile,
-        attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"])
+        attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"],
+        collective_sms=g["collective_sms"])

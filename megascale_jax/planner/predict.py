@@ -187,9 +187,9 @@ def async_backward_tp_s(w: Workload, gpu: Gpu) -> float:
         weight_gradient = sum(costs.gemm_s(k, tokens, n, gpu) for k, n in group)
         input_gradient = sum(costs.gemm_s(tokens, n, k, gpu) for k, n in group)
         if w.sequence_parallel:
-            exposed += costs.exposed_s(gather, weight_gradient) + costs.exposed_s(gather, input_gradient) + gather
+            exposed += costs.overlapped_s(gather, weight_gradient, gpu) + costs.overlapped_s(gather, input_gradient, gpu) + gather
         else:
-            exposed += costs.exposed_s(all_reduce, weight_gradient)
+            exposed += costs.overlapped_s(all_reduce, weight_gradient, gpu)
     return exposed
 
 
@@ -233,7 +233,7 @@ def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
     link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
     send = costs.p2p_s(traffic.boundary_bytes(w), link)
     ticks = w.microbatches * w.virtual + w.pp - 1
-    return ticks * (costs.exposed_s(send, tick_compute) if w.pp_async else 2 * send)
+    return ticks * (costs.overlapped_s(send, tick_compute, gpu) if w.pp_async else 2 * send)
 
 
 def tied_embedding_s(w: Workload, gpu: Gpu) -> float:
@@ -289,7 +289,7 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
         # step: chunk by chunk before each chunk's first forward ("chunks"), the first chunk's exposed.
         gather = costs.ring_all_gather_s(stage_params(w) * w.param_bytes, w.dp, link)
         if w.dp_overlap == "chunks":
-            return gather / w.virtual + costs.exposed_s(gather - gather / w.virtual, compute_s)
+            return gather / w.virtual + costs.overlapped_s(gather - gather / w.virtual, compute_s, gpu)
         return gather
     grads = stage_params(w) * w.grad_bytes
     if w.zero1:
@@ -304,9 +304,9 @@ def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
         # when gather and reduce-scatter move equal bytes; here each at its own bytes (fp32
         # gradients, bf16 parameters)
         edge = reduce / w.virtual
-        return edge + costs.exposed_s(reduce + gather - edge, compute_s)
+        return edge + costs.overlapped_s(reduce + gather - edge, compute_s, gpu)
     if w.dp_overlap == "backward":
-        return costs.exposed_s(reduce, backward_s) + gather
+        return costs.overlapped_s(reduce, backward_s, gpu) + gather
     return reduce + gather
 
 
@@ -395,7 +395,7 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     # weight-gradient ones, which no collective waits on.
     gemm_here = t["gemm"] * (2 if w.recompute == "full" else 1) + t["gemm_input_gradient"]
     if w.tp_overlap:
-        tp_exposed = costs.exposed_s(tp_comm, gemm_here)
+        tp_exposed = costs.overlapped_s(tp_comm, gemm_here, gpu)
     elif w.tp_backward_overlap:
         tp_exposed = async_backward_tp_s(w, gpu)
     else:
@@ -418,8 +418,11 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     dp = dp_s(w, gpu, stage_layers * t["backward"], compute)
     if w.reduce_scatter_every_microbatch and w.dp > 1:
         # the link's timeline against the stage's: what it runs past the lockstep end is exposed
+        # (its reduce-scatters hold SMs for as long as they run beside the compute: `costs.overlapped_s`)
         busy = compute + tp
-        dp += costs.exposed_s(sharded_gradient_link(w, gpu, t, busy)["end_s"], busy + bubble + pp)
+        link = sharded_gradient_link(w, gpu, t, busy)
+        dp += costs.exposed_s(link["end_s"], busy + bubble + pp) \
+            + gpu.collective_sm_share * min(link["reduce_scatter_s"], busy)
     tied = tied_embedding_s(w, gpu)
     pp += tied
     optimizer = optimizer_s(w, gpu)

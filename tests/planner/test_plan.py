@@ -21,7 +21,7 @@ import dataclasses
 
 from megascale_jax.planner import calibration, costs, predict, published, traffic, validation
 from megascale_jax.planner.search import candidates, plan as plan_layout
-from megascale_jax.planner.workload import from_config
+from megascale_jax.planner.workload import from_config, model_config
 from megascale_jax.training import trainer as trainer_module
 from megascale_jax.training.trainer import build_trainer
 
@@ -52,19 +52,16 @@ def test_every_source_is_predicted_held_out_and_the_committed_result_is_todays()
     for key, source in table.items():
         assert [r["predicted"] for r in committed["held_out"][key]["rows"]] == [r["predicted"] for r in source["rows"]], \
             "re-run python -m bench.planner.plan_validation --overwrite after changing the planner or its calibration"
-    # What the planner achieves today, per source (the issue's target is the xfail test below).
-    assert table["korthikanti2022"]["mean_abs_error"] <= 0.06 and table["korthikanti2022"]["max_abs_error"] <= 0.085
-    assert table["narayanan2021"]["mean_abs_error"] <= 0.04 and table["narayanan2021"]["max_abs_error"] <= 0.075
-    assert table["megascale2024"]["mean_abs_error"] <= 0.05 and table["megascale2024"]["max_abs_error"] <= 0.105
-    megatron_rows = [r for r in table["megascale2024"]["rows"] if "Megatron-LM" in r["metric"]]
-    assert max(abs(r["error"]) for r in megatron_rows) <= 0.095
+    # What the planner achieves today, per source
+    assert table["korthikanti2022"]["mean_abs_error"] <= 0.04 and table["korthikanti2022"]["max_abs_error"] <= 0.07
+    assert table["narayanan2021"]["mean_abs_error"] <= 0.03 and table["narayanan2021"]["max_abs_error"] <= 0.05
+    assert table["megascale2024"]["mean_abs_error"] <= 0.045 and table["megascale2024"]["max_abs_error"] <= 0.08
     # Llama 3 with FSDP's per-microbatch reduce-scatters priced (27-29% too fast without them)
-    assert table["llama3_2024"]["mean_abs_error"] <= 0.065 and table["llama3_2024"]["max_abs_error"] <= 0.11
+    assert table["llama3_2024"]["mean_abs_error"] <= 0.06 and table["llama3_2024"]["max_abs_error"] <= 0.07
 
 
-@pytest.mark.xfail(strict=True, reason="issue 40's target is not met yet: Llama 3's 16K-GPU rate is predicted 10.7% "
-                   "too low and MegaScale's own row at 8,192 GPUs 10.2% too fast (docs/planner.md, 'Not yet')")
 def test_every_held_out_point_is_within_10_percent_and_the_mean_within_5():
+    """Issue 40's target, on all four sources held out."""
     errors = [abs(r["error"]) for s in validation.held_out_table().values() for r in s["rows"]]
     assert max(errors) <= validation.TARGET_MAX and sum(errors) / len(errors) <= validation.TARGET_MEAN
 
@@ -93,6 +90,28 @@ def test_megascale_table_2_transcription_agrees_with_its_own_throughput_column()
     assert published.MEGASCALE_TAB3[-1][1] == published.MEGASCALE_TAB2_MFU[0][1] == 65.3
     # Llama 3: TFLOP/s per GPU over the H100's 989 is the table's BF16 MFU column (43%, 41%).
     assert [round(100 * r[-1] / 989) for r in published.LLAMA3_TAB4] == [43, 40]
+
+
+def test_megascale_mfu_counts_the_windows_flops_as_table_2_does():
+    """Table 2's MFU and throughput columns say which FLOPs MegaScale's MFU counts: its rows imply
+    the window-counted model (attention over 1,024 keys), Megatron-LM's the dense one. Hand count
+    per token for 175B (vocab 64,000, tied embedding): 6·N + 12·L·h·context, context 2,048 keys
+    dense or the 1,024 of the window. The ablation's rows from step (2) on count the window's."""
+    n_params = 96 * (12 * 12288**2 + 13 * 12288) + 64000 * 12288 + 2 * 12288  # layers, embedding, final norm
+    def per_token(context):
+        return 6 * n_params + 12 * 96 * 12288 * context
+    dense, window = per_token(2048), per_token(1024)
+    rows = published.table2_flops_per_token()  # each row good to its rounding (11.5 s: ±0.4%)
+    megatron, megascale = (np.mean([r[k] for r in rows]) for k in ("megatron_lm", "megascale"))
+    assert megatron == pytest.approx(dense, rel=0.002)
+    assert megascale == pytest.approx(window, rel=0.005) and abs(megascale - window) < abs(megascale - dense) / 3
+    # Table 3's last row is Table 2's 256-GPU row: its own count is the window's
+    assert rows[0]["gpus"] == 256 and rows[0]["megascale"] == pytest.approx(window, rel=0.002)
+    gpu = calibration.gpu("a100-80g", held_out="megascale2024")
+    ablation = published.megascale_ablation(gpu)
+    w = published.megascale_workload(256, 256, steps=2)
+    assert w.window == 1024 and flops.model_flops_per_token(model_config(w)) == pytest.approx(window, rel=1e-3)
+    assert ablation[2]["predicted_mfu"] == pytest.approx(100 * predict.predict(w, gpu).mfu, abs=0.01)
 
 
 def test_megascale_table_3_gains_have_the_papers_sign_and_lie_within_3_mfu_points():
@@ -165,20 +184,41 @@ def test_dp_chunks_expose_the_last_chunks_reduce_scatter():
     """MegaScale §3.2: with the per-chunk overlap the first chunk's all-gather is prefetched behind
     the data loading and only the last chunk's reduce-scatter is exposed, 1/v of the fp32
     gradients' reduction, when the compute can hide the rest."""
-    gpu = calibration.gpu("a100-80g")
+    with_sms = calibration.gpu("a100-80g")
+    gpu = dataclasses.replace(with_sms, collective_sms=0)  # the overlap's SM cost apart, below
     w = published.megascale_workload(256, 768)
     assert w.dp_overlap == "chunks" and w.virtual == 6
     none = predict.dp_s(dataclasses.replace(w, dp_overlap="none"), gpu, 0.0, 0.0)
     # a hand check of the exposed reduce-scatter + all-gather: params per GPU on the last stage,
-    # fp32 gradients and bf16 parameters, ring over dp = 4 on one NIC rail
+    # fp32 gradients and bf16 parameters, ring over dp = 4 on one NIC rail (200 Gb/s at 96%)
     params = 12 * 12 * 12288**2 / 8 + 64000 * 12288 / 8  # 12 layers and the LM head, over tp (norms, biases: <1%)
-    nic = 8 * 200 / 8 * 1e9 / 8 * 0.8
+    nic = 8 * 200 / 8 * 1e9 / 8 * 0.96
     reduce, gather = 3 / 4 * params * 4 / nic + 3 * 20e-6, 3 / 4 * params * 2 / nic + 3 * 20e-6
     assert none == pytest.approx(reduce + gather, rel=0.01)
     assert predict.dp_s(w, gpu, 0.0, compute_s=100.0) == pytest.approx(reduce / 6, rel=0.01)
+    # the hidden rest holds 16 of the A100's 108 SMs while it runs beside the compute
+    hidden = reduce + gather - reduce / 6
+    assert predict.dp_s(w, with_sms, 0.0, compute_s=100.0) == pytest.approx(reduce / 6 + 16 / 108 * hidden, rel=0.01)
     # the paper's "1/(2·vpp_size)" of the traffic is the same thing when both move equal bytes
     equal = dataclasses.replace(w, grad_bytes=2)
     assert predict.dp_s(equal, gpu, 0.0, 100.0) == pytest.approx(predict.dp_s(dataclasses.replace(equal, dp_overlap="none"), gpu, 0.0, 0.0) / 12)
+
+
+def test_overlapped_nccl_transfers_slow_the_compute_they_hide_behind_by_their_sms():
+    """NCCL's thread blocks hold whole SMs (NVIDIA/nccl#689: 16 on a DGX), so a transfer hidden
+    behind compute still costs k/S of the overlapped time; what outlasts the compute is exposed."""
+    gpu = calibration.gpu("a100-80g")
+    assert gpu.collective_sms == 16 and gpu.sms == 108
+    assert costs.overlapped_s(1.0, 3.0, gpu) == pytest.approx(16 / 108)
+    assert costs.overlapped_s(3.0, 1.0, gpu) == pytest.approx(2.0 + 16 / 108)
+    free = dataclasses.replace(gpu, collective_sms=0)
+    assert costs.overlapped_s(1.0, 3.0, free) == 0.0 and costs.overlapped_s(3.0, 1.0, free) == 2.0
+    # MegaScale's TP overlap (collective matmul): the tp transfers hide behind the GEMMs, at that cost
+    w = published.megascale_workload(256, 768)
+    assert w.tp_overlap
+    hidden = w.microbatches * 12 * predict.tp_collective_s(w, gpu)
+    assert predict.predict(w, free).parts["tp layers"] == 0.0
+    assert predict.predict(w, gpu).parts["tp layers"] == pytest.approx(16 / 108 * hidden, rel=1e-9)
 
 
 def test_megatrons_async_backward_hides_the_column_linears_input_gradient_collectives():
@@ -186,7 +226,7 @@ def test_megatrons_async_backward_hides_the_column_linears_input_gradient_collec
     launches each column-parallel linear's input-gradient all-reduce (with sequence parallelism:
     reduce-scatter) before its weight-gradient GEMM, and with sequence parallelism re-gathers its
     input before the input-gradient GEMM. By hand, per layer and microbatch, 175B on tp 8 NVLink."""
-    gpu = calibration.gpu("a100-80g")
+    gpu = dataclasses.replace(calibration.gpu("a100-80g"), collective_sms=0)  # the SMs the hidden ones hold: own test
     a = 2048 * 12288 * 2  # one sequence's bf16 activation
     nvlink = 300e9 * 0.8
     all_reduce, gather = 2 * 7 / 8 * a / nvlink + 14 * 10e-6, 7 / 8 * a / nvlink + 7 * 10e-6
@@ -232,7 +272,7 @@ def test_megatrons_optimizer_step_and_tied_embedding_are_priced_by_their_bytes()
     plain = dataclasses.replace(w, megatron_optimizer=False)
     assert predict.optimizer_s(plain, gpu) == pytest.approx(params / 4 * 28 / 2.039e12, rel=2e-3)
     # the embedding's gradient: 64,000 × 12,288 / 8 fp32 values, all-reduced over the 2 ranks on one NIC rail
-    nic = 8 * 200 / 8 * 1e9 / 8 * 0.8
+    nic = 8 * 200 / 8 * 1e9 / 8 * 0.96
     tied = 64000 * 12288 / 8 * 4 / nic + 2 * 20e-6
     assert predict.tied_embedding_s(w, gpu) == pytest.approx(tied, rel=1e-9)
     p = predict.predict(w, gpu)
@@ -243,7 +283,7 @@ def test_megatrons_optimizer_step_and_tied_embedding_are_priced_by_their_bytes()
 
 LLAMA3_LAYER = (16384 * (128 + 2 * 8) * 128 + 128 * 128 * 16384 + 3 * 16384 * 53248) / 8  # q, k+v, o, SwiGLU; per tp rank
 LLAMA3_HEAD = 128000 * 16384 / 8
-H100_NIC = 8 * 400 / 8 * 1e9 / 8 * 0.8  # one 400 Gb/s NIC per GPU (datasheet) at the a-priori 80%: 40 GB/s
+H100_NIC = 8 * 400 / 8 * 1e9 / 8 * 0.96  # one 400 Gb/s NIC per GPU (datasheet) at the measured 96%: 48 GB/s
 
 
 def test_sharded_gradients_reduce_scatter_every_microbatch_on_the_dp_link():
@@ -291,7 +331,7 @@ def test_sharded_gradients_reduce_scatter_every_microbatch_on_the_dp_link():
 
 def test_the_dp_link_running_past_the_compute_is_exposed_and_only_with_sharded_gradients():
     """The prediction's dp = the parameters' first-chunk gather + what the link runs past the
-    lockstep end (compute + tp + bubble); without sharded gradients Llama 3's dp is the one
+    lockstep end (compute + tp + bubble) + the compute the hidden transfers slow; without sharded gradients Llama 3's dp is the one
     reduction per step of `dp_s`, 1/(2v) of it exposed."""
     gpu = calibration.gpu("h100-sxm")
     for gpus, dp, m in ((8192, 64, 32), (16384, 128, 16)):
@@ -303,10 +343,14 @@ def test_the_dp_link_running_past_the_compute_is_exposed_and_only_with_sharded_g
         chunk = busy / (m * 8)
         link = predict.sharded_gradient_nic(w, gpu, chunk * share, chunk * (1 - share))
         gather = (dp - 1) / dp * (8 * LLAMA3_LAYER + LLAMA3_HEAD) * 2 / H100_NIC + (dp - 1) * 20e-6
-        assert p.breakdown["dp"] == pytest.approx(gather / 8 + link["end_s"] - (busy + p.breakdown["bubble"]), rel=1e-3)
+        # the gathers and reduce-scatters hidden behind the compute hold 16 of the H100's 132 SMs
+        sms = 16 / 132
+        hidden = sms * (gather - gather / 8) + sms * min(link["reduce_scatter_s"], busy)
+        lockstep_end = busy + p.breakdown["bubble"] + p.breakdown["pp"]  # pp: the SMs its hidden sends hold
+        assert p.breakdown["dp"] == pytest.approx(gather / 8 + link["end_s"] - lockstep_end + hidden, rel=1e-3)
         assert link["end_s"] > busy + p.breakdown["bubble"]  # the link, not the GPU, ends the step
         off = predict.predict(dataclasses.replace(w, reduce_scatter_every_microbatch=False), gpu)
-        assert off.breakdown["dp"] < 0.05 and off.iteration_s < 0.8 * p.iteration_s
+        assert off.breakdown["dp"] < 0.1 and off.iteration_s < 0.85 * p.iteration_s
 
 
 def test_a_banded_window_cuts_unfused_attention_in_proportion():
