@@ -29,6 +29,9 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   Megatron-LM's own over its buffers (`optimizer_s`).
 * data: 0 — the loader prefetches on the host, off the step's critical path; this model charges
   nothing for it.
+
+Every NCCL transfer hidden behind compute still costs that compute the SMs it holds while both
+run (`costs.overlapped_s`: k/S of the overlapped time, k = the calibration's `collective_sms`).
 """
 
 from __future__ import annotations
