@@ -159,7 +159,7 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     eval_every: int = 50  # validation loss every N steps (0 = only at the end)
-    eval_batches: int = 2
+    eval_batches: int = 2  # 0 = no validation loss: nothing is compiled or run for it
     # Before compiling, compare flops.memory_estimate with the device's memory (GPU: its bytes
     # limit; CPU: the RAM available to the simulated devices) and refuse a config that cannot fit.
     memory_check: bool = True

@@ -108,7 +108,9 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         flops.mfu(1.0, cfg.model, mesh.devices.flat),  # MFU is linear in tokens/s: look peaks up once
         f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch,
         validation_loss(cfg, eval_loss, val_batches, trainer.batch_sharding), hooks.on_record)
-    hooks.add("evaluate", cfg.train.eval_every, lambda step, state: recorder.flush(params=state.params))
+    # With train.eval_batches=0 (eval_loss None) the same steps are recorded, without a validation loss.
+    hooks.add("evaluate", cfg.train.eval_every,
+              lambda step, state: recorder.flush(params=None if eval_loss is None else state.params))
     add_profiling(hooks, cfg, run_dir, train_step, recorder, watch)
     saves.begin(start.step, last, start.data_position, recorder, watch)
     saves.add_hooks(hooks)

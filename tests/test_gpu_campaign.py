@@ -248,6 +248,7 @@ def test_dry_run_kernels_have_every_contender_with_finite_times(full):
             assert {"xla_window", "pallas_window", "cudnn_window", "tokamax_window"} <= set(here)
             assert here["cudnn_window"]["skipped"] == "skipped: needs a GPU"
             assert one_line(here["tokamax_window"]["skipped"])
+            assert "bench/campaign/gpu_wheels.sh" in here["triton_window"]["skipped"]  # jax-triton: a GPU extra
             for row in [*dense, *(here[c] for c in TIMED_CONTENDERS - {"xla_dense_causal"})]:
                 assert math.isfinite(row["ms"]) and row["ms"] > 0 and row["tflops"] > 0, row
                 assert row["rel_err"] < 2e-2, row  # bf16 inputs against the float32 reference
@@ -343,6 +344,19 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
         assert done.returncode == 2, (args, done.stderr)
         assert done.stderr.strip().splitlines() == [message]
     assert not os.path.exists(os.path.join(RESULTS, "x.json")) and not os.listdir(tmp_path)
+
+
+def test_a_missing_wheel_is_one_line_naming_the_script_before_anything_runs(monkeypatch, capsys, tmp_path):
+    from bench.campaign import __main__ as campaign_main
+
+    assert campaign_main.missing_wheels() == []  # the dev install has every one
+    monkeypatch.setattr(campaign_main, "NEEDED_WHEELS", ("grain", "no_such_module_here", "redis"))
+    monkeypatch.setattr(campaign_main, "run_piece", lambda *a, **k: pytest.fail("ran a section"))
+    assert campaign_main.main(["--out", str(tmp_path / "x.json")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: no_such_module_here not installed here: run `bash bench/campaign/gpu_wheels.sh` on a machine with "
+        "network and install its wheels here (docs/gpu.md, 'On a lent GPU')"]
+    assert not os.listdir(tmp_path)
 
 
 def test_batch_is_the_largest_whose_estimate_fits():

@@ -72,6 +72,10 @@ SECTIONS = ("kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "pro
 # torch 163 s, checkpoints 81 s before it measured background_host_copy too, profiled 23 s).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "levers": 1200, "torch_peer": 600, "checkpoints": 900,
            "profiled_steps": 600}
+# Modules the sections import that a lent GPU machine lacks (it has jax, flax, optax, orbax, chex,
+# torch, transformers and triton): gpu_wheels.sh fetches their wheels. jax_triton and tokamax are
+# contenders in the kernels section only, which records them as skipped rows when they are missing.
+NEEDED_WHEELS = ("grain", "tensorboardX", "redis")
 MIN_SECTION_S = 30  # a section is not started with less of --budget-s left than this
 SAVE_MARGIN_S = 10  # kept back from --budget-s for the final plots and save
 # In a dry run nothing is measured, so XLA:CPU may skip LLVM's optimisations: compiling the
@@ -158,6 +162,13 @@ def rows_done(progress_file: str) -> list[dict]:
     return rows
 
 
+def missing_wheels() -> list[str]:
+    """The modules of NEEDED_WHEELS this Python cannot import (looked up, not imported)."""
+    import importlib.util
+
+    return [m for m in NEEDED_WHEELS if importlib.util.find_spec(m) is None]
+
+
 def section_limit(name: str, deadline: float | None) -> tuple[float | None, str]:
     """(time limit, '') for section `name` under the campaign's deadline, or (None, why) when too
     little of --budget-s is left to start it."""
@@ -200,6 +211,11 @@ def main(argv=None) -> int:
         return 2
     if args.budget_s is not None and args.budget_s <= 0:
         print(f"error: --budget-s must be positive, got {args.budget_s:g}", file=sys.stderr)
+        return 2
+    missing = missing_wheels()
+    if missing:
+        print(f"error: {', '.join(missing)} not installed here: run `bash bench/campaign/gpu_wheels.sh` on a machine "
+              "with network and install its wheels here (docs/gpu.md, 'On a lent GPU')", file=sys.stderr)
         return 2
     deadline = None if args.budget_s is None else time.time() + args.budget_s
     scratch = tempfile.mkdtemp(prefix="gpu-campaign-")  # settings and results passed to and from sections

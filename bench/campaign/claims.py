@@ -26,7 +26,7 @@ from bench.campaign.ladder import measured
 KEYS = ("device", "mfu_best", "tokens_per_s_best", "batch_best", "peer_same_work_tokens_per_s",
         "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_peer",
         "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb", "device_to_host_gb_per_s")
-OURS = ("pallas_window", "tokamax_window")  # our sliding-window kernels, against cudnn_window
+OURS = ("pallas_window", "triton_window", "tokamax_window")  # sliding-window kernels we run (Pallas, our jax-triton kernel, tokamax), against cudnn_window
 
 
 def summary(device: str, sections: dict) -> dict:

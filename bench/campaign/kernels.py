@@ -34,7 +34,7 @@ def tokamax_attention(window: int, on_gpu: bool):
     try:
         import tokamax
     except Exception as e:  # noqa: BLE001 — an optional peer that does not import is one line, never a failure
-        return f"skipped: tokamax is not importable ({process.one_line(e)})"
+        return f"skipped: tokamax is not importable ({process.one_line(e)}); bench/campaign/gpu_wheels.sh fetches it"
     if not on_gpu:
         return "skipped: needs a GPU"
     return lambda q, k, v: tokamax.dot_product_attention(
@@ -47,6 +47,7 @@ def contenders(window: int, on_gpu: bool) -> dict:
     del impls["pallas_window"]  # tuned separately, per block size
     if not on_gpu:
         impls["cudnn_window"] = "skipped: needs a GPU"
+    impls.setdefault("triton_window", "skipped: jax-triton is not importable; bench/campaign/gpu_wheels.sh fetches it")
     impls["tokamax_window"] = tokamax_attention(window, on_gpu)
     return impls
 

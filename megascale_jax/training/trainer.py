@@ -199,14 +199,17 @@ def _with_rules(cfg: Config, mesh: Mesh, fn):
     return wrapped
 
 
-def compile_steps(cfg: Config, trainer: Trainer, state: TrainState, batch: jax.Array, clock) -> tuple[Callable, Callable]:
+def compile_steps(cfg: Config, trainer: Trainer, state: TrainState, batch: jax.Array, clock) -> tuple[Callable, Callable | None]:
     """`train_step` and `eval_loss` compiled for these shapes before the first step, so that no
-    step's time includes a compilation; loaded without tracing on a restart (compile_cache)."""
+    step's time includes a compilation; loaded without tracing on a restart (compile_cache).
+    `eval_loss` is None with `train.eval_batches=0` (no validation loss)."""
     config = cfg.to_dict()
     train_step = compile_cache.load_or_compile(
         "train_step", lambda: trainer.train_step.lower(state, batch), config, (state, batch))
     clock.lap("train_step")
     check_compiled_memory(cfg, train_step, state)
+    if cfg.train.eval_batches == 0:
+        return train_step, None
     eval_loss = compile_cache.load_or_compile(
         "eval_loss", lambda: trainer.eval_loss.lower(state.params, batch), config, (state.params, batch))
     clock.lap("eval_loss")

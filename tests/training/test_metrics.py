@@ -1,5 +1,7 @@
 """The metrics recorder: one step late, flushed on demand, divergence named by step."""
 
+import math
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -132,3 +134,24 @@ def test_finite_steps_tickets_wait_for_their_step_and_abandon_only_what_was_not_
     finite.recorded(19)
     finite.close()
     assert waiting() is False and finite.ticket(18)() is True
+
+
+def test_eval_batches_0_records_the_same_steps_without_compiling_or_running_a_validation(run_main, tmp_path):
+    """train.eval_batches=0: no validation loss, and no evaluation step compiled (its start-up
+    phase is absent, where a run with a validation lists it: tests/supervise/test_compile_cache.py);
+    the records come at the steps they would with one."""
+    import json
+
+    from megascale_jax import train
+
+    tiny = ["train.steps=3", "train.eval_every=2", "train.log_every=1", "model.layers=1", "model.d_model=32",
+            "model.heads=2", "model.kv_heads=2", "model.seq_len=32", "train.global_batch=2", "mesh.dp=1", "mesh.tp=1",
+            "mesh.cpu_devices=1", "observe.timings=false", "observe.tensorboard=false", "train.compile_cache=false",
+            "checkpoint.every=0", "train.sample_at_end=0", "train.eval_batches=0"]
+    code, out, err = run_main(train.main, ["--run-dir", "run", *tiny], tmp_path)
+    assert code == 0, err
+    startup = next(line for line in out.splitlines() if "start-up phases" in line)
+    assert "train_step" in startup and "eval_loss" not in startup, startup
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and not any("val_loss" in r for r in records)
+    assert all(math.isfinite(r["loss"]) for r in records)
