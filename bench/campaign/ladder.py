@@ -172,14 +172,19 @@ def climb(ladder: Ladder) -> dict:
     rows[-1]["kept"] = faster(rows[-1], rows[-2])
     if rows[-1]["kept"]:
         config = fused
-    rows.append(ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS))
+    if dry_run:  # XLA:CPU ignores XLA:GPU's flags: the row would rerun the row above's program
+        rows.append({"name": "xla_flags", "config": dict(config), "microbatches": 1, "batch": rows[-1]["batch"],
+                     "global_batch": rows[-1]["global_batch"], "xla_flags": list(TUNED_XLA_FLAGS),
+                     "skipped": "skipped in the dry run: XLA:CPU ignores XLA:GPU flags (the row above's program)"})
+    else:
+        rows.append(ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS))
     # Rematerialisation trades recomputed FLOPs for memory; it pays only where the memory buys a
     # larger batch that runs faster, so each candidate takes the largest batch the estimate then
     # allows: elementwise (norms and activation from their inputs: ~no FLOPs) and dots.
     candidates = [ladder.row(f"remat_{policy}", {**config, "model.remat": policy}, xla_flags=TUNED_XLA_FLAGS,
                              largest=True) for policy in REMAT_CANDIDATES]
     rows.append(fastest_of("remat", candidates, config))
-    rows[-1]["kept"] = faster(rows[-1], rows[-2])
+    rows[-1]["kept"] = faster(rows[-1], last_measured(rows[:-1]))
     if rows[-1]["kept"]:
         config = dict(rows[-1]["config"])
 
@@ -191,6 +196,11 @@ def climb(ladder: Ladder) -> dict:
     rows.append(dense_twin(ladder, rows))
     return {"config": os.path.relpath(model.CONFIG, model.REPO), "window": WINDOW[dry_run],
             "rows": rows}
+
+
+def last_measured(rows: list[dict]) -> dict:
+    """The last row of `rows` that was measured ({} if none was)."""
+    return next((r for r in reversed(rows) if measured(r)), {})
 
 
 def fastest_of(name: str, candidates: list[dict], config: dict) -> dict:
