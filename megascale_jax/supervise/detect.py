@@ -271,17 +271,20 @@ class HeartbeatMonitor:
         self.started = now
 
     def check(self, now: float, finished: set[int]) -> Fault | None:
-        """A hang or stall among the ranks still running, if any. In a stuck collective every
-        rank stalls at the same step: the one blamed is the one that arrived at the fewest steps."""
-        stalled, running = [], []
-        for rank in range(len(self.keys)):
-            if rank in finished:
-                continue
-            running.append(rank)
+        """A rank that ended by an error, else a hang or stall among the ranks still running, if
+        any. An error a rank reported is the cause even where a peer also looks silent (it may be
+        waiting on that rank, or its beat may be late): it is looked for first. In a stuck
+        collective every rank stalls at the same step: the one blamed is the one that arrived at
+        the fewest steps."""
+        running = [rank for rank in range(len(self.keys)) if rank not in finished]
+        for rank in running:
             state = self.records.get(rank, {}).get("state")
             if state in ENDED_BY:
                 cause, detail = ENDED_BY[state]
                 return Fault(cause, rank, detail, self.arrived[rank], now, error=self.records[rank].get("error", ""))
+        stalled = []
+        for rank in running:
+            state = self.records.get(rank, {}).get("state")
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang
                 continue
             if rank not in self.arrived:
