@@ -145,6 +145,9 @@ def parse_heartbeat(raw: bytes, rank: int) -> dict | str:
 ENDED_BY = {"diverged": ("diverged", "non-finite loss or gradient norm (see its log)"),
             "unreadable_checkpoint": ("unreadable_checkpoint", "the newest checkpoint is unreadable (see its log)"),
             "failed": ("crash", "the training loop raised (see its log)")}  # its exception is in its log
+# Ends a worker diagnosed in itself, never a symptom of a peer's fault ("failed" can be: a peer
+# that died makes the others' collectives raise): `HeartbeatMonitor.check` looks for these first.
+SELF_DIAGNOSED = ("diverged", "unreadable_checkpoint")
 STARTUP_STATES = ("initialising", "compiling")  # bounded by the startup timeout, not the hang timeout
 START_PHASES = (*STARTUP_STATES, "training")  # in order; the `started` and `resumed` events time them
 RECENT_STEPS = 10  # the step times a stall is judged against (supervisor.stall_steps)
@@ -270,21 +273,26 @@ class HeartbeatMonitor:
         self.state_since = {rank: (s, now) for rank, (s, _) in self.state_since.items()}
         self.started = now
 
+    def _ended(self, rank: int, state: str, now: float) -> Fault:
+        cause, detail = ENDED_BY[state]
+        return Fault(cause, rank, detail, self.arrived[rank], now, error=self.records[rank].get("error", ""))
+
     def check(self, now: float, finished: set[int]) -> Fault | None:
-        """A rank that ended by an error, else a hang or stall among the ranks still running, if
-        any. An error a rank reported is the cause even where a peer also looks silent (it may be
-        waiting on that rank, or its beat may be late): it is looked for first. In a stuck
-        collective every rank stalls at the same step: the one blamed is the one that arrived at
-        the fewest steps."""
+        """A rank that ended by an error, or a hang or stall among the ranks still running, if any.
+        An end a rank diagnosed in itself (SELF_DIAGNOSED: divergence, an unreadable checkpoint)
+        is the cause even where a peer also looks silent (waiting on that rank, or its beat
+        late), so it is looked for first. In a stuck collective every rank stalls at the same
+        step: the one blamed is the one that arrived at the fewest steps."""
         running = [rank for rank in range(len(self.keys)) if rank not in finished]
         for rank in running:
             state = self.records.get(rank, {}).get("state")
-            if state in ENDED_BY:
-                cause, detail = ENDED_BY[state]
-                return Fault(cause, rank, detail, self.arrived[rank], now, error=self.records[rank].get("error", ""))
+            if state in SELF_DIAGNOSED:
+                return self._ended(rank, state, now)
         stalled = []
         for rank in running:
             state = self.records.get(rank, {}).get("state")
+            if state in ENDED_BY:
+                return self._ended(rank, state, now)
             if state == "done":  # waiting for its peers at JAX's shutdown barrier: not a hang
                 continue
             if rank not in self.arrived:
