@@ -70,11 +70,13 @@ class Ladder:
         return self.settings["dry_run"]
 
     def row(self, name: str, changes: dict, microbatches: int = 1, batch: int | None = None,
-            xla_flags: tuple = (), largest: bool = False) -> dict:
+            xla_flags: tuple = (), largest: bool = False, dry_run_skip: str = "") -> dict:
         """Measure one row with `changes` as config overrides; `batch` sequences per microbatch
         (None: the campaign's --batch, else the largest the estimate allows; `largest`: the
-        largest, whatever --batch says). The row is appended to the section's progress file."""
-        row = self._row(name, changes, microbatches, batch, xla_flags, largest)
+        largest, whatever --batch says). `dry_run_skip`: why a dry run (which proves code paths,
+        and costs CI time per row) need not run it. The row is appended to the section's
+        progress file."""
+        row = self._row(name, changes, microbatches, batch, xla_flags, largest, dry_run_skip)
         if self.settings.get("progress_file"):
             with open(self.settings["progress_file"], "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -86,7 +88,7 @@ class Ladder:
         return None if deadline is None else deadline - time.time()
 
     def _row(self, name: str, changes: dict, microbatches: int, batch: int | None, xla_flags: tuple,
-             largest: bool) -> dict:
+             largest: bool, dry_run_skip: str) -> dict:
         overrides = row_overrides(self.dry_run, changes, microbatches)
         limit = self.settings["device"]["memory_limit_bytes"]
         if not largest:
@@ -102,6 +104,8 @@ class Ladder:
             return {**row, "error": model.does_not_fit(estimate, limit)}
         if changes.get("model.attention") == "cudnn" and self.settings["device"]["backend"] != "gpu":
             return {**row, "skipped": "skipped: needs a GPU"}
+        if self.dry_run and dry_run_skip:
+            return {**row, "skipped": f"skipped in the dry run: {dry_run_skip}"}
         left = self.time_left()
         if left is not None and left < MIN_ROW_S:
             return {**row, "skipped": f"skipped: not started, {max(left, 0):.0f} s left of the section's time "
@@ -172,12 +176,8 @@ def climb(ladder: Ladder) -> dict:
     rows[-1]["kept"] = faster(rows[-1], rows[-2])
     if rows[-1]["kept"]:
         config = fused
-    if dry_run:  # XLA:CPU ignores XLA:GPU's flags: the row would rerun the row above's program
-        rows.append({"name": "xla_flags", "config": dict(config), "microbatches": 1, "batch": rows[-1]["batch"],
-                     "global_batch": rows[-1]["global_batch"], "xla_flags": list(TUNED_XLA_FLAGS),
-                     "skipped": "skipped in the dry run: XLA:CPU ignores XLA:GPU flags (the row above's program)"})
-    else:
-        rows.append(ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS))
+    rows.append(ladder.row("xla_flags", config, xla_flags=TUNED_XLA_FLAGS,
+                           dry_run_skip="XLA:CPU ignores XLA:GPU flags (the row above's program)"))
     # Rematerialisation trades recomputed FLOPs for memory; it pays only where the memory buys a
     # larger batch that runs faster, so each candidate takes the largest batch the estimate then
     # allows: elementwise (norms and activation from their inputs: ~no FLOPs) and dots.

@@ -59,10 +59,8 @@ def measure(runner: ladder.Ladder) -> dict:
     layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
 
     def lever(name: str, changes: dict, **how) -> dict:
-        if dry_run and name in LADDER_RUNS:  # the same code as a ladder row of the same dry run
-            return {"name": name, "config": changes, "xla_flags": list(flags),
-                    "skipped": "skipped in the dry run: the ladder's dry run runs this configuration's code"}
-        return runner.row(name, changes, xla_flags=flags, **how)
+        skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else ""
+        return runner.row(name, changes, xla_flags=flags, dry_run_skip=skip, **how)
 
     rows = [
         lever("loss_chunks", {**base, "model.loss_chunks": LOSS_CHUNKS}, batch=batch),

@@ -22,8 +22,8 @@ TINY = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=4
         "model.vocab=256"]
 # The sections time steps: no checkpoint saves (the last step would save 22 GB of state), no
 # TensorBoard event files in their run directories, no validation loss (its step is not even
-# compiled: seconds per row on a GPU, whose calls have 600 s), and no compilation cache (every row
-# is a new program: writing its executable would cost time and be read by nothing).
+# compiled: time no row needs, in a GPU call of 600 s), and no compilation cache (every row is a
+# new program: writing its executable would cost time and be read by nothing).
 QUIET = ["checkpoint.every=0", "observe.tensorboard=false", "train.eval_batches=0", "train.compile_cache=false"]
 HEADROOM = 0.9  # of the memory limit: XLA's own workspace and fragmentation are not estimated
 MAX_BATCH = {False: 64, True: 4}  # sequences per microbatch; keyed by dry_run

@@ -100,13 +100,18 @@ def exposed_s(comm_s: float, overlapped_compute_s: float) -> float:
     return max(0.0, comm_s - overlapped_compute_s)
 
 
+def held_sms_s(comm_s: float, overlapped_compute_s: float, gpu: Gpu) -> float:
+    """The compute an NCCL transfer slows while both run. NCCL runs one thread block per channel,
+    each holding a whole SM ("NCCL CTAs won't share an SM with compute kernels"; 16 SMs on a DGX,
+    NVIDIA/nccl#689), so for min(t_comm, t_compute) the compute has k of its S SMs fewer:
+    (k/S) · min(t_comm, t_compute)."""
+    return gpu.collective_sm_share * min(comm_s, overlapped_compute_s)
+
+
 def overlapped_s(comm_s: float, overlapped_compute_s: float, gpu: Gpu) -> float:
     """What an NCCL transfer overlapped with independent compute costs the step: its exposed part
-    (`exposed_s`) plus the compute it slows while both run. NCCL runs one thread block per
-    channel, each holding a whole SM ("NCCL CTAs won't share an SM with compute kernels"; 16 SMs
-    on a DGX, NVIDIA/nccl#689), so for min(t_comm, t_compute) the compute has k of its S SMs
-    fewer: + (k/S) · min(t_comm, t_compute)."""
-    return exposed_s(comm_s, overlapped_compute_s) + gpu.collective_sm_share * min(comm_s, overlapped_compute_s)
+    (`exposed_s`) plus the compute it slows while both run (`held_sms_s`)."""
+    return exposed_s(comm_s, overlapped_compute_s) + held_sms_s(comm_s, overlapped_compute_s, gpu)
 
 
 def bubble_fraction(schedule: str, p: int, v: int, m: int, forward: float = 1.0, backward: float = 2.0) -> float:

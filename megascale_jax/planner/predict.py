@@ -31,7 +31,7 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   nothing for it.
 
 Every NCCL transfer hidden behind compute still costs that compute the SMs it holds while both
-run (`costs.overlapped_s`: k/S of the overlapped time, k = the calibration's `collective_sms`).
+run (`costs.held_sms_s`: k/S of the overlapped time, k = the calibration's `collective_sms`).
 """
 
 from __future__ import annotations
@@ -420,12 +420,11 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     pp = pp_s(w, gpu, (per_microbatch + stage_layers * tp_exposed) / w.virtual)
     dp = dp_s(w, gpu, stage_layers * t["backward"], compute)
     if w.reduce_scatter_every_microbatch and w.dp > 1:
-        # the link's timeline against the stage's: what it runs past the lockstep end is exposed
-        # (its reduce-scatters hold SMs for as long as they run beside the compute: `costs.overlapped_s`)
+        # the link's timeline against the stage's: what it runs past the lockstep end is exposed,
+        # and its reduce-scatters hold SMs for as long as they run beside the compute
         busy = compute + tp
         link = sharded_gradient_link(w, gpu, t, busy)
-        dp += costs.exposed_s(link["end_s"], busy + bubble + pp) \
-            + gpu.collective_sm_share * min(link["reduce_scatter_s"], busy)
+        dp += costs.exposed_s(link["end_s"], busy + bubble + pp) + costs.held_sms_s(link["reduce_scatter_s"], busy, gpu)
     tied = tied_embedding_s(w, gpu)
     pp += tied
     optimizer = optimizer_s(w, gpu)
