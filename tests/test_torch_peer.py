@@ -3,9 +3,11 @@ trains on the token rows `megascale_jax.train` feeds, step by step, with our los
 and its sliding-window row attends to exactly the window. On the CPU at tiny shapes; the GPU
 numbers are the GPU session's to read."""
 
+import json
 import math
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import jax
@@ -239,3 +241,27 @@ def test_compiled_flex_window_model_matches_the_eager_mask_model_on_gpu():
         expected = logits(eager, torch_peer.attention_mask("sdpa+mask", m.seq_len, m.window, "cuda"))
         out = torch.compile(logits)(flex, torch_peer.attention_mask("flex_attention", m.seq_len, m.window, "cuda"))
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_run_the_claims_first_and_none_starts_past_the_deadline(monkeypatch, tmp_path):
+    """A lent GPU's call may end mid-section: the same-work (window) row runs first, each finished
+    row is in the progress file, and a row with too little time left is a 'not started' row."""
+    ran = []
+
+    def measure(family, cfg, device, skip, peak):
+        ran.append((family, cfg.model.window))
+        return {"family": family, "batch": cfg.train.global_batch, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(torch_peer, "measure", measure)
+    progress = tmp_path / "rows.jsonl"
+    settings = {"dry_run": True, "batch": 2, "progress_file": str(progress),
+                "device": {"backend": "cpu", "device_kind": "cpu", "memory_limit_bytes": None}}
+    rows = torch_peer.run(settings)["rows"]
+    assert ran[0] == ("gpt_neox", ladder.WINDOW[True]) and len(ran) == 3
+    assert [r["row"] for r in rows] == ["serial_dense_adamw", "parallel_block", "sliding_window"]
+    assert [json.loads(line)["row"] for line in progress.read_text().splitlines()] == [
+        "sliding_window", "parallel_block", "serial_dense_adamw"]
+
+    ran.clear()
+    rows = torch_peer.run({**settings, "deadline": time.time() + torch_peer.MIN_ROW_S - 5})["rows"]
+    assert ran == [] and all(r["skipped"].startswith("skipped: not started") for r in rows)

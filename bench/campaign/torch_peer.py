@@ -32,16 +32,24 @@ runs the same tiny shapes there, compiled, FlexAttention included: a smoke test 
 from __future__ import annotations
 
 import gc
+import json
 import statistics
 import time
 
 from bench.campaign import ladder, model, process
 from megascale_jax.model import flops
 
-# Peer row -> (family, changes to the ladder's BASELINE besides the window).
-PEERS = {"serial_dense_adamw": ("llama", {}),
+# Peer row -> (family, changes to the ladder's BASELINE besides the window). Run in this order,
+# the claims' rows first (a lent GPU's call may end before the last): the same-work row, then the
+# dense row of the same block, then Llama.
+PEERS = {"sliding_window": ("gpt_neox", {"model.block": "parallel"}),
          "parallel_block": ("gpt_neox", {"model.block": "parallel"}),
-         "sliding_window": ("gpt_neox", {"model.block": "parallel"})}
+         "serial_dense_adamw": ("llama", {})}
+ROW_ORDER = ("serial_dense_adamw", "parallel_block", "sliding_window")  # the ladder's, for the result
+# A row is not started with less than this left before the section's deadline (--budget-s): on an
+# H200 a 1.4B peer row took about 80 s (torch.compile, 6 steps); one started later would be killed
+# with the section, and a killed section's rows count for no claim.
+MIN_ROW_S = 90
 WINDOWED = "sliding_window"
 CPU_FALLBACK = "on the CPU: FlexAttention has no backward there (and the peer runs without torch.compile)"
 
@@ -231,6 +239,11 @@ def run(settings: dict) -> dict:
     peak = flops.peak_flops(found["device_kind"])
     rows = []
     for row, (family, _) in PEERS.items():
+        left = None if settings.get("deadline") is None else settings["deadline"] - time.time()
+        if left is not None and left < MIN_ROW_S:
+            rows.append({"row": row, "family": family, "skipped": f"skipped: not started, {max(left, 0):.0f} s left "
+                                                                  f"of the section's time (a row needs {MIN_ROW_S})"})
+            continue
         overrides = ladder.row_overrides(dry_run, row_changes(row, dry_run))
         batch = settings.get("batch")  # --batch: the ladder's rows ran at it too
         if batch is None:
@@ -244,7 +257,11 @@ def run(settings: dict) -> dict:
             rows.append({"row": row, **measure(family, cfg, device, skip, peak)})
         except Exception as e:  # noqa: BLE001 — one peer failing (e.g. out of memory) leaves the others
             rows.append({"row": row, "family": family, "batch": batch, "error": process.one_line(e)})
+        if settings.get("progress_file"):  # kept (`rows_done`) if the section is killed after it
+            with open(settings["progress_file"], "a") as f:
+                f.write(json.dumps(rows[-1]) + "\n")
         gc.collect()  # a failed row's model, held by its traceback until now
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # one peer's cached blocks are not the next one's memory
+    rows.sort(key=lambda r: ROW_ORDER.index(r["row"]))
     return {"torch": torch.__version__, "transformers": transformers.__version__, "rows": rows}
