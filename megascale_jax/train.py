@@ -23,7 +23,8 @@ import yaml
 from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.cluster.self_test import device_self_test
-from megascale_jax.config import Config, ConfigError, check_runtime, load_config, save_config
+from megascale_jax.config import (Config, ConfigError, check_runtime, load_config, save_config,
+                                  with_device_defaults)
 from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
@@ -346,6 +347,7 @@ def _main(argv) -> int:
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
         check_forced_cpu_devices(jax.default_backend(), cfg.mesh.cpu_devices_per_process(args.num_processes),
                                  os.environ.get("XLA_FLAGS", ""))
+        cfg = with_device_defaults(cfg, jax.default_backend())  # written so to the run directory
         resuming = args.run_dir and run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, args.run_dir))
         if cfg.model.init_from and not resuming:  # a resumed run's weights are in its checkpoint
             hf_import.check(cfg)

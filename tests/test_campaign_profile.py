@@ -2,7 +2,9 @@
 the module-text parser, and a real traced train step of the tiny model on the CPU, whose ops
 must cover every model part and add up to the step's device op time."""
 
+import json
 import re
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +139,12 @@ def test_the_parts_add_up_to_the_steps_device_op_time(traced):
     assert [r["seconds"] for r in rows] == sorted((r["seconds"] for r in rows), reverse=True)
     assert all(r["share"] == pytest.approx(r["seconds"] / table["by_part"]["total"]) for r in rows)
     assert table["busy_s"] > 0
+    # each part's own top ops: every op of the part when it has fewer, ranked, and of that part
+    assert set(table["top_by_part"]) == set(parts)
+    for part, ranked in table["top_by_part"].items():
+        assert 0 < len(ranked) <= op_table.PER_PART and all(r["part"] == part for r in ranked)
+        assert [r["seconds"] for r in ranked] == sorted((r["seconds"] for r in ranked), reverse=True)
+        assert ranked[0]["seconds"] == max(r["seconds"] for r in rows + ranked if r["part"] == part)
 
 
 def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the levers' base too
@@ -145,7 +153,7 @@ def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the
         "parallel", ladder.WINDOW[True], "xla", "adamw")
     assert flags == ()
     changes, flags = ladder.strongest_fixed({"dry_run": False, "device": {"backend": "gpu"}})
-    assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ladder.TUNED_XLA_FLAGS)
+    assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ())  # flags: a lever
 
 
 def test_an_op_table_that_fails_is_one_line_beside_the_profiled_runs_numbers(monkeypatch):
@@ -159,3 +167,24 @@ def test_an_op_table_that_fails_is_one_line_beside_the_profiled_runs_numbers(mon
     result = profile.run(CPU)
     assert result["profiled_steps"] == [2, 4, 6] and "top_ops" not in result
     assert result["op_table_error"].startswith("RuntimeError: bench.campaign.op_table: RESOURCE_EXHAUSTED") and "\n" not in result["op_table_error"]
+
+
+def test_on_a_gpu_the_op_table_runs_without_cuda_graphs(monkeypatch, tmp_path):
+    """With XLA's command buffers the trace names each CUDA graph, not its kernels (H200,
+    2026-11-27: the whole step 'other'): the op table's process gets them turned off."""
+    seen = {}
+
+    def run(command, env, limit_s, prefix):
+        seen["xla_flags"] = env.get("XLA_FLAGS", "")
+        out = command[command.index("--out") + 1]
+        with open(out, "w") as f:
+            json.dump({"top_ops": [], "top_by_part": {}, "by_part": {"total": 0.0}, "steps_traced": 2,
+                       "busy_s": 0.0, "device": 0}, f)
+        return SimpleNamespace(ok=True)
+
+    monkeypatch.setattr(profile.process, "run", run)
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    gpu = {**CPU, "batch": 2, "device": {**CPU["device"], "backend": "gpu"}}
+    result = profile.op_table_run(str(tmp_path / "table.json"), gpu)
+    assert seen["xla_flags"].split() == [profile.NO_CUDA_GRAPHS]
+    assert result["op_table"]["xla_flags"] == [profile.NO_CUDA_GRAPHS]

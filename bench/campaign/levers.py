@@ -2,8 +2,8 @@
 configuration, with its measured change in tokens/s. Levers that lose stay in the table.
 
     base                 the ladder's strongest fixed configuration (`ladder.strongest_fixed`:
-                         parallel block, the window, cuDNN attention and the tuned XLA flags on a
-                         GPU), AdamW, the largest batch that fits
+                         parallel block, the window, cuDNN attention on a GPU, no XLA flags),
+                         AdamW, the largest batch that fits
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
     scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
@@ -13,7 +13,7 @@ configuration, with its measured change in tokens/s. Levers that lose stay in th
     half_batch           the base at half its batch: what the batch buys
     no_donation          train.donate=false (the step's output state a second copy) at the largest
                          batch that then fits: what donating the state buys
-    no_xla_flags         the base without the tuned XLA flags
+    xla_flags            + the ladder's tuned XLA flags (GPU only)
     triton_gemm_off      + --xla_gpu_enable_triton_gemm=false: cuBLAS for every GEMM (GPU only)
     command_buffers_off  + --xla_gpu_enable_command_buffer= : no CUDA graphs (GPU only)
     horizontal_fusion_off + --xla_gpu_use_horizontal_fusion=false: XLA's horizontal loop fusion is
@@ -37,7 +37,8 @@ LOSS_CHUNKS = 8
 # Levers whose configuration a ladder row also runs: in the dry run (which proves code paths, and
 # costs CI time per row) they are not run twice.
 LADDER_RUNS = ("fused_norm_gelu", "remat_elementwise", "remat_dots")
-GPU_FLAGS = {"triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
+GPU_FLAGS = {"xla_flags": ladder.TUNED_XLA_FLAGS,
+             "triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
              "command_buffers_off": ("--xla_gpu_enable_command_buffer=",),
              "horizontal_fusion_off": ("--xla_gpu_use_horizontal_fusion=false",)}
 
@@ -71,8 +72,8 @@ def measure(runner: ladder.Ladder) -> dict:
         lever("half_batch", base, batch=max(1, batch // 2)),
         lever("no_donation", {**base, "train.donate": "false"}, largest=True),
     ]
-    # XLA:GPU flags: the base's own (tuned) ones taken away, or one more added
-    for name, row_flags in (("no_xla_flags", ()), *((n, (*flags, *extra)) for n, extra in GPU_FLAGS.items())):
+    # XLA:GPU flags, each added to the base's own
+    for name, row_flags in ((n, (*flags, *extra)) for n, extra in GPU_FLAGS.items()):
         if runner.settings["device"]["backend"] != "gpu":
             rows.append({"name": name, "config": dict(base), "xla_flags": list(row_flags),
                          "skipped": "skipped: needs a GPU (XLA:GPU flags)"})

@@ -32,6 +32,7 @@ from megascale_jax.training.trainer import OPTIMIZER_UPDATE
 
 STEPS = 2  # traced, after one untraced step
 TOP = 15
+PER_PART = 5  # each part's own top ops: what "other" and "copies" hold is where a next lever is
 
 PARTS = ("attention", "QKV projection", "output projection", "MLP", "QKV + MLP-up GEMM", "output + MLP-down GEMM",
          "LM head/loss", "norms", "embedding", "optimizer", "copies/transposes", "collectives", "other")
@@ -135,7 +136,7 @@ def instructions(hlo_text: str) -> dict[str, Instruction]:
 def table(ops: list, hlo: dict[str, Instruction], steps: int, top: int = TOP) -> dict:
     """One device's ops (`device_profile.Op`s over `steps` traced steps) -> per step: the `top` ops by
     device time (name, part, seconds, share of the step's op time, calls, and the op_name path
-    that named its part),
+    that named its part), each part's PER_PART top ops (`top_by_part`),
     seconds `by_part` (with their "total") and the device's busy time.
 
     The total is the sum of every compute and collective op's duration; containers (while,
@@ -155,10 +156,15 @@ def table(ops: list, hlo: dict[str, Instruction], steps: int, top: int = TOP) ->
     by_part = collections.Counter()
     for name, s in seconds.items():
         by_part[parts[name]] += s
-    rows = [{"op": name, "part": parts[name], "seconds": s, "share": s / total if total else 0.0,
-             "calls": calls[name] / steps, "op_name": _short(evidence(hlo.get(name, Instruction("")), parts[name]))}
-            for name, s in seconds.most_common(top)]
-    return {"top_ops": rows,
+
+    def row(name: str, s: float) -> dict:
+        return {"op": name, "part": parts[name], "seconds": s, "share": s / total if total else 0.0,
+                "calls": calls[name] / steps, "op_name": _short(evidence(hlo.get(name, Instruction("")), parts[name]))}
+
+    ranked = seconds.most_common()
+    return {"top_ops": [row(name, s) for name, s in ranked[:top]],
+            "top_by_part": {p: [row(name, s) for name, s in ranked if parts[name] == p][:PER_PART]
+                            for p in PARTS if by_part[p] > 0},
             "by_part": {**{p: by_part[p] for p in PARTS if by_part[p] > 0}, "total": total},
             "busy_s": device_profile.busy_ns(ops) / 1e9 / steps, "steps_traced": steps}
 

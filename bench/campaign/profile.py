@@ -7,8 +7,10 @@ Then where the step's device time goes (`op_table`): the top ops of a traced tra
 named as a part of the model, and the seconds per part. Sections run independently, so this one
 cannot know the ladder's best row; it profiles the ladder's strongest fixed configuration
 (`ladder.strongest_fixed`: parallel block, sliding window, cuDNN attention on a GPU or XLA's on
-the CPU, AdamW, the tuned XLA flags on a GPU) at the whole model's depth and the batch the memory
-estimate allows, and the result says so.
+the CPU, AdamW) at the whole model's depth and the batch the memory estimate allows, and the
+result says so. On a GPU without CUDA graphs (XLA's command buffers): with them, the trace names
+each graph (`command_buffer_N`), not the kernels in it, and no op has a model part (H200,
+2026-11-27: the whole step "other").
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from bench.campaign import ladder, model, process
 
 STEPS, PROFILE_EVERY = 6, 2
 TRAIN_LIMIT_S = 400
+NO_CUDA_GRAPHS = "--xla_gpu_enable_command_buffer="  # an empty list of command-buffer op kinds
 OP_TABLE_LIMIT_S = 300  # the whole model compiles in about a minute on an H100
 # A smaller version of the ladder's model: the section checks the profiler's rows, not speed.
 SHAPE = {False: ["model.layers=4"], True: ["model.attention=xla"]}  # keyed by dry_run (cuDNN needs a GPU)
@@ -82,6 +85,8 @@ def op_table_run(out: str, settings: dict) -> dict:
     ops, seconds per part and what it profiled."""
     dry_run = settings["dry_run"]
     changes, xla_flags = ladder.strongest_fixed(settings)
+    if settings["device"]["backend"] == "gpu":
+        xla_flags = (*xla_flags, NO_CUDA_GRAPHS)
     overrides = ladder.row_overrides(dry_run, changes)
     batch = settings.get("batch") or model.pick_batch(overrides, settings["device"]["memory_limit_bytes"], dry_run)[0]
     if batch is None:
@@ -96,7 +101,7 @@ def op_table_run(out: str, settings: dict) -> dict:
         raise RuntimeError(f"bench.campaign.op_table: {done.failure(OP_TABLE_LIMIT_S)}")
     with open(out) as f:
         table = json.load(f)
-    return {"top_ops": table["top_ops"], "by_part": table["by_part"],
+    return {"top_ops": table["top_ops"], "top_by_part": table["top_by_part"], "by_part": table["by_part"],
             "op_table": {"profiled": "the ladder's strongest fixed configuration (sections run independently: "
                                      "the best ladder row is not known here)",
                          "config": changes, "batch": batch, "xla_flags": list(xla_flags),

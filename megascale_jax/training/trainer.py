@@ -216,6 +216,12 @@ def compile_steps(cfg: Config, trainer: Trainer, state: TrainState, batch: jax.A
     return train_step, eval_loss
 
 
+def saves_state(cfg) -> bool:
+    """Whether the run copies its state for saving at all (checkpoints or memory snapshots): only
+    then does checkpoint.background_host_copy hold a copy of it on the device."""
+    return cfg.checkpoint.every > 0 or cfg.checkpoint.memory_every > 0
+
+
 def check_compiled_memory(cfg: Config, compiled, state) -> None:
     """XLA's own buffer assignment for the compiled step against the accelerator's memory: the
     pre-flight check that is exact where `check_memory`'s estimate is not (on an H200 the step
@@ -226,5 +232,5 @@ def check_compiled_memory(cfg: Config, compiled, state) -> None:
         return
     limit = (device.memory_stats() or {}).get("bytes_limit")
     copy = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards
-               if s.device == device) if cfg.checkpoint.background_host_copy else 0
+               if s.device == device) if cfg.checkpoint.background_host_copy and saves_state(cfg) else 0
     flops.check_compiled_fits(compiled.memory_analysis(), limit, f"one {device.device_kind}", copy)

@@ -912,3 +912,24 @@ def test_a_read_error_wrapped_by_orbax_is_described_from_tensorstores_cause():
                          "not valid for value of size 100")
     assert _describe_read_error(Exception("Encountered error. See full TensorStore details: <bound method"), "/r") == \
         "Exception: Encountered error."
+
+
+def test_the_background_host_copy_is_the_gpu_default_and_an_explicit_setting_stays():
+    """checkpoint.background_host_copy=null (the default) is decided by the devices: on for GPUs
+    (an H200's 16 GB save blocked 0.17% of its time with it, 21% without), off elsewhere; a value
+    the user set is kept on any device. Only a run that saves holds the device copy."""
+    from megascale_jax.config import with_device_defaults
+    from megascale_jax.training.trainer import saves_state
+
+    cfg = tiny_cfg()
+    assert cfg.checkpoint.background_host_copy is None
+    assert with_device_defaults(cfg, "gpu").checkpoint.background_host_copy is True
+    assert with_device_defaults(cfg, "cpu").checkpoint.background_host_copy is False
+    assert with_device_defaults(cfg, "gpu").model == cfg.model
+    for setting in (True, False):
+        chosen = tiny_cfg(f"checkpoint.background_host_copy={str(setting).lower()}")
+        assert with_device_defaults(chosen, "gpu").checkpoint.background_host_copy is setting
+        assert with_device_defaults(chosen, "cpu").checkpoint.background_host_copy is setting
+    assert saves_state(tiny_cfg("checkpoint.every=5"))
+    assert saves_state(tiny_cfg("checkpoint.every=0", "checkpoint.memory_every=2"))
+    assert not saves_state(tiny_cfg("checkpoint.every=0", "checkpoint.memory_every=0"))
