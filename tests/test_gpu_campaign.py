@@ -151,7 +151,7 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     against that base; the XLA:GPU flag rows say why they cannot run on the CPU."""
     section = json.loads(full[1].read_text())["sections"]["levers"]
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
-    assert list(rows) == ["loss_chunks", "scan_unroll", "fused_norm_gelu", "remat_elementwise", "remat_dots",
+    assert list(rows) == ["loss_chunks", "scan_unroll", "head_grad_float32", "fused_norm_gelu", "remat_elementwise", "remat_dots",
                           "half_batch", "no_donation",
                           "xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are a lever
@@ -167,6 +167,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["horizontal_fusion_off"]["xla_flags"] == ["--xla_gpu_use_horizontal_fusion=false"]
     for name in ("xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
+    assert rows["head_grad_float32"]["config"]["model.head_grad_float32"] == "true"
+    assert rows["head_grad_float32"]["skipped"].startswith("skipped in the dry run: on a CPU the head's backward")
     for name in campaign_levers.LADDER_RUNS:  # run by the ladder's dry run, not twice
         assert rows[name]["skipped"] == "skipped in the dry run: the ladder's dry run runs this configuration's code"
     for name in ("loss_chunks", "scan_unroll", "half_batch", "no_donation"):

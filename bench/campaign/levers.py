@@ -6,6 +6,8 @@ configuration, with its measured change in tokens/s. Levers that lose stay in th
                          AdamW, the largest batch that fits
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
     scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
+    head_grad_float32    + model.head_grad_float32: the LM head's backward GEMMs on the float32
+                         logits' gradient, as before 2026-11-27 (the default runs them in bf16)
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
     remat_elementwise    + model.remat=elementwise (norms and MLP activation recomputed in the
                          backward) at the largest batch that then fits
@@ -59,13 +61,15 @@ def measure(runner: ladder.Ladder) -> dict:
     batch = first.get("batch") or 1
     layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
 
-    def lever(name: str, changes: dict, **how) -> dict:
-        skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else ""
+    def lever(name: str, changes: dict, dry_run_skip: str = "", **how) -> dict:
+        skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else dry_run_skip
         return runner.row(name, changes, xla_flags=flags, dry_run_skip=skip, **how)
 
     rows = [
         lever("loss_chunks", {**base, "model.loss_chunks": LOSS_CHUNKS}, batch=batch),
         lever("scan_unroll", {**base, "model.scan_unroll": layers}, batch=batch),
+        lever("head_grad_float32", {**base, "model.head_grad_float32": "true"}, batch=batch,
+              dry_run_skip="on a CPU the head's backward is float32 either way (transformer.mixed_dots_backend)"),
         lever("fused_norm_gelu", {**base, "model.fused_norm": "true", "model.fused_mlp": "true"}, batch=batch),
         lever("remat_elementwise", {**base, "model.remat": "elementwise"}, largest=True),
         lever("remat_dots", {**base, "model.remat": "dots"}, largest=True),

@@ -116,3 +116,69 @@ def test_elementwise_remat_has_the_same_loss_and_gradients_and_keeps_less(block,
     activation_copies = 3 if activation == "gelu_tanh" else 2
     assert kept(plain) - kept(recomputed) >= tokens * cfg.layers * 4 * (
         norms * copies * cfg.d_model + activation_copies * mlp)
+
+
+def head_reference(x, head, g):
+    """float64 NumPy gradients of sum(g * (x @ head)) with respect to x and head."""
+    x64, head64, g64 = (np.asarray(a, np.float64) for a in (x, head, g))
+    return np.einsum("bsv,dv->bsd", g64, head64), np.einsum("bsd,bsv->dv", x64, g64)
+
+
+def test_the_heads_backward_gemms_take_the_logits_gradient_in_bf16_with_float32_results():
+    """model.dtype=bfloat16: the LM head's backward runs both GEMMs on bf16 operands, as every
+    other GEMM's backward does, with float32 accumulation; the gradients match float64 to bf16's
+    rounding of the logits' gradient, and the head's gradient stays float32 (its parameter's)."""
+    from megascale_jax.model.transformer import head_logits
+
+    kx, kh, kg = jax.random.split(jax.random.key(3), 3)
+    x = jax.random.normal(kx, (2, 16, 64)).astype(jnp.bfloat16)
+    head = jax.random.normal(kh, (64, 256), jnp.float32) * 0.1
+    g = jax.random.normal(kg, (2, 16, 256), jnp.float32)
+    logits, pullback = jax.vjp(lambda x, h: head_logits(x, h, "bfloat16"), x, head)
+    dx, dhead = pullback(g)
+    assert logits.dtype == jnp.float32 and dx.dtype == jnp.bfloat16 and dhead.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits, np.float64), np.asarray(x, np.float64)
+                               @ np.asarray(head.astype(jnp.bfloat16), np.float64), rtol=1e-5, atol=1e-5)
+    ref_dx, ref_dhead = head_reference(x, head.astype(jnp.bfloat16).astype(jnp.float32), g)
+    for got, want in ((dx, ref_dx), (dhead, ref_dhead)):
+        rel = np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want)
+        assert 1e-4 < rel < 1e-2, rel  # bf16's rounding of g (and of dx), nothing larger
+    # the compiled backward's dots: bf16 operands, float32 results
+    text = jax.jit(pullback).lower(g).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 2 and all(line.count("bf16>") == 2 and line.rstrip().endswith("xf32>") for line in dots), dots
+
+
+def test_a_bf16_models_gradients_with_the_bf16_head_backward_match_the_float32_one(monkeypatch):
+    """The whole model at bf16 (as on a GPU; XLA:CPU runs this untied head's GEMMs): the default
+    head backward (bf16 operands) and model.head_grad_float32=true give the same loss, and
+    gradients equal up to bf16's rounding."""
+    from megascale_jax.model import transformer
+
+    monkeypatch.setattr(transformer, "mixed_dots_backend", lambda: True)
+    cfg = ModelConfig(**{**SHAPE, "dtype": "bfloat16"})
+    fast, exact = Transformer(cfg), Transformer(dataclasses.replace(cfg, head_grad_float32=True))
+    params = perturbed_params(fast, seed=5)
+    batch = jax.random.randint(jax.random.key(9), (3, cfg.seq_len + 1), 0, cfg.vocab)
+    loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(fast, p, batch)))(params)
+    loss32, grads32 = jax.jit(jax.value_and_grad(lambda p: loss_fn(exact, p, batch)))(params)
+    assert float(loss) == float(loss32)  # the forward is the same computation
+    for path, a, b in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(grads), jax.tree.leaves(grads32)):
+        assert a.dtype == b.dtype == jnp.float32
+        rel = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        assert rel < 2e-2, (jax.tree_util.keystr(path[0]), rel)
+
+
+def test_on_the_cpu_a_bf16_head_keeps_autodiffs_float32_backward():
+    """XLA:CPU cannot run a tied head's bf16 backward GEMM; there the head is the plain einsum."""
+    cfg = ModelConfig(**{**SHAPE, "dtype": "bfloat16"}, tied_embeddings=True)
+    model = Transformer(cfg)
+    params = perturbed_params(model, seed=2)
+    batch = jax.random.randint(jax.random.key(4), (2, cfg.seq_len + 1), 0, cfg.vocab)
+    text = jax.jit(jax.grad(lambda p: loss_fn(model, p, batch))).lower(params).as_text()
+    vocab_dots = [line for line in text.splitlines() if "dot_general" in line and f"x{cfg.vocab}x" in line]
+    # the forward (bf16 operands) and the backward's two GEMMs, on the float32 logits' gradient
+    assert jax.default_backend() == "cpu" and len(vocab_dots) == 3
+    assert sum(f"x{cfg.vocab}xf32>, tensor" in line for line in vocab_dots) == 2, vocab_dots
+    grads = jax.jit(jax.grad(lambda p: loss_fn(model, p, batch)))(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
