@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import jaxlib
@@ -441,3 +442,39 @@ def test_an_error_whose_first_line_is_a_header_keeps_its_cause():
         "CompilationError: at 21:12: ... ValueError('shape mismatch: 64 vs 128')"
     assert campaign_process.one_line(RuntimeError("out of memory\ndetails")) == "RuntimeError: out of memory"
     assert campaign_process.one_line(KeyError()) == "KeyError"
+
+
+def test_merge_makes_one_result_of_several_calls_files(tmp_path):
+    """A lent GPU keeps nothing between calls: each call's file comes back on its own, and
+    `bench.campaign.merge` makes them one result whose summary is the whole campaign's. Split the
+    committed H200 result into two calls' files: merged, its sections and summary are the file's."""
+    from bench.campaign import merge
+
+    committed = json.loads((Path(RESULTS) / "gpu_nvidia_h200_2026-11-27.json").read_text())
+    header = {k: v for k, v in committed.items() if k not in ("sections", "summary", "calls", "pngs")}
+    first = {**header, "command": "call 1", "sections": {k: committed["sections"][k] for k in ("mfu_ladder", "torch_peer")}}
+    second = {**header, "command": "call 2",
+              "sections": {k: committed["sections"][k] for k in ("checkpoints", "profiled_steps")}}
+    stale = {**header, "command": "call 0", "sections": {"checkpoints": {"status": "error", "reason": "killed"}}}
+    paths = []
+    for name, result in (("call0", stale), ("call1", first), ("call2", second)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(result))
+    out = tmp_path / "merged.json"
+    assert merge.main([*map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert list(merged["sections"]) == ["mfu_ladder", "torch_peer", "checkpoints", "profiled_steps"]
+    assert merged["sections"]["checkpoints"] == committed["sections"]["checkpoints"]  # the later call's
+    assert merged["summary"] == committed["summary"]
+    assert [c["command"] for c in merged["calls"]] == ["call 0", "call 1", "call 2"]
+    assert {os.path.basename(p) for p in merged["pngs"]} == {"merged_ladder.png", "merged_checkpoints.png"}
+    assert all(os.path.getsize(p) > 0 for p in merged["pngs"])
+
+    # bad input: another device's file, or a dry run's, is one line and nothing is written
+    (tmp_path / "other.json").write_text(json.dumps({**first, "device": "NVIDIA H100 80GB HBM3"}))
+    (tmp_path / "dry.json").write_text(json.dumps({**first, "dry_run": True}))
+    for bad, words in (("other.json", "different devices"), ("dry.json", "--dry-run")):
+        done = subprocess.run([sys.executable, "-m", "bench.campaign.merge", str(paths[1]), str(tmp_path / bad),
+                               "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=REPO)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr
+        assert not (tmp_path / "x.json").exists()
