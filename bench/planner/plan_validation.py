@@ -2,7 +2,8 @@
 Korthikanti et al. 2022 Table 5, MegaScale NSDI '24 Table 2 (A100) and Llama 3 Table 4 (H100),
 every one predicted with a calibration not fitted to it (`megascale_jax/planner/validation.py`);
 MegaScale's Table 3 ablation beside the gain the planner prices for each optimization; and this
-project's own H200 MFU ladder, one row of which the H200 calibration was fitted to
+project's own H200 MFU ladders: 2026-11-23's, one row of which the H200 calibration was fitted
+to, and 2026-11-27's, held out, with its profiled step's device time by kind beside the planner's
 (`megascale_jax/planner/measured.py`).
 
     python -m bench.planner.plan_validation [--out FILE] [--overwrite]
@@ -16,7 +17,8 @@ import sys
 from bench.common import REPO, Bench
 from megascale_jax.planner import calibration, measured, published, validation
 
-H200_RUN = "bench/results/gpu_nvidia_h200_2026-11-23.json"
+H200_RUN = "bench/results/gpu_nvidia_h200_2026-11-23.json"  # the H200 entry's elementwise passes were fitted to it
+H200_HELD_OUT = "bench/results/gpu_nvidia_h200_2026-11-27.json"  # run after the fit: other batches, remat
 
 
 def main(argv=None) -> int:
@@ -62,14 +64,23 @@ def main(argv=None) -> int:
               f"{r['slowdown']:+.1%} at the larger dp")
 
     own = measured.validation_table(os.path.join(REPO, H200_RUN), "h200")
-    print(f"\nthis project's H200 ladder ({H200_RUN}; the h200 entry's elementwise passes are fitted to xla_flags)")
-    print(f"  {'row':<20}{'measured s':>11}{'predicted s':>12}{'error':>8}")
-    for r in own:
-        print(f"  {r['row']:<20}{r['measured_s']:>11.3f}{r['predicted_s']:>12.3f}{r['error']:>+8.1%}")
+    later = measured.validation_table(os.path.join(REPO, H200_HELD_OUT), "h200")
+    for title, rows in ((f"{H200_RUN}; the h200 entry's elementwise passes are fitted to xla_flags", own),
+                        (f"{H200_HELD_OUT}; held out: run after the fit", later)):
+        print(f"\nthis project's H200 ladder ({title})")
+        print(f"  {'row':<20}{'batch':>6}{'measured s':>11}{'predicted s':>12}{'error':>8}")
+        for r in rows:
+            print(f"  {r['row']:<20}{r['batch']:>6}{r['measured_s']:>11.3f}{r['predicted_s']:>12.3f}{r['error']:>+8.1%}")
+    parts = measured.part_table(os.path.join(REPO, H200_HELD_OUT), "h200")
+    print(f"\nthe profiled step of {H200_HELD_OUT} (its op table) by kind, against the planner")
+    print(f"  {'kind':<14}{'measured ms':>12}{'predicted ms':>13}")
+    for r in parts:
+        print(f"  {r['kind']:<14}{r['measured_s'] * 1e3:>12.1f}{r['predicted_s'] * 1e3:>13.1f}")
     bench.write({**summary, "held_out": held_out, "megascale_table3": ablation, "llama3_split": split,
                  "megascale_equal_work_pairs": pairs,
                  "calibration": "configs/calibration.yaml (a100-80g, h100-sxm entries; fitted_to: [])",
-                 "h200_own_runs": {"result": H200_RUN, "rows": own}})
+                 "h200_own_runs": {"result": H200_RUN, "rows": own},
+                 "h200_held_out_run": {"result": H200_HELD_OUT, "rows": later, "profiled_step_by_kind": parts}})
     return 0
 
 

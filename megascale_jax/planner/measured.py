@@ -36,6 +36,37 @@ def validation_table(path: str, gpu_key: str) -> list[dict]:
     table = []
     for row in (r for r in ladder["rows"] if r.get("step_time_s")):
         predicted = predict(from_config(row_config(ladder["config"], row), 1), gpu).iteration_s
-        table.append({"row": row["name"], "measured_s": row["step_time_s"], "predicted_s": predicted,
-                      "error": predicted / row["step_time_s"] - 1})
+        table.append({"row": row["name"], "batch": row["global_batch"], "measured_s": row["step_time_s"],
+                      "predicted_s": predicted, "error": predicted / row["step_time_s"] - 1})
     return table
+
+
+# The op table's parts (bench/campaign/op_table.py) as the planner's kinds of time (`--explain`).
+OP_TABLE_KINDS = {"QKV projection": "gemm", "output projection": "gemm", "QKV + MLP-up GEMM": "gemm",
+                  "output + MLP-down GEMM": "gemm", "attention": "attention", "MLP": "elementwise",
+                  "norms": "elementwise", "copies/transposes": "elementwise", "other": "elementwise",
+                  "embedding": "elementwise", "LM head/loss": "lm head", "optimizer": "optimizer",
+                  "collectives": "communication"}
+PLANNER_KINDS = {"gemm": ("compute gemm", "compute gemm wave quantization"), "attention": ("compute attention",),
+                 "elementwise": ("compute elementwise", "compute gradient accumulation"),
+                 "lm head": ("compute lm head",), "optimizer": ("optimizer",),
+                 "communication": ("tp layers", "tp embedding+head", "pp sends", "dp gradients+parameters")}
+
+
+def part_table(path: str, gpu_key: str) -> list[dict]:
+    """Seconds per step by kind (GEMMs, attention, elementwise, LM head and loss, optimizer): the
+    device time a profiled GPU step spent (the result's `profiled_steps` op table, its model parts
+    grouped as OP_TABLE_KINDS) beside the planner's prediction of the same configuration and batch."""
+    with open(path) as f:
+        result = json.load(f)
+    section = result["sections"]["profiled_steps"]
+    profiled = section["op_table"]
+    config_file = result["sections"].get("mfu_ladder", {}).get("config", "configs/gpt_1b.yaml")
+    row = {"config": profiled["config"], "microbatches": 1, "global_batch": profiled["batch"]}
+    parts = predict(from_config(row_config(config_file, row), 1), calibration.gpu(gpu_key)).parts
+    measured = dict.fromkeys(PLANNER_KINDS, 0.0)
+    for part, seconds in section["by_part"].items():
+        if part != "total":
+            measured[OP_TABLE_KINDS[part]] += seconds
+    return [{"kind": kind, "measured_s": measured[kind], "predicted_s": sum(parts[p] for p in PLANNER_KINDS[kind])}
+            for kind in PLANNER_KINDS]
