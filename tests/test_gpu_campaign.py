@@ -478,3 +478,37 @@ def test_merge_makes_one_result_of_several_calls_files(tmp_path):
                                "--out", str(tmp_path / "x.json")], capture_output=True, text=True, cwd=REPO)
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and words in done.stderr, done.stderr
         assert not (tmp_path / "x.json").exists()
+
+
+def test_with_a_batch_the_ladder_runs_a_dense_row_at_the_peers_batch():
+    """--batch 8 and a best row at 19 sequences (remat): the dense twin runs at 19, so a second
+    dense row runs the fastest AdamW row at 8 with window=null, and the summary's dense ratio has
+    a row of ours at the dense peers' batch (on 2026-11-27 it was n/a for want of one)."""
+    calls = []
+
+    class Runner:
+        settings = {"batch": 8}
+
+        def row(self, name, changes, batch=None, xla_flags=(), **how):
+            calls.append((name, dict(changes), batch, xla_flags))
+            return {"name": name, "config": dict(changes), "batch": batch, "microbatches": 1,
+                    "xla_flags": list(xla_flags), "tokens_per_s": 50.0, "mfu": 0.4}
+
+    def row(name, batch, tokens_per_s, window=512, optim="adamw", microbatches=1):
+        return {"name": name, "config": {"model.window": window, "optim.name": optim, "model.attention": "cudnn"},
+                "batch": batch, "microbatches": microbatches, "xla_flags": [], "tokens_per_s": tokens_per_s, "mfu": 0.4}
+
+    rows = [row("fused_attention", 8, 51.0), row("fused_norm_gelu", 15, 53.0), row("xla_flags", 8, 47.0),
+            row("lamb_4x_batch", 8, 60.0, optim="lamb", microbatches=4), row("dense_twin", 19, 54.0, window="null")]
+    extra = campaign_ladder.dense_at_batch(Runner(), rows)
+    assert calls == [("dense_at_peer_batch", {"model.window": "null", "optim.name": "adamw", "model.attention": "cudnn"},
+                      8, ())]
+    assert extra["twin_of"] == "fused_attention"
+    peers = {"status": "ok", "rows": [{"row": "parallel_block", "batch": 8, "tokens_per_s": 40.0},
+                                      {"row": "sliding_window", "batch": 8, "tokens_per_s": 60.0}]}
+    summary = campaign_claims.summary("gpu", {"mfu_ladder": {"status": "ok", "window": 512, "rows": [*rows, extra]},
+                                              "torch_peer": peers})
+    assert summary["ratio_vs_peer_dense"] == 50.0 / 40.0 and summary["ratio_vs_peer_same_work"] == 51.0 / 60.0
+    # without --batch, or with the twin already at the batch, no second row
+    assert campaign_ladder.dense_at_batch(type("R", (), {"settings": {}})(), rows) is None
+    assert campaign_ladder.dense_at_batch(Runner(), [*rows[:-1], row("dense_twin", 8, 54.0, window="null")]) is None

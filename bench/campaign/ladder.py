@@ -11,6 +11,8 @@
                           that then fits (kept below only if faster)
     lamb_4x_batch       + LAMB at 4x the global batch, by 4 microbatches of gradient accumulation
     dense_twin          the best row above again at window=null (MFU with full attention's FLOPs)
+    dense_at_peer_batch with --batch, where the twin ran at another batch: the fastest AdamW row
+                        at --batch again at window=null (the dense PyTorch peers' work)
 
 Each row is `python -m bench.parallel.train_step` in its own process (`process`): XLA reads
 XLA_FLAGS once per process, and an out-of-memory death or an XLA abort ends that row only. Before a
@@ -205,6 +207,8 @@ def climb(ladder: Ladder) -> dict:
     rows.append(ladder.row("lamb_4x_batch", config, microbatches=LAMB_MICROBATCHES, batch=carried.get("batch") or 1,
                            xla_flags=flags))
     rows.append(dense_twin(ladder, rows))
+    if (same_batch := dense_at_batch(ladder, rows)) is not None:
+        rows.append(same_batch)
     return {"config": os.path.relpath(model.CONFIG, model.REPO), "window": WINDOW[dry_run],
             "rows": rows}
 
@@ -236,3 +240,22 @@ def dense_twin(ladder: Ladder, rows: list[dict]) -> dict:
     twin = ladder.row("dense_twin", {**best["config"], "model.window": "null"}, microbatches=best["microbatches"],
                       batch=best["batch"], xla_flags=tuple(best["xla_flags"]))
     return {**twin, "twin_of": best["name"]}
+
+
+def dense_at_batch(ladder: Ladder, rows: list[dict]) -> dict | None:
+    """With --batch (the PyTorch peer's batch) where the dense twin ran at another batch (a remat
+    row's larger one): the fastest AdamW row of one microbatch at that batch again at window=null,
+    so that the dense peers have a row of ours doing their work (issue 36: ≥ 1.15× the dense
+    peer). None where there is no such row or the twin already is one."""
+    batch = ladder.settings.get("batch")
+    twin = rows[-1]
+    if batch is None or (measured(twin) and twin["batch"] == batch and twin["microbatches"] == 1):
+        return None
+    same = [r for r in rows if measured(r) and r["batch"] == batch and r["microbatches"] == 1
+            and r["config"].get("optim.name") == "adamw" and str(r["config"].get("model.window")) != "null"]
+    if not same:
+        return None
+    best = max(same, key=lambda r: r["tokens_per_s"])
+    row = ladder.row("dense_at_peer_batch", {**best["config"], "model.window": "null"}, batch=batch,
+                     xla_flags=tuple(best["xla_flags"]))
+    return {**row, "twin_of": best["name"]}
