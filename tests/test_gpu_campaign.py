@@ -512,3 +512,18 @@ def test_with_a_batch_the_ladder_runs_a_dense_row_at_the_peers_batch():
     # without --batch, or with the twin already at the batch, no second row
     assert campaign_ladder.dense_at_batch(type("R", (), {"settings": {}})(), rows) is None
     assert campaign_ladder.dense_at_batch(Runner(), [*rows[:-1], row("dense_twin", 8, 54.0, window="null")]) is None
+
+
+def test_the_ladder_table_sets_each_peers_loss_beside_our_row_doing_its_work(capsys):
+    """On 2026-11-27 our rows of the peers' names did not fit at 8 sequences: the window peer's
+    loss is set beside our fastest row doing its work (window 512, 8 sequences), read off the
+    committed result; a peer with no such row of ours says so."""
+    from bench.campaign import summary
+
+    result = json.loads((Path(RESULTS) / "gpu_nvidia_h200_2026-11-27.json").read_text())
+    summary.ladder(result["sections"]["mfu_ladder"], result["sections"]["torch_peer"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("PyTorch peer on the same token rows"))
+    ours = next(r for r in result["sections"]["mfu_ladder"]["rows"] if r["name"] == "fused_attention")
+    assert f"sliding_window (gpt_neox, flex_attention): loss after 6 steps 6.9245, ours (fused_attention) " \
+           f"{ours['final_loss']:.4f}" in line
+    assert "parallel_block (gpt_neox, sdpa): loss after 6 steps 6.9311, ours (no row) n/a" in line

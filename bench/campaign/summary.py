@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bench.campaign import claims as claims_module
 from megascale_jax.model.flops import format_bytes
 
 
@@ -48,10 +49,16 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
               + (f"  ({outcome(peer)})" if peer and outcome(peer) else ""))
     same_tokens = [p for p in peers.values() if "losses" in p]  # peers before 2026-11-25 trained on one batch
     if same_tokens:
-        ours = {r["name"]: r for r in section["rows"]}
+        measured_rows = [r for r in section["rows"] if "tokens_per_s" in r]
+
+        def ours(peer: dict) -> dict:
+            """Our row of the peer's name, else our fastest row doing its work (window, batch)."""
+            named = next((r for r in measured_rows if r["name"] == peer["row"]), None)
+            return named or claims_module.fastest(claims_module.same_work(measured_rows, peer["window"], peer["batch"])) or {}
+
         print("PyTorch peer on the same token rows: " + "; ".join(
             f"{p['row']} ({p['family']}, {p['attention']}): loss after {p['steps']} steps {p['final_loss']:.4f}, "
-            f"ours {number(ours.get(p['row'], {}).get('final_loss'), '.4f', 0)}" for p in same_tokens))
+            f"ours ({ours(p).get('name', 'no row')}) {number(ours(p).get('final_loss'), '.4f', 0)}" for p in same_tokens))
 
 
 def levers(section: dict) -> None:
