@@ -152,7 +152,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     against that base; the XLA:GPU flag rows say why they cannot run on the CPU."""
     section = json.loads(full[1].read_text())["sections"]["levers"]
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
-    assert list(rows) == ["loss_chunks", "scan_unroll", "head_grad_float32", "fused_norm_gelu", "remat_elementwise", "remat_dots",
+    assert list(rows) == ["loss_chunks", "scan_unroll", "head_grad_float32", "fused_norm_gelu", "remat_elementwise",
+                          "remat_elementwise_same_batch", "remat_dots",
                           "half_batch", "no_donation",
                           "xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are a lever
@@ -162,6 +163,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["scan_unroll"]["config"]["model.scan_unroll"] == 2  # the dry run's layers
     assert rows["remat_dots"]["config"]["model.remat"] == "dots"
     assert rows["remat_elementwise"]["config"]["model.remat"] == "elementwise"
+    same = rows["remat_elementwise_same_batch"]
+    assert same["config"]["model.remat"] == "elementwise" and same["batch"] == base["batch"]
     assert rows["half_batch"]["batch"] == base["batch"] // 2
     assert rows["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     assert rows["no_donation"]["config"]["train.donate"] == "false"
