@@ -77,8 +77,9 @@ class ModelConfig:
     fused_norm: bool = False  # LayerNorm as the Pallas kernel (pallas_kernels.layer_norm)
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
     # What each layer's backward recomputes instead of storing (transformer.REMAT_POLICIES):
-    # none stores everything; elementwise recomputes the norms and the MLP activation from their
-    # bf16 inputs (transformer.elementwise); dots keeps the matmul outputs and recomputes norms,
+    # none stores what autodiff keeps (the GeLU and the norms keep only their inputs either way:
+    # transformer.bias_gelu, transformer.normalize); elementwise recomputes the norms and the MLP
+    # activation from their inputs (transformer.elementwise; SwiGLU keeps less); dots keeps the matmul outputs and recomputes norms,
     # GeLU and the attention softmax; full keeps only each layer's input and reruns the layer.
     remat: Literal["none", "elementwise", "dots", "full"] = "none"
     # The loss in this many slices of the sequence: each slice's float32 logits are computed,

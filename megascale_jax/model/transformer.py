@@ -55,10 +55,9 @@ class NormParams(nn.Module):
 
 def elementwise(c: ModelConfig, fn):
     """`fn` as is, or with `model.remat=elementwise` under `jax.checkpoint`: its backward keeps
-    only its inputs and recomputes the rest. Autodiff of a LayerNorm keeps three float32 copies
-    of its input's size, and of GeLU five of the MLP's width (about 100 KB a token and layer at
-    d_model 2,048): memory-bound work a backward redoes from one bf16 input for a few percent
-    of a layer's time."""
+    only its inputs and recomputes the rest. The GeLU and the norms keep only their inputs
+    anyway (`bias_gelu`, `normalize`); what it still saves is SwiGLU's intermediates and the
+    bias adds around them."""
     return jax.checkpoint(fn) if c.remat == "elementwise" else fn
 
 
