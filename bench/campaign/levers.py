@@ -13,7 +13,7 @@ configuration, with its measured change in tokens/s. Levers that lose stay in th
                          backward) at the largest batch that then fits
     remat_elementwise_same_batch  the same at the base's batch: what recomputing from bf16 inputs
                          saves in memory traffic, apart from the batch it buys (on an H200 the
-                         remat row at 19 sequences took 16% less time a token than 8 without it)
+                         remat row at 19 sequences took 15% less time a token than 8 without it)
     remat_dots           + model.remat=dots at the largest batch that then fits
     half_batch           the base at half its batch: what the batch buys
     no_donation          train.donate=false (the step's output state a second copy) at the largest
