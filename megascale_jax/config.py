@@ -79,8 +79,9 @@ class ModelConfig:
     # What each layer's backward recomputes instead of storing (transformer.REMAT_POLICIES):
     # none stores what autodiff keeps (the GeLU and the norms keep only their inputs either way:
     # transformer.bias_gelu, transformer.normalize); elementwise recomputes the norms and the MLP
-    # activation from their inputs (transformer.elementwise; SwiGLU keeps less); dots keeps the matmul outputs and recomputes norms,
-    # GeLU and the attention softmax; full keeps only each layer's input and reruns the layer.
+    # activation from their inputs (transformer.elementwise: SwiGLU then keeps less); dots keeps
+    # the matmul outputs and recomputes norms, GeLU and the attention softmax; full keeps only
+    # each layer's input and reruns the layer.
     remat: Literal["none", "elementwise", "dots", "full"] = "none"
     # The loss in this many slices of the sequence: each slice's float32 logits are computed,
     # reduced to its cross entropy and dropped, and recomputed in the backward, so the step never
