@@ -275,6 +275,7 @@ def test_dry_run_kernels_have_every_contender_with_finite_times(full):
             pallas = here["pallas_window"]
             assert [t["blocks"] for t in pallas["tried"]] == [list(b) for b in kernels["settings"]["blocks"]]
             assert pallas["ms"] == min(t["ms"] for t in pallas["tried"])
+            assert pallas["stages"] == 2 and {t["stages"] for t in pallas["tried"]} == {2}  # no depths: interpret
     assert {(r["kernel"], r["impl"]) for r in kernels["fused"]} == {
         (k, i) for k in ("layer_norm_residual", "bias_gelu") for i in ("pallas", "xla")}
     assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in kernels["fused"])
@@ -534,3 +535,22 @@ def test_the_ladder_table_sets_each_peers_loss_beside_our_row_doing_its_work(cap
     assert f"sliding_window (gpt_neox, flex_attention): loss after 6 steps 6.9245, ours (fused_attention) " \
            f"{ours['final_loss']:.4f}" in line
     assert "parallel_block (gpt_neox, sdpa): loss after 6 steps 6.9311, ours (no row) n/a" in line
+
+
+def test_on_a_gpu_the_pallas_kernels_fastest_tile_is_tried_at_each_pipelining_depth(monkeypatch):
+    """The H200 ran the Pallas attention at Triton's num_stages=2 only; on a GPU the kernel bench
+    now tries the fastest tile at 3 and 4 too and keeps the fastest try (times faked here)."""
+    from bench.campaign import kernels
+
+    times = {((128, 64), 2): 1.0, ((128, 128), 2): 1.2, ((128, 64), 3): 0.8, ((128, 64), 4): 0.9}
+
+    def timed(row, fn, qkv, shape, reference):
+        return {**row, "ms": times[(tuple(row["blocks"]), row["stages"])], "tflops": 1.0}
+
+    monkeypatch.setattr(kernels, "timed", timed)
+    shape = {"blocks": ((128, 64), (128, 128))}
+    row = kernels.tuned_pallas(8192, 4096, None, shape, None, on_gpu=True)
+    assert [(t["blocks"], t["stages"]) for t in row["tried"]] == [
+        ([128, 64], 2), ([128, 128], 2), ([128, 64], 3), ([128, 64], 4)]
+    assert (row["blocks"], row["stages"], row["ms"]) == ([128, 64], 3, 0.8)
+    assert [t["stages"] for t in kernels.tuned_pallas(8192, 4096, None, shape, None)["tried"]] == [2, 2]

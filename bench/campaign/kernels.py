@@ -3,8 +3,8 @@ Pallas kernel's tiles tuned per shape, and the Pallas LayerNorm+residual and bia
 against XLA. Timing, FLOP count and the fused-kernel cases are bench/kernels/attention.py's.
 
 Contenders: XLA dense causal (once per seq: it ignores the window), XLA masked window, cuDNN
-window, Pallas window (every (block_q, block_k) of the shape's grid tried, the fastest kept, all
-recorded), jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when
+window, Pallas window (every (block_q, block_k) of the shape's grid tried, then on a GPU the fastest tile at
+each Triton pipelining depth of STAGES; the fastest kept, all recorded), jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when
 importable. A contender that cannot run here is one line ("skipped: needs a GPU"); one that
 fails is one line of error; either way the others go on.
 
@@ -27,6 +27,9 @@ SHAPES = {  # keyed by dry_run
                blocks=((16, 16), (32, 32)), fused_tokens=64, d_model=64),
 }
 CHECK_MAX_SEQ = 8192
+# Triton pipelining depths tried at the fastest tile, on a GPU: the H200 ran only 2 (2026-11-23),
+# where the kernel fell to half of cuDNN's speed at long windows; 3-4 is Hopper's usual range.
+STAGES = (2, 3, 4)
 
 
 def tokamax_attention(window: int, on_gpu: bool):
@@ -74,21 +77,28 @@ def timed(row: dict, fn, qkv, shape: dict, reference) -> dict:
     return row
 
 
-def tuned_pallas(seq: int, window: int, qkv, shape, reference) -> dict:
-    """The Pallas window kernel at every tile size of shape["blocks"]: the fastest one's numbers, and all tries."""
+def tuned_pallas(seq: int, window: int, qkv, shape, reference, on_gpu: bool = False) -> dict:
+    """The Pallas window kernel at every tile size of shape["blocks"], then on a GPU the fastest
+    tile at each pipelining depth of STAGES (interpret mode has none): the fastest try's numbers,
+    and all tries."""
     from pallas_kernels import flash_attention
 
-    tries = []
-    for block_q, block_k in shape["blocks"]:
-        fn = lambda q, k, v, bq=block_q, bk=block_k: flash_attention(q, k, v, window=window, block_q=bq, block_k=bk)
-        tries.append(timed({"seq": seq, "window": window, "blocks": [block_q, block_k]}, fn, qkv, shape, None))
-    ok = [t for t in tries if "ms" in t]
+    def attempt(blocks, stages):
+        fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=blocks[0], block_k=blocks[1],
+                                             num_stages=stages)
+        return timed({"seq": seq, "window": window, "blocks": list(blocks), "stages": stages}, fn, qkv, shape, None)
+
+    tries = [attempt(blocks, 2) for blocks in shape["blocks"]]
     row = {"contender": "pallas_window", "seq": seq, "window": window, "tried": tries}
-    if not ok:
+    if not any("ms" in t for t in tries):
         return {**row, "error": tries[0]["error"]}
-    best = min(ok, key=lambda t: t["ms"])
-    fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=best["blocks"][0], block_k=best["blocks"][1])
-    return {**row, "blocks": best["blocks"], "ms": best["ms"], "tflops": best["tflops"],
+    tile = min((t for t in tries if "ms" in t), key=lambda t: t["ms"])["blocks"]
+    if on_gpu:
+        tries += [attempt(tile, stages) for stages in STAGES if stages != 2]
+    best = min((t for t in tries if "ms" in t), key=lambda t: t["ms"])
+    fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=best["blocks"][0], block_k=best["blocks"][1],
+                                         num_stages=best["stages"])
+    return {**row, "blocks": best["blocks"], "stages": best["stages"], "ms": best["ms"], "tflops": best["tflops"],
             **({"rel_err": relative_error(fn, qkv, reference)} if reference is not None else {})}
 
 
@@ -128,7 +138,7 @@ def run(settings: dict) -> dict:
                     timed(row, fn, qkv, shape, reference(None) if dense else ref)
                 rows.append(row)
                 show(row)
-            rows.append(tuned_pallas(seq, window, qkv, shape, ref))
+            rows.append(tuned_pallas(seq, window, qkv, shape, ref, on_gpu))
             show(rows[-1])
     fused = bench_fused(types.SimpleNamespace(fused_tokens=shape["fused_tokens"], d_model=shape["d_model"],
                                               iters=shape["iters"]))

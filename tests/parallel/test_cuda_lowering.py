@@ -106,3 +106,16 @@ def test_cudnn_attention_lowers_or_skips_for_lack_of_the_cuda_plugin():
             raise
         pytest.skip(f"attention=cudnn needs the CUDA plugin even to lower: {e}")
     assert "__cudnn$fmha" in text
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_the_attention_kernels_pipelining_depth_reaches_the_triton_call(stages):
+    """flash_attention(num_stages=...), which the kernel bench sweeps on a GPU, lowers for CUDA
+    with that depth in the Triton call (forward here; the backward's calls share `_call`)."""
+    from pallas_kernels import flash_attention
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    step = jax.jit(lambda q, k, v: flash_attention(q, k, v, window=64, num_stages=stages))
+    text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    assert triton_kernels(text) == ["flash_attention_fwd"]
+    assert set(re.findall(r"num_stages = (\d+) : i32", text)) == {str(stages)}
