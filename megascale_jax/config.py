@@ -78,7 +78,7 @@ class ModelConfig:
     fused_mlp: bool = False  # MLP bias + GeLU as the Pallas kernel (pallas_kernels.bias_gelu)
     # What each layer's backward recomputes instead of storing (transformer.REMAT_POLICIES):
     # none stores what autodiff keeps (the GeLU and the norms keep only their inputs either way:
-    # transformer.bias_gelu, transformer.normalize); elementwise recomputes the norms and the MLP
+    # transformer.xla_bias_gelu, transformer.normalize); elementwise recomputes the norms and the MLP
     # activation from their inputs (transformer.elementwise: SwiGLU then keeps less); dots keeps
     # the matmul outputs and recomputes norms, GeLU and the attention softmax; full keeps only
     # each layer's input and reruns the layer.

@@ -4,5 +4,6 @@
 One module per section (kernels, ladder, torch_peer, checkpoints, profile), each with
 `run(settings) -> dict`, which `worker` runs in a process of its own (`process`); `device` probes
 the accelerator, `model` sizes the training sections' model and batch, `plots` and `summary` draw
-and print the result, `merge` makes one result of several device calls' files. gpu_wheels.sh fetches the wheels a GPU machine without network needs.
+and print the result, `merge` makes one result of several device calls' files. gpu_wheels.sh
+fetches the wheels a GPU machine without network needs.
 """

@@ -3,9 +3,9 @@ Pallas kernel's tiles tuned per shape, and the Pallas LayerNorm+residual and bia
 against XLA. Timing, FLOP count and the fused-kernel cases are bench/kernels/attention.py's.
 
 Contenders: XLA dense causal (once per seq: it ignores the window), XLA masked window, cuDNN
-window, Pallas window (every (block_q, block_k) of the shape's grid tried, then on a GPU the fastest tile at
-each Triton pipelining depth of STAGES; the fastest kept, all recorded), jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when
-importable. A contender that cannot run here is one line ("skipped: needs a GPU"); one that
+window, Pallas window (every (block_q, block_k) of the shape's grid tried, then on a GPU the
+fastest tile at each further Triton pipelining depth of STAGES; the fastest kept, all recorded),
+jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when importable. A contender that cannot run here is one line ("skipped: needs a GPU"); one that
 fails is one line of error; either way the others go on.
 
 Fast but wrong is worthless, and the Pallas kernels have never run on a GPU before this
@@ -27,8 +27,9 @@ SHAPES = {  # keyed by dry_run
                blocks=((16, 16), (32, 32)), fused_tokens=64, d_model=64),
 }
 CHECK_MAX_SEQ = 8192
-# Triton pipelining depths tried at the fastest tile, on a GPU: the H200 ran only 2 (2026-11-23),
-# where the kernel fell to half of cuDNN's speed at long windows; 3-4 is Hopper's usual range.
+# Triton pipelining depths: the tiles are tried at the first (flash_attention's default, the only
+# one the H200 ran on 2026-11-23, where the kernel fell to half of cuDNN's speed at long windows),
+# the fastest tile at the others on a GPU (3-4 is Hopper's usual range).
 STAGES = (2, 3, 4)
 
 
@@ -88,13 +89,13 @@ def tuned_pallas(seq: int, window: int, qkv, shape, reference, on_gpu: bool = Fa
                                              num_stages=stages)
         return timed({"seq": seq, "window": window, "blocks": list(blocks), "stages": stages}, fn, qkv, shape, None)
 
-    tries = [attempt(blocks, 2) for blocks in shape["blocks"]]
+    tries = [attempt(blocks, STAGES[0]) for blocks in shape["blocks"]]
     row = {"contender": "pallas_window", "seq": seq, "window": window, "tried": tries}
     if not any("ms" in t for t in tries):
         return {**row, "error": tries[0]["error"]}
     tile = min((t for t in tries if "ms" in t), key=lambda t: t["ms"])["blocks"]
     if on_gpu:
-        tries += [attempt(tile, stages) for stages in STAGES if stages != 2]
+        tries += [attempt(tile, stages) for stages in STAGES[1:]]
     best = min((t for t in tries if "ms" in t), key=lambda t: t["ms"])
     fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=best["blocks"][0], block_k=best["blocks"][1],
                                          num_stages=best["stages"])

@@ -6,8 +6,8 @@
 Runs `megascale_jax.train` in-process for the configured steps and summarises the steady state
 (the first `--skip` steps are dropped): median step time, and the tokens/s and MFU of that
 step time (not the median of the records' own tokens/s: each is a running average over the
-last steps, warm-up steps included, which put a 4-microbatch row 15% low on an H200), the device's peak
-memory in use (null where the device keeps no statistics, e.g. the CPU), with the device kind,
+last steps, warm-up steps included, which put a 4-microbatch row 15% low on an H200), the
+device's peak memory in use (null where the device keeps no statistics, e.g. the CPU), with the device kind,
 jax/jaxlib versions and the exact command, into bench/results/<name>.json.
 """
 
@@ -45,11 +45,11 @@ def main(argv=None) -> int:
         print("error: no steps left after --skip; raise train.steps", file=sys.stderr)
         return 2
     from megascale_jax.config import load_config
+    from megascale_jax.model import flops
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"))  # the run's own, as resolved
     step_time = statistics.median(r["step_time_s"] for r in records)
     tokens_per_s = cfg.train.global_batch * cfg.model.seq_len / step_time
-    mfu_per_token = None if records[0]["mfu"] is None else records[0]["mfu"] / records[0]["tokens_per_s"]
     result = {
         "config": args.config,
         "overrides": args.overrides,
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         "steps_measured": len(records),
         "step_time_s": step_time,
         "tokens_per_s": tokens_per_s,
-        "mfu": None if mfu_per_token is None else mfu_per_token * tokens_per_s,
+        "mfu": flops.mfu(tokens_per_s, cfg.model, jax.devices()),  # as the run's own records compute it
         "peak_bytes_in_use": (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "final_loss": records[-1]["loss"],
     }

@@ -56,7 +56,7 @@ class NormParams(nn.Module):
 def elementwise(c: ModelConfig, fn):
     """`fn` as is, or with `model.remat=elementwise` under `jax.checkpoint`: its backward keeps
     only its inputs and recomputes the rest. The GeLU and the norms keep only their inputs
-    anyway (`bias_gelu`, `normalize`); what it still saves is SwiGLU's intermediates and the
+    anyway (`xla_bias_gelu`, `normalize`); what it still saves is SwiGLU's intermediates and the
     bias adds around them."""
     return jax.checkpoint(fn) if c.remat == "elementwise" else fn
 
@@ -236,12 +236,12 @@ def _mlp_activation(c: ModelConfig, ups: list, m: dict):
         hidden = pallas_kernels.bias_gelu(ups[0], m["b1"].astype(c.dtype), approximate=c.activation == "gelu_tanh")
     else:
         bias = m["b1"].astype(c.dtype) if c.bias else jnp.zeros((), c.dtype)
-        hidden = bias_gelu(ups[0], bias, c.activation == "gelu_tanh")
+        hidden = xla_bias_gelu(ups[0], bias, c.activation == "gelu_tanh")
     return hidden
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def bias_gelu(u, b, approximate: bool):
+def xla_bias_gelu(u, b, approximate: bool):
     """gelu(u + b) as `jax.nn.gelu` computes it, in u's dtype, for XLA to fuse. Its backward keeps
     only u and b and recomputes gelu'(u + b) in float32 (`gelu_and_grad`, the Pallas kernel's
     own), as PyTorch's GeLU keeps only its input: autodiff of jax.nn.gelu keeps five arrays of
@@ -250,18 +250,18 @@ def bias_gelu(u, b, approximate: bool):
     return jax.nn.gelu(u + b, approximate=approximate)
 
 
-def _bias_gelu_fwd(u, b, approximate: bool):
-    return bias_gelu(u, b, approximate), (u, b)
+def _xla_bias_gelu_fwd(u, b, approximate: bool):
+    return xla_bias_gelu(u, b, approximate), (u, b)
 
 
-def _bias_gelu_bwd(approximate: bool, residuals, g):
+def _xla_bias_gelu_bwd(approximate: bool, residuals, g):
     u, b = residuals
     du = g.astype(jnp.float32) * gelu_and_grad((u + b).astype(jnp.float32), approximate)[1]
     db = du.sum(axis=tuple(range(du.ndim - b.ndim)))  # over every axis the bias is broadcast along
     return du.astype(u.dtype), db.astype(b.dtype)
 
 
-bias_gelu.defvjp(_bias_gelu_fwd, _bias_gelu_bwd)
+xla_bias_gelu.defvjp(_xla_bias_gelu_fwd, _xla_bias_gelu_bwd)
 
 
 def output_bias(c: ModelConfig, *biases):

@@ -96,7 +96,7 @@ def test_elementwise_remat_has_the_same_loss_and_gradients_and_keeps_less(block,
     their inputs. Same loss and gradients as remat=none (the same ops, run again); the residuals
     the backward keeps do not grow, and shrink by at least the MLP-wide copies SwiGLU's autodiff
     keeps (two) in every layer. (GeLU and the norms keep only their inputs either way:
-    `transformer.bias_gelu`, `transformer.normalize`.)"""
+    `transformer.xla_bias_gelu`, `transformer.normalize`.)"""
     cfg = ModelConfig(**SHAPE, block=block, activation=activation, norm=norm, bias=activation != "swiglu")
     plain, recomputed = Transformer(cfg), Transformer(dataclasses.replace(cfg, remat="elementwise"))
     params = perturbed_params(plain, seed=5)
@@ -184,12 +184,12 @@ def test_on_the_cpu_a_bf16_head_keeps_autodiffs_float32_backward():
 
 @pytest.mark.parametrize("approximate", [True, False], ids=["tanh", "exact"])
 def test_the_mlps_gelu_keeps_only_its_input_and_has_gelus_gradient(approximate):
-    """`transformer.bias_gelu`, the MLP's activation: its backward keeps u and the bias only
+    """`transformer.xla_bias_gelu`, the MLP's activation: its backward keeps u and the bias only
     (autodiff of jax.nn.gelu kept five arrays of u's size), and its gradients are GeLU's: float64
     NumPy's derivative for float32 inputs; bf16 inputs within bf16's rounding of it."""
     import math
 
-    from megascale_jax.model.transformer import bias_gelu
+    from megascale_jax.model.transformer import xla_bias_gelu
 
     ku, kb, kg = jax.random.split(jax.random.key(8), 3)
     u = 2 * jax.random.normal(ku, (3, 16, 64), jnp.float32)
@@ -206,14 +206,14 @@ def test_the_mlps_gelu_keeps_only_its_input_and_has_gelus_gradient(approximate):
         cdf = 0.5 * (1 + erf(z / math.sqrt(2)))
         value, slope = z * cdf, cdf + z * np.exp(-0.5 * z * z) / math.sqrt(2 * math.pi)
     for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)):
-        y, pullback = jax.vjp(lambda u, b: bias_gelu(u, b, approximate), u.astype(dtype), b.astype(dtype))
+        y, pullback = jax.vjp(lambda u, b: xla_bias_gelu(u, b, approximate), u.astype(dtype), b.astype(dtype))
         du, db = pullback(g.astype(dtype))
         assert y.dtype == du.dtype == db.dtype == dtype and db.shape == b.shape
         dz = np.asarray(g, np.float64) * slope
         for got, want in ((y, value), (du, dz), (db, dz.sum(axis=(0, 1)))):
             got = np.asarray(got, np.float64)
             assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
-        residuals = jax.tree.leaves(jax.vjp(lambda u, b: bias_gelu(u, b, approximate),
+        residuals = jax.tree.leaves(jax.vjp(lambda u, b: xla_bias_gelu(u, b, approximate),
                                             u.astype(dtype), b.astype(dtype))[1])
         assert sorted(r.shape for r in residuals) == sorted([b.shape, u.shape])
 
