@@ -19,12 +19,7 @@ import sys
 import time
 
 from bench.common import Bench
-
-
-def visible_pairs(seq: int, window: int | None) -> int:
-    """Number of (query, key) pairs with i - w < j <= i."""
-    w = seq if window is None else min(window, seq)
-    return w * (w + 1) // 2 + (seq - w) * w
+from megascale_jax.planner.costs import visible_pairs
 
 
 def attention_flops(batch, heads, head_dim, seq, window) -> float:

@@ -49,6 +49,7 @@ class Gpu:
     attention_efficiency: float
     elementwise_passes: float
     collective_sms: int = 0  # SMs an NCCL collective holds while it runs (`costs.overlapped_s`)
+    attention_query_s: float = 0.0  # a fused attention's cost per query row, forward + backward (`costs.fused_attention_s`)
 
     @property
     def collective_sm_share(self) -> float:
@@ -116,4 +117,4 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
         nic=Link(nic_per_gpu * g["nic_efficiency"], g["nic_latency_us"] * 1e-6),
         matmul_max_efficiency=e_max, matmul_half_flops=half, sms=g["sms"], gemm_tile=tile,
         attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"],
-        collective_sms=g["collective_sms"])
+        collective_sms=g["collective_sms"], attention_query_s=g.get("attention_query_ns", 0.0) * 1e-9)

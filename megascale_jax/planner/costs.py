@@ -54,9 +54,23 @@ def linear_s(tokens: int, k: int, n: int, gpu: Gpu) -> dict[str, float]:
             "backward_wave_loss": gemm_wave_loss_s(tokens, n, k, gpu) + gemm_wave_loss_s(k, tokens, n, gpu)}
 
 
-def fused_attention_s(flops: float, gpu: Gpu) -> float:
-    """t = F / (P · e_attn): a fused (flash) kernel, F counting only the score blocks it computes."""
-    return flops / (gpu.peak_flops * gpu.attention_efficiency)
+def visible_pairs(seq: int, window: int | None) -> int:
+    """(query, key) pairs a causal attention over `seq` tokens computes, each query seeing the
+    last `window` keys (itself included; all before it for window=None): i − w < j ≤ i."""
+    w = seq if window is None else min(window, seq)
+    return w * (w + 1) // 2 + (seq - w) * w
+
+
+def fused_attention_s(forward_flops: float, query_rows: float, gpu: Gpu) -> float:
+    """The forward of a fused (flash) attention kernel: t = F / (P · e_attn) + N_q · c_q / 3.5.
+
+    F counts the visible (query, key) pairs only (4 · head_dim FLOPs each), N_q the query rows
+    (queries × heads). c_q is what each query row costs the forward and backward together beyond
+    its pairs' FLOPs (its Q, O, dO and dQ through HBM, the softmax statistics, the partly masked
+    blocks at the window's edges), so short windows run below e_attn; the backward is 2.5× the
+    forward (FlashAttention-2's FLOPs), hence 1/3.5 of c_q here. Both constants are fitted to
+    this project's kernel bench on the GPU (`measured.attention_fit`)."""
+    return forward_flops / (gpu.peak_flops * gpu.attention_efficiency) + query_rows * gpu.attention_query_s / 3.5
 
 
 def hbm_s(nbytes: float, gpu: Gpu) -> float:

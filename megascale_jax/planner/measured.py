@@ -3,9 +3,10 @@
 
 Each measured ladder row is the ladder's config file (recorded in the result) with the row's
 overrides, batch and microbatches on one GPU. `validation_table(path, gpu_key)` predicts every row's step time and
-sets it beside the measured median. The H200 entry of configs/calibration.yaml takes one of its
-numbers from this table (elementwise passes, fitted to the `xla_flags` row); the other rows
-check it.
+sets it beside the measured median. The H200 entry of configs/calibration.yaml takes its
+elementwise passes from this table (`fit_elementwise_passes`, the `xla_flags` row; the other rows
+check it) and, with the H100's, its fused attention from the campaign's kernel bench
+(`attention_fit`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 
 from megascale_jax.config import load_config
-from megascale_jax.planner import calibration
+from megascale_jax.planner import calibration, costs
 from megascale_jax.planner.predict import predict
 from megascale_jax.planner.workload import from_config
 
@@ -70,3 +71,56 @@ def part_table(path: str, gpu_key: str) -> list[dict]:
             measured[OP_TABLE_KINDS[part]] += seconds
     return [{"kind": kind, "measured_s": measured[kind], "predicted_s": sum(parts[p] for p in PLANNER_KINDS[kind])}
             for kind in PLANNER_KINDS]
+
+
+def attention_fit(path: str, gpu_key: str, contender: str = "cudnn_window") -> dict:
+    """The fused attention's two constants (`costs.fused_attention_s`) from the kernel bench's
+    rows of `contender` in the campaign result at `path` (its `kernels` section: forward +
+    backward of one attention call, timed from the host, per (seq, window)):
+
+        t = t_call + F / (P · e_attn) + N_q · c_q
+
+    F the call's FLOPs (3.5 × 4 · head_dim per visible (query, key) pair and head), N_q its query
+    rows (batch × heads × seq), t_call what each timed call pays once (the host's dispatch and
+    the kernels' launches: inside a compiled train step it is not paid per layer, so the planner
+    drops it). Least squares on the relative error, every measured row weighted alike. Returns
+    e_attn, c_q (ns), t_call (µs) and each row's measured and fitted ms; P is `gpu_key`'s peak."""
+    import numpy as np
+
+    with open(path) as f:
+        kernels = json.load(f)["sections"]["kernels"]
+    shape, peak = kernels["settings"], calibration.gpu(gpu_key).peak_flops
+    rows = [r for r in kernels["attention"] if r["contender"] == contender and r.get("ms")]
+    if len(rows) < 3:
+        raise ValueError(f"{path}: {len(rows)} measured {contender} rows; the fit needs 3 or more")
+    flops = [3.5 * 4 * shape["batch"] * shape["heads"] * shape["head_dim"] * costs.visible_pairs(r["seq"], r["window"])
+             for r in rows]
+    queries = [shape["batch"] * shape["heads"] * r["seq"] for r in rows]
+    seconds = np.array([r["ms"] * 1e-3 for r in rows])
+    design = np.array([[1.0, f / peak, q] for f, q in zip(flops, queries)])
+    coef = np.linalg.lstsq(design / seconds[:, None], np.ones(len(rows)), rcond=None)[0]
+    fitted = design @ coef
+    return {"attention_efficiency": float(1 / coef[1]), "attention_query_ns": float(coef[2] * 1e9),
+            "call_us": float(coef[0] * 1e6),
+            "rows": [{"seq": r["seq"], "window": r["window"], "measured_ms": r["ms"], "fitted_ms": float(t * 1e3),
+                      "error": float(t / (r["ms"] * 1e-3) - 1)} for r, t in zip(rows, fitted)]}
+
+
+def fit_elementwise_passes(path: str, row_name: str, gpu_key: str) -> float:
+    """The `elementwise_passes` at which the planner predicts the ladder row `row_name` of the
+    result at `path` exactly, every other constant of `gpu_key` as calibrated (the predicted step
+    grows with the passes, so bisection finds it). How the H200 entry's passes were obtained."""
+    import dataclasses
+
+    with open(path) as f:
+        ladder = json.load(f)["sections"]["mfu_ladder"]
+    row = next(r for r in ladder["rows"] if r["name"] == row_name)
+    w, gpu = from_config(row_config(ladder["config"], row), 1), calibration.gpu(gpu_key)
+    low, high = 0.0, 64.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if predict(w, dataclasses.replace(gpu, elementwise_passes=mid)).iteration_s < row["step_time_s"]:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2

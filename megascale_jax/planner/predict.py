@@ -92,9 +92,9 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     act_values = tokens * d * (replicated + sharded / tp)
     if w.sequence_parallel:
         act_values = tokens * d * (replicated + sharded) / tp
-    if w.fused_attention:
-        causal_share = 0.5 if w.window is None or w.window >= w.seq_len else 1.0  # blocks above the diagonal skipped
-        attention = costs.fused_attention_s(attention_flops * causal_share, gpu)
+    if w.fused_attention:  # only the visible (query, key) pairs: the kernel skips masked blocks
+        pairs = w.microbatch_seqs * heads_here * costs.visible_pairs(w.seq_len, w.window)
+        attention = costs.fused_attention_s(4 * hd * pairs, tokens * heads_here, gpu)
         attention_backward = 2.5 * attention  # the kernel recomputes the scores in its backward
         score_bytes = 0.0
     else:  # batched GEMMs per (sequence, head) and the scores written and read back from HBM.
