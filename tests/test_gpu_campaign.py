@@ -24,7 +24,7 @@ from bench.campaign import ladder as campaign_ladder  # noqa: E402
 from bench.campaign import levers as campaign_levers  # noqa: E402
 from bench.campaign import model as campaign_model  # noqa: E402
 
-SECTIONS = ["kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps"]
+SECTIONS = ["kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps", "rates"]
 LADDER_ROWS = ["serial_dense_adamw", "parallel_block", "sliding_window", "fused_attention", "fused_norm_gelu",
                "xla_flags", "remat", "lamb_4x_batch", "dense_twin"]
 TIMED_CONTENDERS = {"xla_dense_causal", "xla_window", "pallas_window"}  # the ones that run on the CPU
@@ -300,6 +300,13 @@ def test_dry_run_checkpoints_profile_and_pngs(full):
     assert parts["attention"] > 0 and parts["LM head/loss"] > 0 and parts["optimizer"] > 0
     assert sum(parts.values()) == pytest.approx(profiled["by_part"]["total"])
     assert len(profiled["top_ops"]) == 15 and profiled["op_table"]["config"]["model.block"] == "parallel"
+    # the same step at half the batch: each part's line through both measured points
+    batch, half = profiled["op_table"]["batch"], profiled["by_part_half_batch"]
+    assert half["batch"] == batch // 2 >= 1 and half["by_part"]["total"] > 0
+    for part, line in profiled["batch_split"].items():
+        for b, measured in ((batch, profiled["by_part"].get(part, 0.0)), (half["batch"], half["by_part"].get(part, 0.0))):
+            assert line["per_step_s"] + b * line["per_sequence_s"] == pytest.approx(measured, rel=1e-9, abs=1e-12)
+    assert "per step" in full[0].stdout
     assert "where the step's device time goes" in full[0].stdout
     stem = str(path)[:-len(".json")]
     assert result["pngs"] == [f"{stem}_{name}.png" for name in ("kernels", "ladder", "checkpoints", "device_heatmap")]
@@ -307,6 +314,23 @@ def test_dry_run_checkpoints_profile_and_pngs(full):
     for png in result["pngs"]:
         with open(png, "rb") as f:
             assert f.read(8) == PNG_MAGIC, png
+
+
+@pytest.mark.xdist_group("gpu-campaign")
+def test_dry_run_rates_time_every_gemm_on_the_device_and_the_planner_fits_them(full):
+    """Each GEMM shape's device time from the trace (FLOPs over it is its TFLOP/s), the stream's
+    bytes over its time, and measured.gemm_fit reading the section as a GPU run would write it."""
+    from megascale_jax.planner import measured
+
+    rates = json.loads(full[1].read_text())["sections"]["rates"]
+    assert [(r["m"], r["k"], r["n"]) for r in rates["gemms"]] == [(32, 32, 32), (64, 64, 64), (128, 64, 32)]
+    for r in rates["gemms"]:
+        assert r["seconds"] > 0 and r["tflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["seconds"] / 1e12)
+    assert all(r["seconds"] > 0 and r["tb_per_s"] == pytest.approx(2 * r["bytes"] / r["seconds"] / 1e12)
+               for r in rates["stream"])
+    fit = measured.gemm_fit(str(full[1]), "h200")
+    assert len(fit["rows"]) == 3 and all(math.isfinite(r["fitted_us"]) for r in fit["rows"])
+    assert "GEMMs, bf16, device time per call" in full[0].stdout
 
 
 @pytest.mark.slow
@@ -554,3 +578,14 @@ def test_on_a_gpu_the_pallas_kernels_fastest_tile_is_tried_at_each_pipelining_de
         ([128, 64], 2), ([128, 128], 2), ([128, 64], 3), ([128, 64], 4)]
     assert (row["blocks"], row["stages"], row["ms"]) == ([128, 64], 3, 0.8)
     assert [t["stages"] for t in kernels.tuned_pallas(8192, 4096, None, shape, None)["tried"]] == [2, 2]
+
+
+def test_batch_split_puts_each_parts_line_through_its_two_batches():
+    """t(b) = per_step + b · per_sequence through the op table's seconds at two batches; a part
+    only one table holds counts 0 s at the other."""
+    from bench.campaign.profile import batch_split
+
+    split = batch_split({"optimizer": 0.0105, "MLP": 0.0218}, 4, {"optimizer": 0.0105, "MLP": 0.0436, "other": 0.002}, 8)
+    assert split["optimizer"] == {"per_sequence_s": pytest.approx(0.0), "per_step_s": pytest.approx(0.0105)}
+    assert split["MLP"]["per_sequence_s"] == pytest.approx(0.00545) and split["MLP"]["per_step_s"] == pytest.approx(0.0)
+    assert split["other"]["per_sequence_s"] == pytest.approx(0.0005) and split["other"]["per_step_s"] == pytest.approx(-0.002)

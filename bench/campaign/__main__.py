@@ -18,7 +18,10 @@ bench/campaign/:
                   GPT-NeoX, GPT-NeoX with FlexAttention's sliding window      (torch_peer)
   checkpoints     blocking vs total save, and restore, for 1/4/16 GB, with the host copy in
                   save() and on a thread (background_host_copy)                  (checkpoints)
-  profiled_steps  observe.profile_every on the device, report's device heat map      (profile)
+  profiled_steps  observe.profile_every on the device, report's device heat map; where a step's
+                  device time goes by model part, at the batch and at half of it   (profile)
+  rates           GEMM device time by shape and the streaming HBM rate, for the planner's
+                  calibration (megascale_jax.planner.measured.gemm_fit)              (rates)
 
 The result is bench/results/gpu_<device>_<date>.json (or --out PATH) with PNGs beside it and,
 at its top, `summary`: the numbers issue 36's claims are checked against (`claims.KEYS`: best MFU,
@@ -66,12 +69,12 @@ import time
 from bench.campaign import claims, device, plots, process, summary
 from bench.common import RESULTS, command_line, invocation, result_path
 
-SECTIONS = ("kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps")
+SECTIONS = ("kernels", "mfu_ladder", "levers", "torch_peer", "checkpoints", "profiled_steps", "rates")
 # Time limits: safety nets against hangs, well above what each section needs on an H100
 # (on an H200, 2026-11-23: kernels 246 s, ladder 194 s without its first row and the later remat row,
 # torch 163 s, checkpoints 81 s before it measured background_host_copy too, profiled 23 s).
 LIMIT_S = {"probe": 300, "kernels": 900, "mfu_ladder": 1800, "levers": 1200, "torch_peer": 600, "checkpoints": 900,
-           "profiled_steps": 600}
+           "profiled_steps": 600, "rates": 300}
 # Modules the sections import that a lent GPU machine lacks (it has jax, flax, optax, orbax, chex,
 # torch, transformers and triton): gpu_wheels.sh fetches their wheels. jax_triton and tokamax are
 # contenders in the kernels section only, which records them as skipped rows when they are missing.

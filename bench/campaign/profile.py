@@ -82,7 +82,8 @@ def checked_run(run_dir: str, settings: dict) -> dict:
 
 def op_table_run(out: str, settings: dict) -> dict:
     """`python -m bench.campaign.op_table` on `ladder.strongest_fixed` in a process of its own: its top
-    ops, seconds per part and what it profiled."""
+    ops, seconds per part and what it profiled; then the same at half the batch, so each part's
+    time splits into what grows with the batch and what a step pays once (`batch_split`)."""
     dry_run = settings["dry_run"]
     changes, xla_flags = ladder.strongest_fixed(settings)
     if settings["device"]["backend"] == "gpu":
@@ -94,15 +95,44 @@ def op_table_run(out: str, settings: dict) -> dict:
     env = dict(os.environ)
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
+    table = traced(out, overrides, batch, env)
+    result = {"top_ops": table["top_ops"], "top_by_part": table["top_by_part"], "by_part": table["by_part"],
+              "op_table": {"profiled": "the ladder's strongest fixed configuration (sections run independently: "
+                                       "the best ladder row is not known here)",
+                           "config": changes, "batch": batch, "xla_flags": list(xla_flags),
+                           "steps_traced": table["steps_traced"], "busy_s": table["busy_s"], "device": table["device"]}}
+    half = batch // 2
+    if half < 1:
+        return {**result, "batch_split": f"not measured: batch {batch} has no half"}
+    try:
+        smaller = traced(out + ".half.json", overrides, half, env)
+    except RuntimeError as e:  # the full batch's table still counts
+        return {**result, "batch_split": process.one_line(e)}
+    return {**result, "by_part_half_batch": {"batch": half, "by_part": smaller["by_part"]},
+            "batch_split": batch_split(smaller["by_part"], half, table["by_part"], batch)}
+
+
+def traced(out: str, overrides: list, batch: int, env: dict) -> dict:
+    """One op table run (`bench.campaign.op_table`) at `batch`, in a process of its own."""
     done = process.run(process.python("bench.campaign.op_table", "--config", model.CONFIG, "--out", out,
                                       *overrides, f"train.global_batch={batch}"),
                        env=env, limit_s=OP_TABLE_LIMIT_S, prefix="  [op_table]")
     if not done.ok:
-        raise RuntimeError(f"bench.campaign.op_table: {done.failure(OP_TABLE_LIMIT_S)}")
+        raise RuntimeError(f"bench.campaign.op_table at batch {batch}: {done.failure(OP_TABLE_LIMIT_S)}")
     with open(out) as f:
-        table = json.load(f)
-    return {"top_ops": table["top_ops"], "top_by_part": table["top_by_part"], "by_part": table["by_part"],
-            "op_table": {"profiled": "the ladder's strongest fixed configuration (sections run independently: "
-                                     "the best ladder row is not known here)",
-                         "config": changes, "batch": batch, "xla_flags": list(xla_flags),
-                         "steps_traced": table["steps_traced"], "busy_s": table["busy_s"], "device": table["device"]}}
+        return json.load(f)
+
+
+def batch_split(small: dict, small_batch: int, large: dict, large_batch: int) -> dict:
+    """Each part's seconds (op table `by_part`, at two batches) as a line in the batch:
+    t(b) = per_step_s + b · per_sequence_s, through the two measured points. What a step pays
+    once (the optimizer, casts and copies of the parameters and gradients) against what grows
+    with its sequences: the planner's per-step and per-token costs, measured apart (issue 40;
+    one profile cannot tell them apart, and by differencing two ladder runs a step paid ~29 ms
+    the planner priced as 10)."""
+    split = {}
+    for part in sorted(set(small) | set(large)):
+        t_small, t_large = small.get(part, 0.0), large.get(part, 0.0)
+        per_sequence = (t_large - t_small) / (large_batch - small_batch)
+        split[part] = {"per_sequence_s": per_sequence, "per_step_s": t_large - large_batch * per_sequence}
+    return split

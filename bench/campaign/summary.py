@@ -99,13 +99,34 @@ def profiled(section: dict) -> None:
     config = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in table["config"].items())
     print(f"\nwhere the step's device time goes ({config}; batch {table['batch']}; "
           f"{total * 1e3:.2f} ms of ops per step, device busy {table['busy_s'] * 1e3:.2f} ms)")
-    print(f"{'part':<24}{'ms/step':>10}{'share':>8}")
+    split = section.get("batch_split")
+    half = section.get("by_part_half_batch")
+    columns = f"{'at ' + str(half['batch']):>10}{'per step':>10}{'per seq':>10}" if half else ""
+    print(f"{'part':<24}{'ms/step':>10}{'share':>8}{columns}")
     for part, seconds in section["by_part"].items():
         if part != "total":
-            print(f"{part:<24}{seconds * 1e3:>10.3f}{seconds / total:>8.1%}")
+            line = f"{part:<24}{seconds * 1e3:>10.3f}{seconds / total:>8.1%}"
+            if half:  # the same part at half the batch, and the line through both (profile.batch_split)
+                line += (f"{half['by_part'].get(part, 0.0) * 1e3:>10.3f}{split[part]['per_step_s'] * 1e3:>10.3f}"
+                         f"{split[part]['per_sequence_s'] * 1e3:>10.3f}")
+            print(line)
+    if isinstance(split, str):
+        print(f"per step and per sequence: {split}")
     print(f"\n{'top op':<40}{'part':<24}{'ms/step':>10}{'share':>8}  op_name")
     for r in section["top_ops"]:
         print(f"{r['op'][:39]:<40}{r['part']:<24}{r['seconds'] * 1e3:>10.3f}{r['share']:>8.1%}  {r['op_name'][-60:]}")
+
+
+def rates(section: dict) -> None:
+    """GEMM device time by shape and the streaming HBM rate (campaign section `rates`)."""
+    print(f"GEMMs, bf16, device time per call ({section['repeats']} traced calls each)")
+    print(f"{'m':>7}{'k':>7}{'n':>7}{'us':>11}{'TFLOP/s':>9}")
+    for r in section["gemms"]:
+        timing = f"{r['seconds'] * 1e6:>11.1f}{r['tflops']:>9.1f}" if "seconds" in r else f"  {r['error']}"
+        print(f"{r['m']:>7}{r['k']:>7}{r['n']:>7}{timing}")
+    print("stream (2x + 1, float32): " + "; ".join(
+        f"{r['bytes'] / 2**20:.0f} MiB " + (f"{r['tb_per_s']:.2f} TB/s" if "seconds" in r else r["error"])
+        for r in section["stream"]))
 
 
 def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
@@ -117,7 +138,8 @@ def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
               "mfu_ladder": lambda: ladder(ok["mfu_ladder"], ok.get("torch_peer")),
               "levers": lambda: levers(ok["levers"]),
               "checkpoints": lambda: checkpoints(ok["checkpoints"]),
-              "profiled_steps": lambda: profiled(ok["profiled_steps"])}
+              "profiled_steps": lambda: profiled(ok["profiled_steps"]),
+              "rates": lambda: rates(ok["rates"])}
     for name, table in tables.items():
         if name in ok:
             print()

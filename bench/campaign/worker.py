@@ -21,6 +21,7 @@ PIECES = {  # name -> module with `run(settings) -> dict` (imported only when as
     "torch_peer": "bench.campaign.torch_peer",
     "checkpoints": "bench.campaign.checkpoints",
     "profiled_steps": "bench.campaign.profile",
+    "rates": "bench.campaign.rates",
 }
 
 

@@ -124,3 +124,28 @@ def fit_elementwise_passes(path: str, row_name: str, gpu_key: str) -> float:
         else:
             high = mid
     return (low + high) / 2
+
+
+def gemm_fit(path: str, gpu_key: str) -> dict:
+    """The GEMM size curve's two constants (`costs.gemm_s`: e_max, the asymptote with wave
+    quantization taken out, and F_half) from the campaign's `rates` section at `path` (device
+    time of bf16 GEMMs by shape). The planner's model, t = F / (P · e_max · F/(F + F_half) · q),
+    q the shape's wave quantization on `gpu_key`'s SMs and tile, is linear in F once each time is
+    multiplied by q · P: t · q · P = (F + F_half) / e_max. Least squares on the relative error.
+    Returns both constants (F_half in GFLOP) and each row's measured and fitted µs."""
+    import numpy as np
+
+    with open(path) as f:
+        rows = [r for r in json.load(f)["sections"]["rates"]["gemms"] if r.get("seconds")]
+    if len(rows) < 2:
+        raise ValueError(f"{path}: {len(rows)} timed GEMMs; the fit needs 2 or more")
+    gpu = calibration.gpu(gpu_key)
+    work = np.array([2.0 * r["m"] * r["k"] * r["n"] for r in rows])
+    waves = np.array([costs.wave_efficiency(r["m"], r["n"], gpu) for r in rows])
+    scaled = np.array([r["seconds"] for r in rows]) * waves * gpu.peak_flops  # = (F + F_half) / e_max
+    design = np.stack([work, np.ones(len(rows))], axis=1)
+    slope, intercept = np.linalg.lstsq(design / scaled[:, None], np.ones(len(rows)), rcond=None)[0]
+    fitted = (design @ [slope, intercept]) / (waves * gpu.peak_flops)
+    return {"matmul_max_efficiency": float(1 / slope), "matmul_half_gflop": float(intercept / slope / 1e9),
+            "rows": [{"m": r["m"], "k": r["k"], "n": r["n"], "measured_us": r["seconds"] * 1e6, "fitted_us": float(t * 1e6),
+                      "error": float(t / r["seconds"] - 1)} for r, t in zip(rows, fitted)]}

@@ -794,3 +794,47 @@ def test_every_axis_moves_at_most_1_02x_its_ideal_bytes(name):
     row = collective_bytes.measure(collective_bytes.LAYOUTS[name])
     for axis, ideal in row["ideal"].items():
         assert row["measured"].get(axis, 0.0) <= 1.02 * ideal, (axis, row)
+
+
+def test_the_gemm_fit_recovers_the_size_curve_the_planner_prices_with(tmp_path):
+    """GEMM rows timed as the planner prices them (`costs.gemm_s`, with e_max 0.7 and F_half 6
+    GFLOP: the size curve and each shape's wave quantization) are fitted back to both constants,
+    and rows a shape could not run are left out."""
+    from megascale_jax.planner import measured
+
+    gpu = dataclasses.replace(calibration.gpu("h200"), matmul_max_efficiency=0.7, matmul_half_flops=6e9)
+    shapes = [(512, 512, 512), (1024, 1024, 1024), (4096, 4096, 4096), (2048, 12288, 4608), (16384, 2048, 14336)]
+    rows = [{"m": m, "k": k, "n": n, "seconds": costs.gemm_s(m, k, n, gpu)} for m, k, n in shapes]
+    rows.append({"m": 65536, "k": 65536, "n": 65536, "error": "RESOURCE_EXHAUSTED: Out of memory"})
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"sections": {"rates": {"gemms": rows, "stream": []}}}))
+    fit = measured.gemm_fit(str(path), "h200")
+    assert fit["matmul_max_efficiency"] == pytest.approx(0.7, rel=1e-6)
+    assert fit["matmul_half_gflop"] == pytest.approx(6.0, rel=1e-6)
+    assert len(fit["rows"]) == 5 and all(abs(r["error"]) < 1e-6 for r in fit["rows"])
+
+
+def test_calibrate_sets_a_campaign_results_fits_beside_the_calibration(capsys, tmp_path):
+    """`python -m bench.planner.calibrate RESULT`: the committed H200 run's attention and
+    elementwise fits beside the yaml's (equal: the yaml was made from them); a result with the
+    rates section and the op table at two batches gets those lines too; bad input is one line, exit 2."""
+    from bench.planner import calibrate
+
+    assert calibrate.main([str(H200_RUN)]) == 0
+    out = capsys.readouterr().out
+    assert "attention_efficiency          0.54   (calibration.yaml: 0.54)" in out
+    assert "elementwise_passes             7.6   (calibration.yaml: 7.6)" in out and "rates: not in this result" in out
+    gpu = dataclasses.replace(calibration.gpu("h200"), matmul_max_efficiency=0.7, matmul_half_flops=6e9)
+    gemms = [{"m": s, "k": s, "n": s, "seconds": costs.gemm_s(s, s, s, gpu)} for s in (512, 2048, 8192)]
+    result = {"sections": {"rates": {"gemms": gemms, "stream": [{"bytes": 2**30, "seconds": 5e-4, "tb_per_s": 4.295}]},
+                           "profiled_steps": {"batch_split": {"optimizer": {"per_step_s": 0.0105, "per_sequence_s": 0.0}}}}}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    assert calibrate.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "matmul_half_gflop             6.00" in out and "stream: 4.29 TB/s at best, 89% of the datasheet's 4.8" in out
+    assert "optimizer                   10.50 +    0.00" in out and "kernels: not in this result" in out
+    for argv, why in (([str(REPO / "README.md")], "not JSON"), ([str(path), "--gpu", "b200"], "--gpu 'b200' is not one of")):
+        assert calibrate.main(argv) == 2
+        err = capsys.readouterr().err
+        assert why in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,111 @@
+"""Campaign section f, rates: the device's own GEMM time by shape and its streaming HBM rate, as
+the planner prices them (issue 40: "every calibration constant a datasheet value or a
+measurement of ours: GEMM efficiency by shape"). `megascale_jax.planner.measured.gemm_fit` turns
+the rows into the planner's constants.
+
+Each GEMM, bf16 (m × k) · (k × n) with float32 accumulation, is its own jitted function (its own
+HLO module), compiled, run once, then run REPEATS times under `jax.profiler`; its time is the
+device time of its module's ops in the trace (`observe.device_profile.read_ops`), divided by the
+repeats. Timed on the device, not from the host: a 2-GFLOP GEMM takes ~3 µs on an H100, well
+under the ~20 µs the host takes to dispatch a call, so host timing would measure the dispatch.
+The shapes: squares (the size curve), and the GEMMs the planner's validation prices (this
+project's 1.4B at 8 sequences; MegaScale's 175B and Llama 3's 405B at tp 8), forward, input and
+weight gradient.
+
+The stream: y = 2x + 1 over STREAM_BYTES of float32, one read and one write a value, the same way
+(`hbm_rate`: bytes moved over device time), set beside the datasheet's bandwidth.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+REPEATS = {False: 10, True: 2}  # keyed by dry_run
+STREAM_BYTES = {False: (2**28, 2**30, 2**32), True: (2**16,)}
+
+
+def linear_gemms(tokens: int, k: int, n: int) -> list[tuple[int, int, int]]:
+    """A linear layer's three GEMMs as (m, k, n): forward x·W, input gradient dy·Wᵀ, weight
+    gradient xᵀ·dy (the planner's `costs.linear_s`)."""
+    return [(tokens, k, n), (tokens, n, k), (k, tokens, n)]
+
+
+def gemm_shapes(dry_run: bool) -> list[tuple[int, int, int]]:
+    if dry_run:
+        return [(32, 32, 32), (64, 64, 64), (128, 64, 32)]
+    squares = [(s, s, s) for s in (512, 1024, 2048, 4096, 8192)]
+    model = [*linear_gemms(16384, 2048, 3 * 2048 + 8192),  # gpt_1b at 8 x 2048: QKV + MLP-up, one GEMM
+             *linear_gemms(16384, 2048 + 8192, 2048),  # its attention-out + MLP-down
+             (16384, 2048, 50304)]  # its LM head's forward
+    megascale = [*linear_gemms(2048, 12288, 3 * 12288 // 8), (2048, 12288, 4 * 12288 // 8),  # 175B, tp 8, 2,048 tokens
+                 (2048, 12288, 7 * 12288 // 8), (2048, 12288 // 8, 12288), (2048, 4 * 12288 // 8, 12288)]
+    llama3 = [(8192, 16384, (128 + 16) * 128 // 8), (8192, 16384, 2 * 53248 // 8), (8192, 53248 // 8, 16384)]
+    return squares + model + megascale + llama3
+
+
+def device_seconds(compiled, args, repeats: int) -> float:
+    """Device seconds per call of `compiled(*args)`: its module's ops in a trace of `repeats` calls."""
+    import jax
+
+    from megascale_jax.observe import device_profile
+
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory(prefix="campaign-rates-") as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            for _ in range(repeats):
+                jax.block_until_ready(compiled(*args))
+        ops = device_profile.read_ops(device_profile.latest_trace(trace_dir), device_profile.hlo_module_name(compiled))
+    if not ops:
+        raise RuntimeError("the trace holds no op of its module")
+    return sum(o.end_ns - o.start_ns for o in ops[min(ops)] if o.is_compute) * 1e-9 / repeats
+
+
+def gemm_row(m: int, k: int, n: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    def gemm(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    gemm.__name__ = f"gemm_{m}x{k}x{n}"  # its own HLO module name, so the trace tells the shapes apart
+    a, b = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i, shape in ((0, (m, k)), (1, (k, n))))
+    seconds = device_seconds(jax.jit(gemm).lower(a, b).compile(), (a, b), repeats)
+    return {"m": m, "k": k, "n": n, "seconds": seconds, "tflops": 2 * m * k * n / seconds / 1e12}
+
+
+def stream_row(nbytes: int, repeats: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    def stream(x):
+        return 2 * x + 1
+
+    stream.__name__ = f"stream_{nbytes}"
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    seconds = device_seconds(jax.jit(stream).lower(x).compile(), (x,), repeats)
+    return {"bytes": nbytes, "seconds": seconds, "tb_per_s": 2 * nbytes / seconds / 1e12}
+
+
+def run(settings: dict) -> dict:
+    from bench.campaign import process
+
+    dry_run = settings["dry_run"]
+    repeats = REPEATS[dry_run]
+    result = {"repeats": repeats, "gemms": [], "stream": []}
+    print(f"{'m':>7}{'k':>7}{'n':>7}{'us':>10}{'TFLOP/s':>9}")
+    for m, k, n in gemm_shapes(dry_run):
+        try:
+            row = gemm_row(m, k, n, repeats)
+            print(f"{m:>7}{k:>7}{n:>7}{row['seconds'] * 1e6:>10.1f}{row['tflops']:>9.1f}", flush=True)
+        except Exception as e:  # noqa: BLE001 — a shape that cannot run is a row with its error
+            row = {"m": m, "k": k, "n": n, "error": process.one_line(e)}
+            print(f"{m:>7}{k:>7}{n:>7}  {row['error']}", flush=True)
+        result["gemms"].append(row)
+    for nbytes in STREAM_BYTES[dry_run]:
+        try:
+            row = stream_row(nbytes, repeats)
+            print(f"stream {nbytes / 2**20:.0f} MiB: {row['tb_per_s']:.2f} TB/s", flush=True)
+        except Exception as e:  # noqa: BLE001
+            row = {"bytes": nbytes, "error": process.one_line(e)}
+        result["stream"].append(row)
+    return result
