@@ -8,8 +8,9 @@ override must agree with it (a config file's own mesh.dp is replaced). `--search
 valid layout for N GPUs; `--plot` draws MFU and iteration time against GPU count for the layout's
 family (the same tp, pp, v and microbatch size, dp varied). `--explain` prints one prediction's
 parts: compute by kind, exposed communication per axis, bubble, optimizer, data. A layout that
-does not fit in memory, or a model the planner cannot price (float32 math), is refused with one
-line and exit 2 (`--search` still ranks the layouts that do fit). Validated against published runs,
+does not fit in memory, or a model the planner cannot price (float32 math; an option its GPU has
+no measured rate for), is refused with one line and exit 2; options priced as their default are
+named in a `note:` line (`notes` in --json) (`--search` still ranks the layouts that do fit). Validated against published runs,
 each source held out: `python -m bench.planner.plan_validation`.
 """
 
@@ -25,7 +26,9 @@ from megascale_jax import cli
 from megascale_jax.config import ConfigError, load_config, validate
 from megascale_jax.model.flops import format_bytes
 from megascale_jax.planner import calibration
+from megascale_jax.planner.predict import require_priced
 from megascale_jax.planner.search import Plan, family, plan, search
+from megascale_jax.planner.workload import from_config, notes
 
 GIB = 2**30
 
@@ -143,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if cfg.model.dtype != "bfloat16":  # the calibration is bf16 tensor-core math; fp32 would be priced wrongly
         return cli.user_error(f"model.dtype={cfg.model.dtype} is not priced by the planner (bf16 tensor-core "
                               f"rates only); set model.dtype=bfloat16")
+    try:
+        require_priced(from_config(cfg, args.gpus), gpu)
+    except ValueError as e:
+        return cli.user_error(e)
 
     chosen = plan(cfg, args.gpus, gpu)
     ranked = search(cfg, args.gpus, gpu) if args.search else []
@@ -151,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               f"than the {0.75 * gpu.hbm_bytes / GIB:.1f} GiB XLA may use on a {gpu.name}; "
                               f"raise mesh.pp or mesh.tp, or try --search")
     if args.json:
-        out = as_json(chosen)
+        out = {**as_json(chosen), "notes": notes(cfg)}
         if args.explain:
             out["parts"] = chosen.prediction.parts
         if args.search:
@@ -159,6 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(json.dumps(out, indent=1))
     else:
         print(report(chosen, args.gpus, gpu))
+        for note in notes(cfg):
+            print(f"note: {note}")
         if args.explain:
             print(explain(chosen))
         if args.search:

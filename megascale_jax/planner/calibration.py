@@ -50,6 +50,7 @@ class Gpu:
     elementwise_passes: float
     collective_sms: int = 0  # SMs an NCCL collective holds while it runs (`costs.overlapped_s`)
     attention_query_s: float = 0.0  # a fused attention's cost per query row, forward + backward (`costs.fused_attention_s`)
+    fp32_gemm_flops: float = 0.0  # a float32 GEMM's measured rate (0: none measured; `predict.head_s`)
 
     @property
     def collective_sm_share(self) -> float:
@@ -117,4 +118,5 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
         nic=Link(nic_per_gpu * g["nic_efficiency"], g["nic_latency_us"] * 1e-6),
         matmul_max_efficiency=e_max, matmul_half_flops=half, sms=g["sms"], gemm_tile=tile,
         attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"],
-        collective_sms=g["collective_sms"], attention_query_s=g.get("attention_query_ns", 0.0) * 1e-9)
+        collective_sms=g["collective_sms"], attention_query_s=g.get("attention_query_ns", 0.0) * 1e-9,
+        fp32_gemm_flops=g.get("fp32_gemm_tflops", 0.0) * 1e12)

@@ -22,9 +22,17 @@ from megascale_jax.planner.workload import from_config
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def row_config(config_file: str, row: dict):
-    """A ladder row's config: `config_file` (relative to the checkout) with the row's changes."""
-    overrides = [f"{k}={v}" for k, v in row["config"].items()] + [
+# What a run's code did by default then that the planner prices apart now: (last date, overrides).
+# Until 2026-11-27 (both H200 runs) the LM head's backward GEMMs ran in float32
+# (model.head_grad_float32 came with its bf16 backward after that day's run).
+AS_RUN = (("2026-11-27", ("model.head_grad_float32=true",)),)
+
+
+def row_config(config_file: str, row: dict, date: str = "9999"):
+    """A ladder row's config: `config_file` (relative to the checkout) with the row's changes, as
+    the code of `date` (the result's) ran it (`AS_RUN`)."""
+    as_run = [o for last, overrides in AS_RUN if date <= last for o in overrides]
+    overrides = as_run + [f"{k}={v}" for k, v in row["config"].items()] + [
         f"parallel.microbatches={row['microbatches']}", f"train.global_batch={row['global_batch']}"]
     return load_config(os.path.join(REPO, config_file), overrides, planning=True)
 
@@ -32,11 +40,12 @@ def row_config(config_file: str, row: dict):
 def validation_table(path: str, gpu_key: str) -> list[dict]:
     """Predicted vs measured step seconds for every ladder row that ran, with relative error."""
     with open(path) as f:
-        ladder = json.load(f)["sections"]["mfu_ladder"]
+        result = json.load(f)
+    ladder = result["sections"]["mfu_ladder"]
     gpu = calibration.gpu(gpu_key)
     table = []
     for row in (r for r in ladder["rows"] if r.get("step_time_s")):
-        predicted = predict(from_config(row_config(ladder["config"], row), 1), gpu).iteration_s
+        predicted = predict(from_config(row_config(ladder["config"], row, result["date"]), 1), gpu).iteration_s
         table.append({"row": row["name"], "batch": row["global_batch"], "measured_s": row["step_time_s"],
                       "predicted_s": predicted, "error": predicted / row["step_time_s"] - 1})
     return table
@@ -64,7 +73,7 @@ def part_table(path: str, gpu_key: str) -> list[dict]:
     profiled = section["op_table"]
     config_file = result["sections"].get("mfu_ladder", {}).get("config", "configs/gpt_1b.yaml")
     row = {"config": profiled["config"], "microbatches": 1, "global_batch": profiled["batch"]}
-    parts = predict(from_config(row_config(config_file, row), 1), calibration.gpu(gpu_key)).parts
+    parts = predict(from_config(row_config(config_file, row, result["date"]), 1), calibration.gpu(gpu_key)).parts
     measured = dict.fromkeys(PLANNER_KINDS, 0.0)
     for part, seconds in section["by_part"].items():
         if part != "total":
@@ -113,9 +122,10 @@ def fit_elementwise_passes(path: str, row_name: str, gpu_key: str) -> float:
     import dataclasses
 
     with open(path) as f:
-        ladder = json.load(f)["sections"]["mfu_ladder"]
+        result = json.load(f)
+    ladder = result["sections"]["mfu_ladder"]
     row = next(r for r in ladder["rows"] if r["name"] == row_name)
-    w, gpu = from_config(row_config(ladder["config"], row), 1), calibration.gpu(gpu_key)
+    w, gpu = from_config(row_config(ladder["config"], row, result["date"]), 1), calibration.gpu(gpu_key)
     low, high = 0.0, 64.0
     for _ in range(60):
         mid = (low + high) / 2

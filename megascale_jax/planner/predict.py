@@ -45,6 +45,10 @@ from megascale_jax.planner.calibration import Gpu
 from megascale_jax.planner.workload import Workload, model_config, stage_params
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # read param, grad, 2 moments (fp32) = 16; write param, 2 moments = 12
+# LAMB (training/optim.py: Adam's update, weight decay, then each layer's trust ratio
+# ||p|| / ||u||): the norms need the whole update before it is scaled, so the update is written
+# by the first pass (which also reduces the norms) and read back with the parameter by the second
+LAMB_EXTRA_BYTES_PER_PARAM = 12  # write the update (4); read it and the parameter again (8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +120,10 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     backward = gemm_backward + attention_backward + 2 * elementwise
     accumulate = gradient_accumulation_s(flops.layer_params_per_device(model_config(w), tp), w, gpu)
     backward += accumulate
-    redo = {"none": (0.0, 0.0, 0.0), "selective": (0.0, attention, 0.0),
+    # "elementwise" (this project's model.remat=elementwise) recomputes the norms and the activation
+    # inside the backward's fusions from the inputs those fusions read anyway: no HBM pass more
+    # (what it saves is memory; on an H200 its rows ran no slower a token, 2026-11-27)
+    redo = {"none": (0.0, 0.0, 0.0), "elementwise": (0.0, 0.0, 0.0), "selective": (0.0, attention, 0.0),
             "full": (gemm, attention, elementwise)}[w.recompute]
     wave = wave_forward * (2 if w.recompute == "full" else 1) + wave_backward
     return {"forward": forward, "backward": backward, "recompute": sum(redo), "gemm": gemm,
@@ -215,11 +222,29 @@ def head_wave_loss_s(w: Workload, gpu: Gpu) -> float:
 
 def head_s(w: Workload, gpu: Gpu) -> float:
     """The LM head and loss for one microbatch on the last stage: the logits GEMM forward and its
-    two backward GEMMs (`costs.linear_s`), and the fp32 logits' HBM passes."""
+    two backward GEMMs (`costs.linear_s`), and the fp32 logits' HBM passes.
+    * `head_recompute` (this project's model.loss_chunks > 1): the backward runs the logits GEMM
+      forward again, slice by slice;
+    * `head_grad_float32`: the weight-gradient GEMM at the float32 GEMM rate this project measured
+      (`Gpu.fp32_gemm_flops`; the calibration must have one: `require_priced`). On the H200
+      profile of 2026-11-27 that GEMM alone ran in float32 (15.5 ms); the rest of the head's
+      30.4 ms fits a bf16 input gradient."""
     tokens = w.microbatch_seqs * w.seq_len
     logits = costs.linear_s(tokens, w.d_model, w.vocab // w.tp, gpu)
-    return logits["forward"] + logits["backward"] + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu) \
-        + head_accumulation_s(w, gpu)
+    backward = logits["backward"]
+    if w.head_grad_float32:
+        weight_gradient = costs.gemm_s(w.d_model, tokens, w.vocab // w.tp, gpu)
+        backward += 2 * tokens * w.d_model * (w.vocab // w.tp) / gpu.fp32_gemm_flops - weight_gradient
+    forwards = 2 if w.head_recompute else 1
+    return forwards * logits["forward"] + backward \
+        + costs.hbm_s(gpu.elementwise_passes * tokens * w.vocab / w.tp * 4, gpu) + head_accumulation_s(w, gpu)
+
+
+def require_priced(w: Workload, gpu: Gpu) -> None:
+    """Raise ValueError, one line naming the option, for a workload this calibration cannot price."""
+    if w.head_grad_float32 and not gpu.fp32_gemm_flops:
+        raise ValueError(f"model.head_grad_float32=true is not priced on {gpu.key}: no float32 GEMM rate "
+                         f"measured for it (fp32_gemm_tflops in configs/calibration.yaml); set it false")
 
 
 def head_accumulation_s(w: Workload, gpu: Gpu) -> float:
@@ -253,7 +278,8 @@ def tied_embedding_s(w: Workload, gpu: Gpu) -> float:
 def optimizer_s(w: Workload, gpu: Gpu) -> float:
     """Seconds of the optimizer's memory-bound passes per iteration:
     * the update over the parameters this GPU updates (its 1/dp share with ZeRO-1): read the fp32
-      parameter, gradient and two moments, write the parameter and moments, 28 bytes each;
+      parameter, gradient and two moments, write the parameter and moments, 28 bytes each, and
+      with LAMB 12 more (`LAMB_EXTRA_BYTES_PER_PARAM`);
     * with Megatron-LM's optimizer (`megatron_optimizer`), per updated parameter the global norm's
       read of the gradient (clip_grad_norm, every step) and the copy of the fp32 parameter into
       the 16-bit model (`_copy_main_params_to_model_params`): 4 + 4 + param bytes; per parameter
@@ -264,7 +290,7 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
       (another read and write of the gradients) is not counted."""
     params = stage_params(w)
     updated = params / (w.dp if w.zero1 else 1)
-    nbytes = updated * OPTIMIZER_BYTES_PER_PARAM
+    nbytes = updated * (OPTIMIZER_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES_PER_PARAM if w.optimizer == "lamb" else 0))
     if w.megatron_optimizer:
         nbytes += updated * (4 + 4 + w.param_bytes)
         if w.grad_accumulator:
@@ -390,6 +416,7 @@ def sharded_gradient_link(w: Workload, gpu: Gpu, t: dict, busy_s: float) -> dict
 
 
 def predict(w: Workload, gpu: Gpu) -> Prediction:
+    require_priced(w, gpu)
     m, stage_layers = w.microbatches, w.layers // w.pp
     t = layer_times(w, gpu)
     tp_comm = tp_collective_s(w, gpu)

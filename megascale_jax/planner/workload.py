@@ -32,8 +32,9 @@ class Workload:
     virtual: int
     microbatches: int  # per data-parallel replica and iteration
     schedule: str
-    # what is recomputed in the backward: nothing, the attention core only, or every layer's forward
-    recompute: Literal["none", "selective", "full"]
+    # what is recomputed in the backward: nothing, the norms and activations (their inputs kept),
+    # the attention core only, or every layer's forward
+    recompute: Literal["none", "elementwise", "selective", "full"]
     sequence_parallel: bool
     zero1: bool
     fused_attention: bool  # flash-style kernel (cuDNN/Pallas) vs materialised scores (XLA, Megatron 2021)
@@ -96,6 +97,16 @@ class Workload:
     # first and the last stage each hold a copy and all-reduce its gradients after the backward
     # (`allreduce_word_embedding_grads`; predict.tied_embedding_s)
     tied_embedding: bool = False
+    # The optimizer's update (predict.optimizer_s): AdamW, or LAMB, whose per-layer trust ratio needs
+    # the norms of the parameters and the update before it scales the update (its update written
+    # and read back, the parameters read again)
+    optimizer: Literal["adamw", "lamb"] = "adamw"
+    # The LM head's logits recomputed in the backward (this project's model.loss_chunks > 1: each
+    # slice's float32 logits dropped after its loss; predict.head_s)
+    head_recompute: bool = False
+    # The LM head's backward GEMMs in float32 (this project's model.head_grad_float32): priced at
+    # the calibration's measured float32 GEMM rate (`fp32_gemm_tflops`)
+    head_grad_float32: bool = False
 
     @property
     def dp(self) -> int:
@@ -112,7 +123,17 @@ def from_config(cfg: Config, gpus: int) -> Workload:
     * Recompute: the pipeline's default `pp_stash=inputs` reruns each chunk's forward in its
       backward ("full"); `residuals` and pp = 1 recompute nothing, unless `model.remat` asks:
       full reruns each layer ("full"), dots reruns its norms, GeLU and softmax ("selective",
-      which this planner prices as the attention and its score pass).
+      which this planner prices as the attention and its score pass), elementwise reruns the
+      norms and the MLP activation ("elementwise": the layer's memory-bound passes once more).
+    * The optimizer (`optim.name`), the logits recomputed by `model.loss_chunks` > 1 and the LM
+      head's float32 backward (`model.head_grad_float32`) are priced (`predict.optimizer_s`,
+      `predict.head_s`).
+    * Priced as their default, by measurement or because they change no FLOPs or bytes:
+      `model.fused_norm` and `model.fused_mlp` (the Pallas kernels ran within 1% of XLA's fusion
+      in the H200 ladders: 0.174 against 0.172 s at 4 sequences, 0.316 against 0.315 at 8);
+      `model.attention=pallas` (cuDNN's fused-attention constants: in the model at 8 sequences
+      it ran 4% slower, 2026-11-27); `model.scan_unroll` (the planner has no per-kernel launch
+      cost). `notes` says so for a config that sets them.
     * Overlap: pipeline sends are asynchronous ppermutes; at pp > 1 each chunk's dp reduction runs
       inside the tick loop's cool-down ("backward"); at pp = 1 the gradients are reduced after
       the backward. Collective matmul (`tp_overlap=collective_matmul`) hides tp transfers.
@@ -124,7 +145,7 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         global_batch=cfg.train.global_batch, gpus=gpus, tp=mesh.tp, pp=mesh.pp, virtual=par.pp_virtual,
         microbatches=par.microbatches, schedule=par.pp_schedule,
         recompute="full" if m.remat == "full" or (mesh.pp > 1 and par.pp_stash == "inputs")
-        else "selective" if m.remat == "dots" else "none",
+        else "selective" if m.remat == "dots" else "elementwise" if m.remat == "elementwise" else "none",
         sequence_parallel=par.sequence_parallel, zero1=par.zero1,
         fused_attention=m.attention in ("cudnn", "pallas"),
         tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
@@ -136,7 +157,21 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         # parallel/microbatches.py: dp = m = 1 takes jax.value_and_grad's gradients as they are,
         # otherwise a scan adds each microbatch's into zeros_like(params)
         grad_accumulator=not (mesh.pp == 1 and gpus // (mesh.tp * mesh.pp) == 1 and par.microbatches == 1),
-        activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu")
+        activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu",
+        optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32)
+
+
+def notes(cfg: Config) -> list[str]:
+    """One line for each option of `cfg` the planner prices as its default (`from_config` says why)."""
+    m, out = cfg.model, []
+    if m.fused_norm or m.fused_mlp:
+        out.append("model.fused_norm/fused_mlp: priced as XLA's fusion (the Pallas kernels ran within 1% of it on an H200)")
+    if m.attention == "pallas":
+        out.append("model.attention=pallas: priced with cuDNN's fused-attention constants (it ran 4% slower in the "
+                   "model on an H200)")
+    if m.scan_unroll > 1:
+        out.append("model.scan_unroll: priced as 1 (it changes no FLOPs or bytes; kernel launches are not priced)")
+    return out
 
 
 def model_config(w: Workload) -> ModelConfig:
