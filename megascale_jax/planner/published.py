@@ -167,7 +167,8 @@ MEGASCALE_STEPS = [
     # prefetching and one loader per node: the planner charges the baseline no data time either,
     # so it prices this step at zero (no published measurement of the baseline's data wait)
     ("(7) misc (data pipeline, problematic code)", dict()),
-    ("(8) LAMB, batch x3", None),  # the batch, below
+    # LAMB's per-layer trust ratio (its optimizer passes: predict.optimizer_s); the batch, below
+    ("(8) LAMB, batch x3", dict(optimizer="lamb")),
 ]
 
 
