@@ -328,6 +328,7 @@ def test_dry_run_rates_time_every_gemm_on_the_device_and_the_planner_fits_them(f
         assert r["seconds"] > 0 and r["tflops"] == pytest.approx(2 * r["m"] * r["k"] * r["n"] / r["seconds"] / 1e12)
     assert all(r["seconds"] > 0 and r["tb_per_s"] == pytest.approx(2 * r["bytes"] / r["seconds"] / 1e12)
                for r in rates["stream"])
+    assert rates["concurrency"] == {"skipped": "skipped: needs a GPU (PyTorch's CUDA streams)"}
     fit = measured.gemm_fit(str(full[1]), "h200")
     assert len(fit["rows"]) == 3 and all(math.isfinite(r["fitted_us"]) for r in fit["rows"])
     assert "GEMMs, bf16, device time per call" in full[0].stdout
@@ -589,3 +590,11 @@ def test_batch_split_puts_each_parts_line_through_its_two_batches():
     assert split["optimizer"] == {"per_sequence_s": pytest.approx(0.0), "per_step_s": pytest.approx(0.0105)}
     assert split["MLP"]["per_sequence_s"] == pytest.approx(0.00545) and split["MLP"]["per_step_s"] == pytest.approx(0.0)
     assert split["other"]["per_sequence_s"] == pytest.approx(0.0005) and split["other"]["per_step_s"] == pytest.approx(-0.002)
+
+
+def test_hidden_share_is_what_running_both_at_once_saved_of_the_shorter():
+    from bench.campaign.rates import hidden_share
+
+    assert hidden_share(2.0, 1.0, 3.0) == 0.0  # as if one after the other
+    assert hidden_share(2.0, 1.0, 2.0) == 1.0  # the softmax hidden whole behind the GEMM
+    assert hidden_share(1.0, 3.0, 3.5) == pytest.approx(0.5)

@@ -13,7 +13,14 @@ project's 1.4B at 8 sequences; MegaScale's 175B and Llama 3's 405B at tp 8), for
 weight gradient.
 
 The stream: y = 2x + 1 over STREAM_BYTES of float32, one read and one write a value, the same way
-(`hbm_rate`: bytes moved over device time), set beside the datasheet's bandwidth.
+(bytes moved over device time), set beside the datasheet's bandwidth.
+
+Concurrency (PyTorch, on a GPU only: JAX gives no control of CUDA streams): how much of a
+memory-bound kernel (a softmax over attention scores, as Megatron's unfused attention runs one)
+hides beside a GEMM (an MLP's) when the two run on two CUDA streams, `hidden_share` = (t_gemm +
+t_softmax − t_both) / min(t_gemm, t_softmax). MegaScale's parallel block lets the attention and the
+MLP "be executed in parallel, thereby reducing the computation time" (§3.1); the planner can
+price that only with this number measured.
 """
 
 from __future__ import annotations
@@ -86,6 +93,59 @@ def stream_row(nbytes: int, repeats: int) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "tb_per_s": 2 * nbytes / seconds / 1e12}
 
 
+def hidden_share(t_gemm: float, t_memory: float, t_both: float) -> float:
+    """The share of the shorter kernel's time that running both at once saved: 0 when they ran as
+    if one after the other, 1 when the shorter one was hidden whole behind the longer."""
+    return (t_gemm + t_memory - t_both) / min(t_gemm, t_memory)
+
+
+def concurrency_row(on_gpu: bool, repeats: int = 20) -> dict:
+    """A bf16 GEMM (8192 x 12288 x 6144: an MLP's) and a softmax over bf16 scores (48 x 2048 x
+    2048 per call, 4 calls: an unfused attention's), each alone and both at once on two CUDA
+    streams; median seconds of `repeats` (CUDA events), and `hidden_share`."""
+    if not on_gpu:
+        return {"skipped": "skipped: needs a GPU (PyTorch's CUDA streams)"}
+    import statistics
+
+    import torch
+
+    device = torch.device("cuda")
+    a = torch.randn(8192, 12288, device=device, dtype=torch.bfloat16)
+    b = torch.randn(12288, 6144, device=device, dtype=torch.bfloat16)
+    scores = torch.randn(48, 2048, 2048, device=device, dtype=torch.bfloat16)
+    gemm_stream, memory_stream = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def gemm():
+        with torch.cuda.stream(gemm_stream):
+            a @ b
+
+    def memory():
+        with torch.cuda.stream(memory_stream):
+            for _ in range(4):
+                torch.softmax(scores, dim=-1)
+
+    def timed(*launches) -> float:
+        times = []
+        for _ in range(repeats + 2):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            for stream in (gemm_stream, memory_stream):
+                stream.wait_event(start)
+            for launch in launches:
+                launch()
+            for stream in (gemm_stream, memory_stream):
+                torch.cuda.current_stream().wait_stream(stream)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        return statistics.median(times[2:])  # the first two warm up
+
+    t_gemm, t_memory, t_both = timed(gemm), timed(memory), timed(gemm, memory)
+    return {"gemm_s": t_gemm, "softmax_s": t_memory, "both_s": t_both,
+            "hidden_share": hidden_share(t_gemm, t_memory, t_both)}
+
+
 def run(settings: dict) -> dict:
     from bench.campaign import process
 
@@ -108,4 +168,10 @@ def run(settings: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             row = {"bytes": nbytes, "error": process.one_line(e)}
         result["stream"].append(row)
+    on_gpu = settings.get("device", {}).get("backend") == "gpu"
+    try:
+        result["concurrency"] = concurrency_row(on_gpu and not dry_run)
+    except Exception as e:  # noqa: BLE001 — e.g. PyTorch without CUDA: one line, the rows above still count
+        result["concurrency"] = {"error": process.one_line(e)}
+    print(f"concurrency: {result['concurrency']}", flush=True)
     return result

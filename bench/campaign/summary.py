@@ -127,6 +127,12 @@ def rates(section: dict) -> None:
     print("stream (2x + 1, float32): " + "; ".join(
         f"{r['bytes'] / 2**20:.0f} MiB " + (f"{r['tb_per_s']:.2f} TB/s" if "seconds" in r else r["error"])
         for r in section["stream"]))
+    c = section.get("concurrency", {})
+    if "hidden_share" in c:
+        print(f"a GEMM and a softmax on two streams: {c['gemm_s'] * 1e3:.3f} + {c['softmax_s'] * 1e3:.3f} ms alone, "
+              f"{c['both_s'] * 1e3:.3f} ms at once: {c['hidden_share']:.0%} of the shorter hidden")
+    elif c:
+        print(f"a GEMM and a softmax on two streams: {c.get('skipped') or c.get('error')}")
 
 
 def show(sections: dict, pngs: list[str], problems: list[str]) -> None:
