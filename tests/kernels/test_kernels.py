@@ -131,6 +131,41 @@ def test_block_ranges_are_exactly_the_blocks_the_window_touches(seq, window, blo
     assert pk.visited_kv_blocks(seq, window, block_q, block_k) == len(needed)
 
 
+@pytest.mark.parametrize("seq,window,block_q,block_k", [
+    (40, None, 16, 16), (40, 1, 16, 16), (48, 5, 16, 16), (64, 20, 16, 8), (40, 100, 16, 16),
+    (72, 16, 8, 32), (200, 33, 32, 16), (129, 64, 64, 64), (100, 7, 32, 8), (256, 96, 16, 32)])
+def test_unmasked_blocks_are_exactly_the_visited_blocks_the_mask_would_not_change(seq, window, block_q, block_k):
+    """The kernels skip the mask on the (query block, KV block) pairs every one of whose entries
+    is visible (over the padded blocks' whole rows and columns), from either side's bounds; the
+    masked rest of each visited range is what the dense mask cuts."""
+    padded = -(-seq // np.lcm(block_q, block_k)) * np.lcm(block_q, block_k)
+    i, j = np.arange(padded)[:, None], np.arange(padded)[None, :]
+    visible = (j <= i) & ((i - j < window) if window is not None else True)
+    tiles = visible.reshape(padded // block_q, block_q, padded // block_k, block_k)
+    whole = {(a, b) for a, b in zip(*np.nonzero(tiles.all(axis=(1, 3))))}
+    kw = dict(seq_len=seq, window=window, block_q=block_q, block_k=block_k)
+    needed = _needed_pairs(seq, window, block_q, block_k)
+    for range_fn, full_fn, n_blocks, transpose in ((pk.kv_block_range, pk.full_kv_block_range, padded // block_q, False),
+                                                   (pk.q_block_range, pk.full_q_block_range, padded // block_k, True)):
+        lo, hi = (np.asarray(x) for x in range_fn(jnp.arange(n_blocks), **kw))
+        full = full_fn(jnp.arange(n_blocks), window=window, block_q=block_q, block_k=block_k)
+        a, b = (np.asarray(x) for x in pk.unmasked_span(jnp.asarray(lo), jnp.asarray(hi), *full))
+        unmasked = {(n, o) for n in range(n_blocks) for o in range(a[n], b[n])}
+        unmasked = {(o, n) for n, o in unmasked} if transpose else unmasked
+        assert unmasked == whole & needed, (range_fn.__name__, sorted(unmasked ^ (whole & needed))[:5])
+
+
+def test_a_long_window_runs_mostly_unmasked():
+    """At seq 32,768 and window 4,096 with the GPU's default (128, 64) tiles, 94% of the visited
+    (query block, KV block) pairs skip the mask: only the band's two edges build it."""
+    seq, window, bq, bk = 32768, 4096, 128, 64
+    kw = dict(window=window, block_q=bq, block_k=bk)
+    lo, hi = pk.kv_block_range(jnp.arange(seq // bq), seq_len=seq, **kw)
+    a, b = pk.unmasked_span(lo, hi, *pk.full_kv_block_range(jnp.arange(seq // bq), **kw))
+    unmasked, visited = int((b - a).sum()), int((hi - lo + 1).sum())
+    assert visited == pk.visited_kv_blocks(seq, window, bq, bk) and unmasked > 0.93 * visited
+
+
 def test_visited_blocks_grow_as_seq_times_window():
     block, window = 64, 512
     for seq in (4096, 16384, 65536):
