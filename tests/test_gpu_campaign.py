@@ -276,6 +276,7 @@ def test_dry_run_kernels_have_every_contender_with_finite_times(full):
             assert [t["blocks"] for t in pallas["tried"]] == [list(b) for b in kernels["settings"]["blocks"]]
             assert pallas["ms"] == min(t["ms"] for t in pallas["tried"])
             assert pallas["stages"] == 2 and {t["stages"] for t in pallas["tried"]} == {2}  # no depths: interpret
+            assert pallas["forward_ms"] > 0  # the best tile's forward alone: the backward is ms - forward_ms
     assert {(r["kernel"], r["impl"]) for r in kernels["fused"]} == {
         (k, i) for k in ("layer_norm_residual", "bias_gelu") for i in ("pallas", "xla")}
     assert all(math.isfinite(r["ms"]) and r["ms"] > 0 for r in kernels["fused"])

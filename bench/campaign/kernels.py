@@ -18,7 +18,7 @@ from __future__ import annotations
 import types
 
 from bench.campaign import process
-from bench.kernels.attention import attention_flops, attention_impls, bench_fused, time_fwd_bwd
+from bench.kernels.attention import attention_flops, attention_impls, bench_fused, time_fwd, time_fwd_bwd
 
 SHAPES = {  # keyed by dry_run
     False: dict(seqs=(2048, 8192, 32768), windows=(512, 1024, 4096), batch=1, heads=16, head_dim=128, iters=20,
@@ -100,12 +100,23 @@ def tuned_pallas(seq: int, window: int, qkv, shape, reference, on_gpu: bool = Fa
     fn = lambda q, k, v: flash_attention(q, k, v, window=window, block_q=best["blocks"][0], block_k=best["blocks"][1],
                                          num_stages=best["stages"])
     return {**row, "blocks": best["blocks"], "stages": best["stages"], "ms": best["ms"], "tflops": best["tflops"],
+            **forward_alone(fn, qkv, shape),
             **({"rel_err": relative_error(fn, qkv, reference)} if reference is not None else {})}
+
+
+def forward_alone(fn, qkv, shape: dict) -> dict:
+    """The forward's own median ms (the fwd+bwd row's `ms` less it is the backward's), for the
+    kernels the ladder chooses between (cuDNN, the best Pallas tile): where the gap to cuDNN is."""
+    try:
+        return {"forward_ms": time_fwd(fn, qkv, shape["iters"]) * 1e3}
+    except Exception as e:  # noqa: BLE001 — the fwd+bwd row still counts
+        return {"forward_error": process.one_line(e)}
 
 
 def show(row: dict) -> None:
     result = f"{row['ms']:>10.3f}{row['tflops']:>9.2f}" if "ms" in row else f"  {row.get('error') or row['skipped']}"
-    print(f"{row['seq']:>7}{str(row['window']):>8}  {row['contender']:<18}{result}", flush=True)
+    forward = f"  (forward {row['forward_ms']:.3f})" if "forward_ms" in row else ""
+    print(f"{row['seq']:>7}{str(row['window']):>8}  {row['contender']:<18}{result}{forward}", flush=True)
 
 
 def run(settings: dict) -> dict:
@@ -137,6 +148,8 @@ def run(settings: dict) -> dict:
                     row["skipped"] = fn
                 else:
                     timed(row, fn, qkv, shape, reference(None) if dense else ref)
+                    if name == "cudnn_window" and "ms" in row:
+                        row.update(forward_alone(fn, qkv, shape))
                 rows.append(row)
                 show(row)
             rows.append(tuned_pallas(seq, window, qkv, shape, ref, on_gpu))

@@ -18,14 +18,15 @@ def outcome(row: dict) -> str:
 
 def kernels(section: dict) -> None:
     print("attention fwd+bwd, bf16 (TFLOP/s of the useful FLOPs; rel_err of the forward vs float32)")
-    print(f"{'seq':>7}{'window':>8}  {'contender':<18}{'ms':>10}{'TFLOP/s':>9}{'rel_err':>9}  blocks")
+    print(f"{'seq':>7}{'window':>8}  {'contender':<18}{'ms':>10}{'fwd ms':>9}{'TFLOP/s':>9}{'rel_err':>9}  blocks")
     for r in section["attention"]:
         head = f"{r['seq']:>7}{str(r['window']):>8}  {r['contender']:<18}"
         if "ms" not in r:
             print(f"{head}  {outcome(r)}")
             continue
         blocks = "x".join(map(str, r["blocks"])) if "blocks" in r else ""
-        print(f"{head}{r['ms']:>10.3f}{r['tflops']:>9.2f}{number(r.get('rel_err'), '.1e', 9)}  {blocks}")
+        print(f"{head}{r['ms']:>10.3f}{number(r.get('forward_ms'), '.3f', 9)}{r['tflops']:>9.2f}"
+              f"{number(r.get('rel_err'), '.1e', 9)}  {blocks}")
     print(f"\n{'fused kernel fwd+bwd':<22}{'impl':<8}{'ms':>10}")
     for r in section["fused"]:
         print(f"{r['kernel']:<22}{r['impl']:<8}" + (f"{r['ms']:>10.3f}" if "ms" in r else f"  {outcome(r)}"))

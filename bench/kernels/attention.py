@@ -43,6 +43,20 @@ def time_fwd_bwd(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
+def time_fwd(fn, args, iters: int) -> float:
+    """Median seconds of one jitted forward alone (beside `time_fwd_bwd`: which half is slow)."""
+    import jax
+
+    step = jax.jit(fn)
+    jax.block_until_ready(step(*args))  # compile + warm up
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def attention_impls(window):
     from megascale_jax.model.attention import attend
     from pallas_kernels import flash_attention, triton_attention
