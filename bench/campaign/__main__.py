@@ -1,6 +1,6 @@
 """The GPU campaign: every measurement this project wants from a lent GPU, in one command.
 
-    python -m bench.campaign                          # all sections; ~15 min on one H200
+    python -m bench.campaign                          # all sections; ~25 min on one H200
     python -m bench.campaign --only kernels,checkpoints --overwrite   # rerun sections
     python -m bench.campaign --dry-run                # every section, tiny, on the CPU
     python -m bench.campaign --tiny                   # every section, tiny, on the GPU (smoke test)
