@@ -3,8 +3,8 @@ the planner prices them (issue 40: "every calibration constant a datasheet value
 measurement of ours: GEMM efficiency by shape"). `megascale_jax.planner.measured.gemm_fit` turns
 the rows into the planner's constants.
 
-Each GEMM, bf16 (m × k) · (k × n) with float32 accumulation, is its own jitted function (its own
-HLO module), compiled, run once, then run REPEATS times under `jax.profiler`; its time is the
+Each GEMM, bf16 (m × k) · (k × n) → bf16 as the model's layers run theirs, is its own jitted
+function (its own HLO module), compiled, run once, then run REPEATS times under `jax.profiler`; its time is the
 device time of its module's ops in the trace (`observe.device_profile.read_ops`), divided by the
 repeats. Timed on the device, not from the host: a 2-GFLOP GEMM takes ~3 µs on an H100, well
 under the ~20 µs the host takes to dispatch a call, so host timing would measure the dispatch.
@@ -71,8 +71,8 @@ def gemm_row(m: int, k: int, n: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    def gemm(a, b):
-        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    def gemm(a, b):  # as the model's layers multiply: bf16 in and out, float32 accumulation inside
+        return jnp.dot(a, b)
 
     gemm.__name__ = f"gemm_{m}x{k}x{n}"  # its own HLO module name, so the trace tells the shapes apart
     a, b = (jax.random.normal(jax.random.PRNGKey(i), shape, jnp.bfloat16) for i, shape in ((0, (m, k)), (1, (k, n))))
