@@ -22,16 +22,22 @@ from megascale_jax.planner.workload import from_config
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-# What a run's code did by default then that the planner prices apart now: (last date, overrides).
-# Until 2026-11-27 (both H200 runs) the LM head's backward GEMMs ran in float32
-# (model.head_grad_float32 came with its bf16 backward after that day's run).
-AS_RUN = (("2026-11-27", ("model.head_grad_float32=true",)),)
+# What a run's code did by default then that the planner prices apart now: (the change's commit
+# time, the overrides that undo it for runs that finished before it). The LM head's backward ran
+# in float32 until commit dc3b32a (2026-11-27 11:48 UTC: model.head_grad_float32 and the bf16
+# backward), after both H200 runs (their ladders finished 2026-11-23T01:43, 2026-11-27T11:30).
+AS_RUN = (("2026-11-27T11:48:53", ("model.head_grad_float32=true",)),)
 
 
-def row_config(config_file: str, row: dict, date: str = "9999"):
+def finished(result: dict, section: str) -> str:
+    """When `section` of a campaign result finished (ISO time), or its day for older results."""
+    return result["sections"][section].get("finished", result["date"])
+
+
+def row_config(config_file: str, row: dict, ran_at: str = "9999"):
     """A ladder row's config: `config_file` (relative to the checkout) with the row's changes, as
-    the code of `date` (the result's) ran it (`AS_RUN`)."""
-    as_run = [o for last, overrides in AS_RUN if date <= last for o in overrides]
+    the code it ran at `ran_at` (an ISO time: `finished`) had it (`AS_RUN`)."""
+    as_run = [o for change, overrides in AS_RUN if ran_at < change for o in overrides]
     overrides = as_run + [f"{k}={v}" for k, v in row["config"].items()] + [
         f"parallel.microbatches={row['microbatches']}", f"train.global_batch={row['global_batch']}"]
     return load_config(os.path.join(REPO, config_file), overrides, planning=True)
@@ -45,7 +51,8 @@ def validation_table(path: str, gpu_key: str) -> list[dict]:
     gpu = calibration.gpu(gpu_key)
     table = []
     for row in (r for r in ladder["rows"] if r.get("step_time_s")):
-        predicted = predict(from_config(row_config(ladder["config"], row, result["date"]), 1), gpu).iteration_s
+        predicted = predict(from_config(row_config(ladder["config"], row, finished(result, "mfu_ladder")), 1),
+                            gpu).iteration_s
         table.append({"row": row["name"], "batch": row["global_batch"], "measured_s": row["step_time_s"],
                       "predicted_s": predicted, "error": predicted / row["step_time_s"] - 1})
     return table
@@ -73,7 +80,8 @@ def part_table(path: str, gpu_key: str) -> list[dict]:
     profiled = section["op_table"]
     config_file = result["sections"].get("mfu_ladder", {}).get("config", "configs/gpt_1b.yaml")
     row = {"config": profiled["config"], "microbatches": 1, "global_batch": profiled["batch"]}
-    parts = predict(from_config(row_config(config_file, row, result["date"]), 1), calibration.gpu(gpu_key)).parts
+    parts = predict(from_config(row_config(config_file, row, finished(result, "profiled_steps")), 1),
+                    calibration.gpu(gpu_key)).parts
     measured = dict.fromkeys(PLANNER_KINDS, 0.0)
     for part, seconds in section["by_part"].items():
         if part != "total":
@@ -125,7 +133,7 @@ def fit_elementwise_passes(path: str, row_name: str, gpu_key: str) -> float:
         result = json.load(f)
     ladder = result["sections"]["mfu_ladder"]
     row = next(r for r in ladder["rows"] if r["name"] == row_name)
-    w, gpu = from_config(row_config(ladder["config"], row, result["date"]), 1), calibration.gpu(gpu_key)
+    w, gpu = from_config(row_config(ladder["config"], row, finished(result, "mfu_ladder")), 1), calibration.gpu(gpu_key)
     low, high = 0.0, 64.0
     for _ in range(60):
         mid = (low + high) / 2

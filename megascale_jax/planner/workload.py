@@ -104,8 +104,8 @@ class Workload:
     # The LM head's logits recomputed in the backward (this project's model.loss_chunks > 1: each
     # slice's float32 logits dropped after its loss; predict.head_s)
     head_recompute: bool = False
-    # The LM head's backward GEMMs in float32 (this project's model.head_grad_float32): priced at
-    # the calibration's measured float32 GEMM rate (`fp32_gemm_tflops`)
+    # The LM head's backward in float32 (this project's model.head_grad_float32): its weight-gradient
+    # GEMM priced at the calibration's measured float32 GEMM rate (`fp32_gemm_tflops`; predict.head_s)
     head_grad_float32: bool = False
 
     @property
@@ -124,7 +124,8 @@ def from_config(cfg: Config, gpus: int) -> Workload:
       backward ("full"); `residuals` and pp = 1 recompute nothing, unless `model.remat` asks:
       full reruns each layer ("full"), dots reruns its norms, GeLU and softmax ("selective",
       which this planner prices as the attention and its score pass), elementwise reruns the
-      norms and the MLP activation ("elementwise": the layer's memory-bound passes once more).
+      norms and the MLP activation ("elementwise": inside the backward's fusions, from inputs
+      they read anyway, so priced as no HBM pass more; `predict.layer_times`).
     * The optimizer (`optim.name`), the logits recomputed by `model.loss_chunks` > 1 and the LM
       head's float32 backward (`model.head_grad_float32`) are priced (`predict.optimizer_s`,
       `predict.head_s`).

@@ -785,14 +785,18 @@ def test_an_option_without_a_measured_rate_is_refused_and_defaults_are_named(cap
 
 
 def test_this_projects_runs_are_priced_as_their_code_ran_them():
-    """Results up to 2026-11-27 ran the LM head's backward in float32 (the default then); later
-    ones run what their config says."""
+    """Sections that finished before the LM head's bf16 backward (commit dc3b32a, 2026-11-27 11:48
+    UTC) ran it in float32, the default then; later ones run what their config says. Both H200
+    results' ladders and profiles finished before it."""
     from megascale_jax.planner import measured
 
     row = {"config": {"model.window": 512}, "microbatches": 1, "global_batch": 8}
-    assert measured.row_config("configs/gpt_1b.yaml", row, "2026-11-23").model.head_grad_float32
-    assert measured.row_config("configs/gpt_1b.yaml", row, "2026-11-27").model.head_grad_float32
-    assert not measured.row_config("configs/gpt_1b.yaml", row, "2026-11-28").model.head_grad_float32
+    for ran_at, fp32 in (("2026-11-23T01:43:43", True), ("2026-11-27T11:38:20", True), ("2026-11-27T13:00:00", False),
+                         ("2026-11-28", False)):
+        assert measured.row_config("configs/gpt_1b.yaml", row, ran_at).model.head_grad_float32 is fp32, ran_at
+    for path in (H200_RUN, HELD_OUT_H200):
+        result = json.load(open(path))
+        assert all(measured.finished(result, s) < "2026-11-27T11:48:53" for s in ("mfu_ladder", "profiled_steps"))
 
 
 def test_a_swiglu_model_keeps_its_flops_in_the_planner():
