@@ -115,6 +115,15 @@ def unmasked_span(lo, hi, full_lo, full_hi):
     return a, jnp.clip(full_hi + 1, a, hi + 1)
 
 
+def _band_loop(lo, hi, full, body, init):
+    """`body(j, carry, masked)` over the visited blocks lo..hi: unmasked on the span `full` (a
+    `full_*_block_range`) covers, masked before and after it."""
+    a, b = unmasked_span(lo, hi, *full)
+    carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), init)
+    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
+    return lax.fori_loop(b, hi + 1, functools.partial(body, masked=True), carry)
+
+
 def visited_kv_blocks(seq_len: int, window: int | None, block_q: int, block_k: int) -> int:
     """Number of (query block, KV block) pairs the forward kernel visits, from `kv_block_range`."""
     padded = _padded_len(seq_len, block_q, block_k)
@@ -173,7 +182,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
     q = q_ref[...]
     rows = qi * bq + jnp.arange(bq)
     lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    a, b = unmasked_span(lo, hi, *full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk))
+    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk)
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
@@ -189,9 +198,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
 
     init = (jnp.zeros(q.shape, jnp.float32), jnp.full((bq,), MASKED, jnp.float32),
             jnp.zeros((bq,), jnp.float32))
-    carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), init)
-    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
-    acc, m, l = lax.fori_loop(b, hi + 1, functools.partial(body, masked=True), carry)
+    acc, m, l = _band_loop(lo, hi, full, body, init)
     l = jnp.where(l == 0, 1.0, l)  # rows that visited nothing (padding only)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
@@ -204,7 +211,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     lse, delta = lse_ref[...], delta_ref[...]
     rows = qi * bq + jnp.arange(bq)
     lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    a, b = unmasked_span(lo, hi, *full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk))
+    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk)
 
     def body(j, dq, masked: bool):
         k = k_ref[pl.ds(j * bk, bk), :]
@@ -215,9 +222,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
         ds = p * (_dot_t(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
-    dq = lax.fori_loop(lo, a, functools.partial(body, masked=True), jnp.zeros(q.shape, jnp.float32))
-    dq = lax.fori_loop(a, b, functools.partial(body, masked=False), dq)
-    dq = lax.fori_loop(b, hi + 1, functools.partial(body, masked=True), dq)
+    dq = _band_loop(lo, hi, full, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -228,7 +233,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     k, v = k_ref[...], v_ref[...]
     cols = kj * bk + jnp.arange(bk)
     lo, hi = q_block_range(kj, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    a, b = unmasked_span(lo, hi, *full_q_block_range(kj, window=cfg.window, block_q=bq, block_k=bk))
+    full = full_q_block_range(kj, window=cfg.window, block_q=bq, block_k=bk)
 
     def body(i, carry, masked: bool):
         dk, dv = carry
@@ -247,9 +252,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
         return dk, dv
 
     zeros = jnp.zeros(k.shape, jnp.float32)
-    carry = lax.fori_loop(lo, a, functools.partial(body, masked=True), (zeros, zeros))
-    carry = lax.fori_loop(a, b, functools.partial(body, masked=False), carry)
-    dk, dv = lax.fori_loop(b, hi + 1, functools.partial(body, masked=True), carry)
+    dk, dv = _band_loop(lo, hi, full, body, (zeros, zeros))
     dk_ref[...] = (dk * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 

@@ -5,8 +5,10 @@ against XLA. Timing, FLOP count and the fused-kernel cases are bench/kernels/att
 Contenders: XLA dense causal (once per seq: it ignores the window), XLA masked window, cuDNN
 window, Pallas window (every (block_q, block_k) of the shape's grid tried, then on a GPU the
 fastest tile at each further Triton pipelining depth of STAGES; the fastest kept, all recorded),
-jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when importable. A contender that cannot run here is one line ("skipped: needs a GPU"); one that
-fails is one line of error; either way the others go on.
+jax-triton's window forward when installed, and tokamax's Mosaic GPU attention when importable.
+cuDNN's and the best Pallas tile's forward are also timed alone (`forward_alone`). A contender
+that cannot run here is one line ("skipped: needs a GPU"); one that fails is one line of error;
+either way the others go on.
 
 Fast but wrong is worthless, and the Pallas kernels have never run on a GPU before this
 campaign: up to CHECK_MAX_SEQ (where the float32 reference's scores still fit) every

@@ -57,9 +57,10 @@ def ladder(section: dict, torch_peer: dict | None) -> None:
             named = next((r for r in measured_rows if r["name"] == peer["row"]), None)
             return named or claims_module.fastest(claims_module.same_work(measured_rows, peer["window"], peer["batch"])) or {}
 
+        pairs = [(p, ours(p)) for p in same_tokens]
         print("PyTorch peer on the same token rows: " + "; ".join(
             f"{p['row']} ({p['family']}, {p['attention']}): loss after {p['steps']} steps {p['final_loss']:.4f}, "
-            f"ours ({ours(p).get('name', 'no row')}) {number(ours(p).get('final_loss'), '.4f', 0)}" for p in same_tokens))
+            f"ours ({mine.get('name', 'no row')}) {number(mine.get('final_loss'), '.4f', 0)}" for p, mine in pairs))
 
 
 def levers(section: dict) -> None:

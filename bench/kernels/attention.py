@@ -19,11 +19,11 @@ import sys
 import time
 
 from bench.common import Bench
-from megascale_jax.planner.costs import visible_pairs
+from megascale_jax.planner.costs import FLASH_FWD_BWD, visible_pairs
 
 
 def attention_flops(batch, heads, head_dim, seq, window) -> float:
-    return 3.5 * 4 * batch * heads * head_dim * visible_pairs(seq, window)
+    return FLASH_FWD_BWD * 4 * batch * heads * head_dim * visible_pairs(seq, window)
 
 
 def time_fwd_bwd(fn, args, iters: int) -> float:
@@ -32,23 +32,21 @@ def time_fwd_bwd(fn, args, iters: int) -> float:
     import jax.numpy as jnp
 
     cot = jax.random.normal(jax.random.PRNGKey(1), jax.eval_shape(fn, *args).shape, args[0].dtype)
-    step = jax.jit(jax.grad(lambda *a: jnp.vdot(fn(*a), cot).real.astype(jnp.float32),
-                            argnums=tuple(range(len(args)))))
-    jax.block_until_ready(step(*args))  # compile + warm up
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    step = jax.grad(lambda *a: jnp.vdot(fn(*a), cot).real.astype(jnp.float32), argnums=tuple(range(len(args))))
+    return median_seconds(step, args, iters)
 
 
 def time_fwd(fn, args, iters: int) -> float:
     """Median seconds of one jitted forward alone (beside `time_fwd_bwd`: which half is slow)."""
+    return median_seconds(fn, args, iters)
+
+
+def median_seconds(fn, args, iters: int) -> float:
+    """Median seconds of `iters` calls of jit(fn)(*args), after one that compiles and warms up."""
     import jax
 
     step = jax.jit(fn)
-    jax.block_until_ready(step(*args))  # compile + warm up
+    jax.block_until_ready(step(*args))
     times = []
     for _ in range(iters):
         start = time.perf_counter()

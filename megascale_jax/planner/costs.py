@@ -54,6 +54,11 @@ def linear_s(tokens: int, k: int, n: int, gpu: Gpu) -> dict[str, float]:
             "backward_wave_loss": gemm_wave_loss_s(tokens, n, k, gpu) + gemm_wave_loss_s(k, tokens, n, gpu)}
 
 
+# A FlashAttention-2 kernel's forward + backward FLOPs over its forward's: the backward recomputes
+# the scores and takes four products to the forward's two, 2.5x the forward.
+FLASH_FWD_BWD = 3.5
+
+
 def visible_pairs(seq: int, window: int | None) -> int:
     """(query, key) pairs a causal attention over `seq` tokens computes, each query seeing the
     last `window` keys (itself included; all before it for window=None): i − w < j ≤ i."""
@@ -68,9 +73,9 @@ def fused_attention_s(forward_flops: float, query_rows: float, gpu: Gpu) -> floa
     (queries × heads). c_q is what each query row costs the forward and backward together beyond
     its pairs' FLOPs (its Q, O, dO and dQ through HBM, the softmax statistics, the partly masked
     blocks at the window's edges), so short windows run below e_attn; the backward is 2.5× the
-    forward (FlashAttention-2's FLOPs), hence 1/3.5 of c_q here. Both constants are fitted to
-    this project's kernel bench on the GPU (`measured.attention_fit`)."""
-    return forward_flops / (gpu.peak_flops * gpu.attention_efficiency) + query_rows * gpu.attention_query_s / 3.5
+    forward (`FLASH_FWD_BWD`), hence 1/3.5 of c_q here. Both constants are fitted to this
+    project's kernel bench on the GPU (`measured.attention_fit`)."""
+    return forward_flops / (gpu.peak_flops * gpu.attention_efficiency) + query_rows * gpu.attention_query_s / FLASH_FWD_BWD
 
 
 def hbm_s(nbytes: float, gpu: Gpu) -> float:

@@ -43,16 +43,28 @@ def row_config(config_file: str, row: dict, ran_at: str = "9999"):
     return load_config(os.path.join(REPO, config_file), overrides, planning=True)
 
 
+def ladder_workload(result: dict, row: dict):
+    """The planner's workload of one MFU ladder row of a campaign result, as its code ran it."""
+    ladder = result["sections"]["mfu_ladder"]
+    return from_config(row_config(ladder["config"], row, finished(result, "mfu_ladder")), 1)
+
+
+def relative_lstsq(design, measured):
+    """Coefficients c of design @ c ≈ measured, least squares on the relative error (every row
+    weighted alike, whatever its size)."""
+    import numpy as np
+
+    return np.linalg.lstsq(design / measured[:, None], np.ones(len(measured)), rcond=None)[0]
+
+
 def validation_table(path: str, gpu_key: str) -> list[dict]:
     """Predicted vs measured step seconds for every ladder row that ran, with relative error."""
     with open(path) as f:
         result = json.load(f)
-    ladder = result["sections"]["mfu_ladder"]
     gpu = calibration.gpu(gpu_key)
     table = []
-    for row in (r for r in ladder["rows"] if r.get("step_time_s")):
-        predicted = predict(from_config(row_config(ladder["config"], row, finished(result, "mfu_ladder")), 1),
-                            gpu).iteration_s
+    for row in (r for r in result["sections"]["mfu_ladder"]["rows"] if r.get("step_time_s")):
+        predicted = predict(ladder_workload(result, row), gpu).iteration_s
         table.append({"row": row["name"], "batch": row["global_batch"], "measured_s": row["step_time_s"],
                       "predicted_s": predicted, "error": predicted / row["step_time_s"] - 1})
     return table
@@ -97,8 +109,8 @@ def attention_fit(path: str, gpu_key: str, contender: str = "cudnn_window") -> d
 
         t = t_call + F / (P · e_attn) + N_q · c_q
 
-    F the call's FLOPs (3.5 × 4 · head_dim per visible (query, key) pair and head), N_q its query
-    rows (batch × heads × seq), t_call what each timed call pays once (the host's dispatch and
+    F the call's FLOPs (`costs.FLASH_FWD_BWD` × 4 · head_dim per visible (query, key) pair and
+    head), N_q its query rows (batch × heads × seq), t_call what each timed call pays once (the host's dispatch and
     the kernels' launches: inside a compiled train step it is not paid per layer, so the planner
     drops it). Least squares on the relative error, every measured row weighted alike. Returns
     e_attn, c_q (ns), t_call (µs) and each row's measured and fitted ms; P is `gpu_key`'s peak."""
@@ -110,12 +122,12 @@ def attention_fit(path: str, gpu_key: str, contender: str = "cudnn_window") -> d
     rows = [r for r in kernels["attention"] if r["contender"] == contender and r.get("ms")]
     if len(rows) < 3:
         raise ValueError(f"{path}: {len(rows)} measured {contender} rows; the fit needs 3 or more")
-    flops = [3.5 * 4 * shape["batch"] * shape["heads"] * shape["head_dim"] * costs.visible_pairs(r["seq"], r["window"])
-             for r in rows]
+    flops = [costs.FLASH_FWD_BWD * 4 * shape["batch"] * shape["heads"] * shape["head_dim"]
+             * costs.visible_pairs(r["seq"], r["window"]) for r in rows]
     queries = [shape["batch"] * shape["heads"] * r["seq"] for r in rows]
     seconds = np.array([r["ms"] * 1e-3 for r in rows])
     design = np.array([[1.0, f / peak, q] for f, q in zip(flops, queries)])
-    coef = np.linalg.lstsq(design / seconds[:, None], np.ones(len(rows)), rcond=None)[0]
+    coef = relative_lstsq(design, seconds)
     fitted = design @ coef
     return {"attention_efficiency": float(1 / coef[1]), "attention_query_ns": float(coef[2] * 1e9),
             "call_us": float(coef[0] * 1e6),
@@ -131,9 +143,8 @@ def fit_elementwise_passes(path: str, row_name: str, gpu_key: str) -> float:
 
     with open(path) as f:
         result = json.load(f)
-    ladder = result["sections"]["mfu_ladder"]
-    row = next(r for r in ladder["rows"] if r["name"] == row_name)
-    w, gpu = from_config(row_config(ladder["config"], row, finished(result, "mfu_ladder")), 1), calibration.gpu(gpu_key)
+    row = next(r for r in result["sections"]["mfu_ladder"]["rows"] if r["name"] == row_name)
+    w, gpu = ladder_workload(result, row), calibration.gpu(gpu_key)
     low, high = 0.0, 64.0
     for _ in range(60):
         mid = (low + high) / 2
@@ -162,7 +173,7 @@ def gemm_fit(path: str, gpu_key: str) -> dict:
     waves = np.array([costs.wave_efficiency(r["m"], r["n"], gpu) for r in rows])
     scaled = np.array([r["seconds"] for r in rows]) * waves * gpu.peak_flops  # = (F + F_half) / e_max
     design = np.stack([work, np.ones(len(rows))], axis=1)
-    slope, intercept = np.linalg.lstsq(design / scaled[:, None], np.ones(len(rows)), rcond=None)[0]
+    slope, intercept = relative_lstsq(design, scaled)
     fitted = (design @ [slope, intercept]) / (waves * gpu.peak_flops)
     return {"matmul_max_efficiency": float(1 / slope), "matmul_half_gflop": float(intercept / slope / 1e9),
             "rows": [{"m": r["m"], "k": r["k"], "n": r["n"], "measured_us": r["seconds"] * 1e6, "fitted_us": float(t * 1e6),

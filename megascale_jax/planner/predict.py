@@ -99,7 +99,7 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     if w.fused_attention:  # only the visible (query, key) pairs: the kernel skips masked blocks
         pairs = w.microbatch_seqs * heads_here * costs.visible_pairs(w.seq_len, w.window)
         attention = costs.fused_attention_s(4 * hd * pairs, tokens * heads_here, gpu)
-        attention_backward = 2.5 * attention  # the kernel recomputes the scores in its backward
+        attention_backward = (costs.FLASH_FWD_BWD - 1) * attention  # it recomputes the scores in its backward
         score_bytes = 0.0
     else:  # batched GEMMs per (sequence, head) and the scores written and read back from HBM.
         # Every (query, key) score is computed and then masked (on an H200, XLA attention ran
