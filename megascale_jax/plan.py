@@ -81,7 +81,7 @@ def explain(p: Plan) -> str:
             "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
             "bubble": "pipeline warm-up and cool-down",
             "pp sends": "pipeline sends not hidden behind a tick's compute",
-            "pp tied embedding": "the tied embedding's gradient all-reduce between the first and last stage",
+            "pp edge gradients": "the embedding's and head's gradients summed over pp after the backward",
             "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute",
             "optimizer": "the update's HBM passes (and Megatron's over its gradient and parameter buffers)",
             "data": "loader time on the critical path (charged 0: prefetched)"}

@@ -33,8 +33,8 @@ SHAPE = ["model.layers=4", "model.d_model=64", "model.heads=4", "model.kv_heads=
 # The layouts tests/planner holds to 5% (the test imports them from here).
 CHECKED = {
     "dp4 tp2, 2 accumulation steps": ["mesh.dp=4", "mesh.tp=2", "parallel.microbatches=2", "parallel.zero1=false"],
-    "dp2 pp2 tp2, 1F1B, ZeRO-1": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
-                                  "parallel.zero1=true"],
+    "dp2 pp2 tp2, 1F1B, ZeRO-1, tied embedding": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
+                                                  "parallel.zero1=true", "model.tied_embeddings=true"],
     "dp2 pp2 tp2, interleaved, serial": ["mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
                                          "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
                                          "model.block=serial", "parallel.zero1=false"],

@@ -373,6 +373,8 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
         params, specs = with_tied_head(params), with_tied_head(specs)
     grads = GradientPlacement(specs, mesh.shape["dp"], constrain=grad_specs is not None)
     out = jax.tree.map(manual_spec, grads.dims)
+    if cfg.model.tied_embeddings:  # the head's gradient leaves the stage folded into the embedding's
+        out["head"] = None
     run = jax.shard_map(
         functools.partial(train_stage, cfg, explicit_tp(cfg, mesh), grads, schedule_for(cfg)),
         mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
@@ -382,7 +384,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     loss, g_layers, g_embed, g_norm, g_head = run(params["layers"], params["embed"], params["final_norm"],
                                                   params["head"], batch)
     if cfg.model.tied_embeddings:
-        return loss, {"embed": g_embed + g_head.T, "layers": g_layers, "final_norm": g_norm}
+        return loss, {"embed": g_embed, "layers": g_layers, "final_norm": g_norm}
     return loss, {"embed": g_embed, "layers": g_layers, "final_norm": g_norm, "head": g_head}
 
 
@@ -404,9 +406,12 @@ def train_stage(cfg: Config, masked: bool, grads: GradientPlacement, schedule: S
     if dp > 1:
         g_layers = reduced
     g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
+    if cfg.model.tied_embeddings:  # one matrix: its two gradients added before they travel, so
+        # dp and pp move it once (reduced apart and summed after, they moved it twice)
+        g_embed, g_head = g_embed + g_head.T, None
     if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
-        g_embed, g_norm, g_head = (grads.reduce(x, k) for x, k in
-                                   ((g_embed, "embed"), (g_norm, "final_norm"), (g_head, "head")))
+        g_embed, g_norm = grads.reduce(g_embed, "embed"), grads.reduce(g_norm, "final_norm")
+        g_head = None if g_head is None else grads.reduce(g_head, "head")
     g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
     return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
 

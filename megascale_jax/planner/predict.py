@@ -23,8 +23,9 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   microbatches (`reduce_scatter_every_microbatch`, Llama 3's FSDP) every microbatch
   reduce-scatters its gradients; that traffic runs on the link's own timeline from the stage's
   first gradient on (`sharded_gradient_nic`), and dp is what it runs past the stage's compute.
-* pp: also the tied embedding's gradient all-reduce between the first and last stage
-  (`tied_embedding_s`).
+* pp: also the edges' gradients summed over pp after the backward (`edge_gradients_s`):
+  Megatron-LM's tied embedding between the first and last stage, or, with the embedding and
+  head on every stage (this project), both (one matrix if tied) over every stage.
 * optimizer: memory-bound passes over its share of parameters, gradients and moments, and
   Megatron-LM's own over its buffers (`optimizer_s`).
 * data: 0 — the loader prefetches on the host, off the step's critical path; this model charges
@@ -42,7 +43,7 @@ from megascale_jax import pipeline_schedule
 from megascale_jax.model import flops
 from megascale_jax.planner import costs, traffic
 from megascale_jax.planner.calibration import Gpu
-from megascale_jax.planner.workload import Workload, model_config, stage_params
+from megascale_jax.planner.workload import Workload, edge_matrices, model_config, stage_params
 
 OPTIMIZER_BYTES_PER_PARAM = 28  # read param, grad, 2 moments (fp32) = 16; write param, 2 moments = 12
 # LAMB (training/optim.py: Adam's update, weight decay, then each layer's trust ratio
@@ -264,14 +265,18 @@ def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
     return ticks * (costs.overlapped_s(send, tick_compute, gpu) if w.pp_async else 2 * send)
 
 
-def tied_embedding_s(w: Workload, gpu: Gpu) -> float:
-    """Seconds of the tied embedding's gradient all-reduce between the first and the last stage
-    (`tied_embedding`, pp > 1): its vocab × d_model / tp gradients (grad bytes each) over the two
-    ranks, a ring all-reduce on the link between them, exposed: it runs after the backward, before
-    the optimizer (Megatron-LM's `reduce_model_grads`)."""
-    if not w.tied_embedding or w.pp == 1:
+def edge_gradients_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of the edges' gradient sum over pp (pp > 1), exposed: it runs after the backward,
+    before the optimizer.
+    * Edges on every stage (`edge_on_every_stage`, this project's pipeline): their gradients,
+      `traffic.edge_gradient_bytes`, a ring all-reduce over the pp stages.
+    * Megatron-LM's tied embedding (`tied_embedding`): its vocab × d_model / tp gradients (grad
+      bytes each) over the first and the last stage (`reduce_model_grads`)."""
+    if w.pp == 1 or not (w.edge_on_every_stage or w.tied_embedding):
         return 0.0
     link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    if w.edge_on_every_stage:
+        return costs.ring_all_reduce_s(traffic.edge_gradient_bytes(w), w.pp, link)
     return costs.ring_all_reduce_s(w.vocab * w.d_model / w.tp * w.grad_bytes, 2, link)
 
 
@@ -279,7 +284,8 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
     """Seconds of the optimizer's memory-bound passes per iteration:
     * the update over the parameters this GPU updates (its 1/dp share with ZeRO-1): read the fp32
       parameter, gradient and two moments, write the parameter and moments, 28 bytes each, and
-      with LAMB 12 more (`LAMB_EXTRA_BYTES_PER_PARAM`);
+      with LAMB 12 more (`LAMB_EXTRA_BYTES_PER_PARAM`), and the gradients' global norm's read of
+      each (`gradient_norm`; grad bytes);
     * with Megatron-LM's optimizer (`megatron_optimizer`), per updated parameter the global norm's
       read of the gradient (clip_grad_norm, every step) and the copy of the fp32 parameter into
       the 16-bit model (`_copy_main_params_to_model_params`): 4 + 4 + param bytes; per parameter
@@ -291,6 +297,8 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
     params = stage_params(w)
     updated = params / (w.dp if w.zero1 else 1)
     nbytes = updated * (OPTIMIZER_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES_PER_PARAM if w.optimizer == "lamb" else 0))
+    if w.gradient_norm and not w.megatron_optimizer:  # Megatron's read is counted below
+        nbytes += updated * w.grad_bytes
     if w.megatron_optimizer:
         nbytes += updated * (4 + 4 + w.param_bytes)
         if w.grad_accumulator:
@@ -351,7 +359,7 @@ def gradient_params(w: Workload, stage: int) -> float:
         layers = w.last_stage_layers
     elif first:
         layers = w.first_stage_layers
-    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else w.vocab * w.d_model * (last + first)
+    edge = edge_matrices(w) * w.vocab * w.d_model if w.edge_on_every_stage else w.vocab * w.d_model * (last + first)
     return layers * flops.layer_params_per_device(model_config(w), w.tp) + edge / w.tp
 
 
@@ -452,8 +460,8 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
         busy = compute + tp
         link = sharded_gradient_link(w, gpu, t, busy)
         dp += costs.exposed_s(link["end_s"], busy + bubble + pp) + costs.held_sms_s(link["reduce_scatter_s"], busy, gpu)
-    tied = tied_embedding_s(w, gpu)
-    pp += tied
+    edges = edge_gradients_s(w, gpu)
+    pp += edges
     optimizer = optimizer_s(w, gpu)
     breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
                  "data": 0.0}
@@ -466,8 +474,8 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
              "compute attention": runs * kind["attention"], "compute elementwise": runs * kind["elementwise"],
              "compute lm head": m * (head - head_waves - head_accumulation),
              "compute gradient accumulation": runs * kind["gradient accumulation"] + m * head_accumulation,
-             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp - tied,
-             "pp tied embedding": tied,
+             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp - edges,
+             "pp edge gradients": edges,
              "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())
     tokens = w.global_batch * w.seq_len

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from megascale_jax import pipeline_schedule
 from megascale_jax.planner import costs
-from megascale_jax.planner.workload import Workload, stage_params
+from megascale_jax.planner.workload import Workload, edge_matrices, stage_params
 
 LOSS_BYTES = 4  # the loss's vocab-split reductions (max, sum, the target's logit) are float32
 
@@ -95,8 +95,14 @@ def pp_bytes(w: Workload) -> dict[str, float]:
     over pp — after the dp reduction, so with ZeRO-1 only their 1/dp share."""
     if w.pp == 1:
         return {"sends": 0.0, "edge_gradients": 0.0}
-    edge = 2 * w.vocab * w.d_model / w.tp * w.grad_bytes / (w.dp if w.zero1 else 1)
-    return {"sends": 2 * ticks(w) * boundary_bytes(w), "edge_gradients": all_reduce(edge, w.pp) if w.edge_on_every_stage else 0.0}
+    return {"sends": 2 * ticks(w) * boundary_bytes(w),
+            "edge_gradients": all_reduce(edge_gradient_bytes(w), w.pp) if w.edge_on_every_stage else 0.0}
+
+
+def edge_gradient_bytes(w: Workload) -> float:
+    """The embedding's and head's gradients one GPU sums over pp after the loop (edges on every
+    stage): one matrix or two (`workload.edge_matrices`), 1/tp of each, with ZeRO-1 1/dp of that."""
+    return edge_matrices(w) * w.vocab * w.d_model / w.tp * w.grad_bytes / (w.dp if w.zero1 else 1)
 
 
 def dp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:

@@ -93,14 +93,21 @@ class Workload:
     # every iteration and scaled by 1/dp before the reduction; the distributed optimizer copies the
     # gathered parameters back into the model (predict.optimizer_s)
     megatron_optimizer: bool = False
-    # The output layer shares the input embedding's weights (Megatron-LM's GPT): with pp > 1 the
+    # The output layer shares the input embedding's weights. Megatron-LM's GPT: with pp > 1 the
     # first and the last stage each hold a copy and all-reduce its gradients after the backward
-    # (`allreduce_word_embedding_grads`; predict.tied_embedding_s)
+    # (`allreduce_word_embedding_grads`). This project's model.tied_embeddings
+    # (`edge_on_every_stage`): one matrix on every stage, its embedding and head gradients added
+    # on the stage before the dp reduction and the sum over pp (`edge_matrices`;
+    # predict.edge_gradients_s)
     tied_embedding: bool = False
     # The optimizer's update (predict.optimizer_s): AdamW, or LAMB, whose per-layer trust ratio needs
     # the norms of the parameters and the update before it scales the update (its update written
     # and read back, the parameters read again)
     optimizer: Literal["adamw", "lamb"] = "adamw"
+    # The step reads every gradient once more for their global norm (this project's train step,
+    # always: its finite check, the metrics and the clipping share one norm; Megatron-LM's is in
+    # `megatron_optimizer`; predict.optimizer_s)
+    gradient_norm: bool = False
     # The LM head's logits recomputed in the backward (this project's model.loss_chunks > 1: each
     # slice's float32 logits dropped after its loss; predict.head_s)
     head_recompute: bool = False
@@ -129,7 +136,9 @@ def from_config(cfg: Config, gpus: int) -> Workload:
     * The optimizer (`optim.name`), the logits recomputed by `model.loss_chunks` > 1 and the LM
       head's float32 backward (`model.head_grad_float32`) are priced (`predict.optimizer_s`,
       `predict.head_s`).
-    * Priced as their default, by measurement or because they change no FLOPs or bytes:
+    * Priced as their default, by measurement or because they change no FLOPs or bytes the
+      planner resolves (`notes` names the rest: RMSNorm, no biases, partial RoPE, collective
+      matmul's pieces, a synchronous loader):
       `model.fused_norm` and `model.fused_mlp` (the Pallas kernels ran within 1% of XLA's fusion
       in the H200 ladders: 0.174 against 0.172 s at 4 sequences, 0.316 against 0.315 at 8);
       `model.attention=pallas` (cuDNN's fused-attention constants: in the model at 8 sequences
@@ -159,12 +168,25 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         # otherwise a scan adds each microbatch's into zeros_like(params)
         grad_accumulator=not (mesh.pp == 1 and gpus // (mesh.tp * mesh.pp) == 1 and par.microbatches == 1),
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu",
-        optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32)
+        optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32,
+        tied_embedding=m.tied_embeddings, gradient_norm=True)
 
 
 def notes(cfg: Config) -> list[str]:
     """One line for each option of `cfg` the planner prices as its default (`from_config` says why)."""
     m, out = cfg.model, []
+    if m.norm == "rmsnorm":
+        out.append("model.norm=rmsnorm: priced as LayerNorm (the same HBM passes: one read and one write a value)")
+    if not m.bias:
+        out.append("model.bias=false: priced with biases (their adds run inside the GEMM and activation fusions; "
+                   "their parameters are under 0.1% of the model's)")
+    if m.rope_fraction < 1:
+        out.append("model.rope_fraction<1: priced as full RoPE (its rotation is part of the measured elementwise passes)")
+    if cfg.parallel.tp_overlap == "collective_matmul" and cfg.mesh.tp > 1:
+        out.append("parallel.tp_chunks/tp_bidirectional: not priced (collective matmul's GEMMs priced at whole size, "
+                   "its transfers hidden behind them)")
+    if cfg.data.prefetch == 0:
+        out.append("data.prefetch=0: the synchronous loader's time is not priced (data is charged 0)")
     if m.fused_norm or m.fused_mlp:
         out.append("model.fused_norm/fused_mlp: priced as XLA's fusion (the Pallas kernels ran within 1% of it on an H200)")
     if m.attention == "pallas":
@@ -182,9 +204,15 @@ def model_config(w: Workload) -> ModelConfig:
                        block=w.block, activation="swiglu" if w.gated_mlp else "gelu_tanh")
 
 
+def edge_matrices(w: Workload) -> int:
+    """vocab × d_model matrices every stage holds where the edges are on every stage: the
+    embedding and the LM head, or the one matrix both use (`tied_embedding`)."""
+    return 1 if w.tied_embedding else 2
+
+
 def stage_params(w: Workload, last: bool = True) -> float:
     """Parameters one GPU of a stage holds: its layers and, on the last stage (or every stage
     where they are replicated), the embedding and LM head, all split over tp (but k/v when tp does
     not divide the kv heads: `flops.layer_params_per_device`)."""
-    edge = 2 * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
+    edge = edge_matrices(w) * w.vocab * w.d_model if w.edge_on_every_stage else (w.vocab * w.d_model if last else 0)
     return w.layers // w.pp * flops.layer_params_per_device(model_config(w), w.tp) + edge / w.tp
