@@ -86,6 +86,36 @@ def test_instructions_reads_opcodes_metadata_and_a_fusions_instructions():
     assert part_of(found["tanh_fusion"]) == "MLP"
 
 
+PRODUCTS_HLO = """HloModule jit_step, is_scheduled=true
+
+%gemm_computation (p0: bf16[2,8,16], p1: bf16[2,16,4]) -> bf16[2,8,4] {
+  %p0 = bf16[2,8,16]{2,1,0} parameter(0)
+  %p1 = bf16[2,16,4]{2,1,0} parameter(1)
+  ROOT %dot.3 = bf16[2,8,4]{2,1,0} dot(%p0, %p1), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+}
+
+ENTRY %main (a: bf16[32,64], b: bf16[64,128]) -> bf16[32,128] {
+  %a = bf16[32,64]{1,0} parameter(0)
+  %b = bf16[64,128]{1,0} parameter(1)
+  %dot.1 = bf16[32,128]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %custom-call.2 = (bf16[128,32]{1,0}, s8[4194304]{0}) custom-call(bf16[64,128]{0,1} %b, bf16[64,32]{1,0} %c), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["0"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %gemm_fusion = bf16[2,8,4]{2,1,0} fusion(%x, %y), kind=kCustom, calls=%gemm_computation
+  ROOT %add.4 = bf16[32,128]{1,0} add(%dot.1, %dot.1)
+}
+"""
+
+
+def test_instructions_count_a_matrix_products_flops_from_the_modules_shapes():
+    """2 x output elements x contracted size, by hand: a dot whose operands are named (their shapes
+    looked up), a cuBLAS GEMM custom call (its workspace left out, its contracting dimension in the
+    backend config) and a fusion of a batched dot; anything else 0."""
+    found = op_table.instructions(PRODUCTS_HLO)
+    assert found["dot.1"].flops == 2 * 32 * 128 * 64
+    assert found["custom-call.2"].flops == 2 * 128 * 32 * 64
+    assert found["gemm_fusion"].flops == 2 * (2 * 8 * 4) * 16
+    assert found["add.4"].flops == 0 and found["a"].flops == 0
+
+
 def test_the_model_names_its_parts_in_the_lowered_steps_metadata():
     """The scopes the rules read are the model's own (transformer.layer, norm, embed_tokens,
     project_vocab, token_losses), for both blocks."""
@@ -145,6 +175,21 @@ def test_the_parts_add_up_to_the_steps_device_op_time(traced):
         assert 0 < len(ranked) <= op_table.PER_PART and all(r["part"] == part for r in ranked)
         assert [r["seconds"] for r in ranked] == sorted((r["seconds"] for r in ranked), reverse=True)
         assert ranked[0]["seconds"] == max(r["seconds"] for r in rows + ranked if r["part"] == part)
+
+
+def test_the_steps_matrix_products_are_its_model_flops(traced):
+    """Every matrix product of the traced step (the dry run's 2 layers, d_model 64, 4 heads of 16,
+    MLP 256, vocab 256, 2 x 64 tokens; XLA's attention computes every (query, key) score before the
+    window's mask) adds up to 3 x the forward's products, by hand: the backward multiplies twice.
+    The GEMM parts' top products carry the rate they ran at."""
+    _, _, table = traced
+    layers, d, heads, head_dim, mlp, seq, vocab, tokens = 2, 64, 4, 16, 256, 64, 256, 2 * 64
+    weights = d * 3 * d + d * d + 2 * d * mlp  # q, k, v; out; MLP up and down
+    forward = layers * (2 * weights + 2 * 2 * heads * head_dim * seq) + 2 * d * vocab
+    assert table["products"]["flops"] == 3 * tokens * forward
+    assert table["products"]["tflop_per_s"] > 0
+    for part in ("QKV + MLP-up GEMM", "output + MLP-down GEMM"):
+        assert any(r.get("tflop_per_s", 0) > 0 for r in table["top_by_part"][part]), part
 
 
 def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the levers' base too

@@ -59,6 +59,7 @@ class Instruction:
     op_name: str = ""  # its metadata's op_name path
     fused: tuple = ()  # (opcode, op_name) of the computation it calls (a fusion's), less parameters,
     # constants and scalars: loop-index arithmetic and CSE'd constants carry another op's op_name
+    flops: float = 0.0  # a matrix product's FLOPs per call: its own (dot, cuBLAS) or its fusion's dots
 
 
 def scope_part(op_name: str) -> str | None:
@@ -108,6 +109,49 @@ def part_of(instruction: Instruction, collective: bool = False) -> str:
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")  # a fusion's computation (not a loop's body: its time is its ops')
 _SCALAR = re.compile(r"\w+\[\]")  # a shape like "s32[]"
+_DIMS = re.compile(r"\b[a-z]+\d*(?:e\d+m\d+\w*)?\[([\d,]*)\]")  # an array shape's dims: "bf16[8,32]" -> "8,32"
+# Where a product's contracting dimensions are named: an HLO dot's attribute, or a cuBLAS custom
+# call's backend_config (JSON: "lhs_contracting_dimensions":["1"])
+_DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+
+
+def dims(shape: str) -> list[int]:
+    """The dims of the first array in an HLO shape or operand list ('(bf16[8,16]{1,0}, s8[64]{0})' -> [8, 16])."""
+    found = _DIMS.search(shape)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
+
+
+_FIRST_OPERAND = re.compile(r"^\s*(?P<shape>[a-z]+\d*(?:e\d+m\d+\w*)?\[[\d,]*\](?:\{[^}]*\})?\s+)?%(?P<name>[\w.\-]+)")
+
+
+def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> float:
+    """FLOPs of one matrix product, 2 × (output elements) × (contracted size): an HLO `dot`, or a
+    cuBLAS GEMM custom call (its output the tuple's first array, beside its workspace); 0 for
+    anything else. The first operand's shape is printed beside it or, as compiled modules print
+    them, looked up by its name in `shapes` (instruction name -> shape, names module-unique)."""
+    if op == "dot":
+        contracting = _DOT_CONTRACTING.search(rest)
+    elif op == "custom-call" and any(f'custom_call_target="{t}"' in rest for t in GEMM_TARGETS):
+        contracting = _GEMM_CONTRACTING.search(rest)
+    else:
+        return 0.0
+    if contracting is None:
+        return 0.0
+    operand = _FIRST_OPERAND.match(rest)
+    if operand is None:
+        return 0.0
+    lhs = dims(operand["shape"] or shapes.get(operand["name"], ""))
+    if not lhs:
+        return 0.0
+    k = 1
+    for d in re.findall(r"\d+", contracting.group(1)):
+        k *= lhs[int(d)]
+    out = 1
+    for d in dims(shape):
+        out *= d
+    return 2.0 * out * k
 
 
 def instructions(hlo_text: str) -> dict[str, Instruction]:
@@ -115,6 +159,7 @@ def instructions(hlo_text: str) -> dict[str, Instruction]:
     (`compiled.as_text()`, read line by line with `observe.collectives`' patterns), a fusion with
     the instructions of the computation it calls."""
     own, inside, calls = {}, collections.defaultdict(list), {}
+    flops, computation_flops, shapes = {}, collections.Counter(), {}
     computation = None
     for line in hlo_text.splitlines():
         if (header := COMPUTATION_HEADER.match(line)) and not line.startswith(" "):
@@ -126,7 +171,11 @@ def instructions(hlo_text: str) -> dict[str, Instruction]:
                 inside[computation].append(own[i["name"]])
             if called := _CALLS.search(i["rest"]):
                 calls[i["name"]] = called.group(1)
-    return {name: Instruction(opcode, op_name, tuple(inside.get(calls.get(name), ())))
+            shapes[i["name"]] = i["shape"]
+            flops[i["name"]] = product_flops(i["op"], i["shape"], i["rest"], shapes)
+            computation_flops[computation] += flops[i["name"]]
+    return {name: Instruction(opcode, op_name, tuple(inside.get(calls.get(name), ())),
+                              flops[name] + computation_flops.get(calls.get(name), 0.0))
             for name, (opcode, op_name) in own.items()}
 
 
@@ -135,8 +184,9 @@ def instructions(hlo_text: str) -> dict[str, Instruction]:
 
 def table(ops: list, hlo: dict[str, Instruction], steps: int, top: int = TOP) -> dict:
     """One device's ops (`device_profile.Op`s over `steps` traced steps) -> per step: the `top` ops by
-    device time (name, part, seconds, share of the step's op time, calls, and the op_name path
-    that named its part), each part's PER_PART top ops (`top_by_part`),
+    device time (name, part, seconds, share of the step's op time, calls, the op_name path that
+    named its part, and a matrix product's achieved TFLOP/s), every matrix product's FLOPs and
+    seconds together (`products`), each part's PER_PART top ops (`top_by_part`),
     seconds `by_part` (with their "total") and the device's busy time.
 
     The total is the sum of every compute and collective op's duration; containers (while,
@@ -157,12 +207,24 @@ def table(ops: list, hlo: dict[str, Instruction], steps: int, top: int = TOP) ->
     for name, s in seconds.items():
         by_part[parts[name]] += s
 
-    def row(name: str, s: float) -> dict:
-        return {"op": name, "part": parts[name], "seconds": s, "share": s / total if total else 0.0,
-                "calls": calls[name] / steps, "op_name": _short(evidence(hlo.get(name, Instruction("")), parts[name]))}
+    def flops(name: str) -> float:  # per step
+        return hlo.get(name, Instruction("")).flops * calls[name] / steps
 
+    def row(name: str, s: float) -> dict:
+        out = {"op": name, "part": parts[name], "seconds": s, "share": s / total if total else 0.0,
+               "calls": calls[name] / steps, "op_name": _short(evidence(hlo.get(name, Instruction("")), parts[name]))}
+        if flops(name):
+            out["tflop_per_s"] = flops(name) / s / 1e12
+        return out
+
+    products = [name for name in seconds if flops(name)]
+    product_s = sum(seconds[name] for name in products)
     ranked = seconds.most_common()
     return {"top_ops": [row(name, s) for name, s in ranked[:top]],
+            # every matrix product's FLOPs (from the module's shapes) over its kernels' time: what the
+            # step's GEMMs ran at, beside what the same shapes run at alone (the rates section)
+            "products": {"flops": sum(flops(n) for n in products), "seconds": product_s, "ops": len(products),
+                         "tflop_per_s": sum(flops(n) for n in products) / product_s / 1e12 if product_s else None},
             "top_by_part": {p: [row(name, s) for name, s in ranked if parts[name] == p][:PER_PART]
                             for p in PARTS if by_part[p] > 0},
             "by_part": {**{p: by_part[p] for p in PARTS if by_part[p] > 0}, "total": total},

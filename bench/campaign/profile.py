@@ -97,6 +97,7 @@ def op_table_run(out: str, settings: dict) -> dict:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *xla_flags]).strip()
     table = traced(out, overrides, batch, env)
     result = {"top_ops": table["top_ops"], "top_by_part": table["top_by_part"], "by_part": table["by_part"],
+              "products": table.get("products"),
               "op_table": {"profiled": "the ladder's strongest fixed configuration (sections run independently: "
                                        "the best ladder row is not known here)",
                            "config": changes, "batch": batch, "xla_flags": list(xla_flags),

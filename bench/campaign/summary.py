@@ -114,9 +114,14 @@ def profiled(section: dict) -> None:
             print(line)
     if isinstance(split, str):
         print(f"per step and per sequence: {split}")
-    print(f"\n{'top op':<40}{'part':<24}{'ms/step':>10}{'share':>8}  op_name")
+    products = section.get("products") or {}
+    if products.get("tflop_per_s"):
+        print(f"matrix products: {products['flops'] / 1e12:.2f} TFLOP in {products['seconds'] * 1e3:.2f} ms a step, "
+              f"{products['tflop_per_s']:.1f} TFLOP/s ({products['ops']} ops)")
+    print(f"\n{'top op':<40}{'part':<24}{'ms/step':>10}{'share':>8}{'TFLOP/s':>9}  op_name")
     for r in section["top_ops"]:
-        print(f"{r['op'][:39]:<40}{r['part']:<24}{r['seconds'] * 1e3:>10.3f}{r['share']:>8.1%}  {r['op_name'][-60:]}")
+        print(f"{r['op'][:39]:<40}{r['part']:<24}{r['seconds'] * 1e3:>10.3f}{r['share']:>8.1%}"
+              f"{number(r.get('tflop_per_s'), '.1f', 9)}  {r['op_name'][-60:]}")
 
 
 def rates(section: dict) -> None:

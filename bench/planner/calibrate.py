@@ -9,7 +9,8 @@ configs/calibration.yaml:
 * rates: the GEMM size curve's asymptote and half-size (`measured.gemm_fit`), and the streaming
   HBM rate against the datasheet's;
 * mfu_ladder: the elementwise passes that predict its `xla_flags` row (`measured.fit_elementwise_passes`);
-* profiled_steps: each model part's seconds a step and a sequence (the op table at two batches).
+* profiled_steps: each model part's seconds a step and a sequence (the op table at two batches),
+  and the rate the step's matrix products ran at (their FLOPs from the module's shapes).
 Writes nothing: a value goes into configs/calibration.yaml by hand, with its source beside it.
 Exit 2, with one line, for a file that is not a campaign result or an unknown --gpu.
 """
@@ -59,6 +60,12 @@ def report(path: str, gpu_key: str) -> list[str]:
     if any(r.get("name") == "xla_flags" and r.get("step_time_s") for r in ladder.get("rows", [])):
         lines.append(beside("elementwise_passes", measured.fit_elementwise_passes(path, "xla_flags", gpu_key), 1)
                      + "  <- its xla_flags row")
+    products = sections.get("profiled_steps", {}).get("products") or {}
+    if products.get("tflop_per_s"):
+        rate = products["tflop_per_s"]
+        lines.append(f"profiled_steps: the step's matrix products ran at {rate:.0f} TFLOP/s, {rate / yaml['peak_tflops']:.0%} "
+                     f"of peak ({products['flops'] / 1e12:.1f} TFLOP in {products['seconds'] * 1e3:.1f} ms; "
+                     f"against the rates section's same shapes alone: the in-step derate)")
     split = sections.get("profiled_steps", {}).get("batch_split")
     if isinstance(split, dict):
         lines.append("profiled_steps: ms a step + ms a sequence, by model part")

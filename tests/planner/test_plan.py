@@ -910,13 +910,15 @@ def test_calibrate_sets_a_campaign_results_fits_beside_the_calibration(capsys, t
     gpu = dataclasses.replace(calibration.gpu("h200"), matmul_max_efficiency=0.7, matmul_half_flops=6e9)
     gemms = [{"m": s, "k": s, "n": s, "seconds": costs.gemm_s(s, s, s, gpu)} for s in (512, 2048, 8192)]
     result = {"sections": {"rates": {"gemms": gemms, "stream": [{"bytes": 2**30, "seconds": 5e-4, "tb_per_s": 4.295}]},
-                           "profiled_steps": {"batch_split": {"optimizer": {"per_step_s": 0.0105, "per_sequence_s": 0.0}}}}}
+                           "profiled_steps": {"batch_split": {"optimizer": {"per_step_s": 0.0105, "per_sequence_s": 0.0}},
+                                              "products": {"flops": 1.2e14, "seconds": 0.16, "ops": 170, "tflop_per_s": 750.0}}}}
     path = tmp_path / "result.json"
     path.write_text(json.dumps(result))
     assert calibrate.main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "matmul_half_gflop             6.00" in out and "stream: 4.29 TB/s at best, 89% of the datasheet's 4.8" in out
     assert "optimizer                   10.50 +    0.00" in out and "kernels: not in this result" in out
+    assert "matrix products ran at 750 TFLOP/s, 76% of peak (120.0 TFLOP in 160.0 ms" in out
     for argv, why in (([str(REPO / "README.md")], "not JSON"), ([str(path), "--gpu", "b200"], "--gpu 'b200' is not one of")):
         assert calibrate.main(argv) == 2
         err = capsys.readouterr().err
