@@ -115,6 +115,7 @@ def test_dry_run_ladder_rows(full):
         # the tokens of one step over its median time (not a median of running averages)
         assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * 64 / r["step_time_s"], rel=1e-12)
         assert "mfu" in r and r["mfu"] is None  # no known peak FLOP/s for the CPU
+        assert 0 <= r["data_wait_s"] < r["step_time_s"]  # the loader's wait, measured (the planner charges 0)
         assert r["estimate_bytes"] > 0 and r["batch"] == campaign_model.MAX_BATCH[True]
     fused = by_name["fused_attention"]
     candidates = {c["name"]: c for c in fused["candidates"]}

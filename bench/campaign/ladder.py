@@ -130,7 +130,7 @@ class Ladder:
         with open(out) as f:
             result = json.load(f)
         return {**row, **{k: result[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes_in_use",
-                                                   "final_loss", "steps_measured")}}
+                                                   "final_loss", "steps_measured", "data_wait_s")}}
 
 
 def row_overrides(dry_run: bool, changes: dict, microbatches: int = 1) -> list[str]:

@@ -8,7 +8,8 @@ Runs `megascale_jax.train` in-process for the configured steps and summarises th
 step time (not the median of the records' own tokens/s: each is a running average over the
 last steps, warm-up steps included, which put a 4-microbatch row 15% low on an H200), the
 device's peak memory in use (null where the device keeps no statistics, e.g. the CPU), with the device kind,
-jax/jaxlib versions and the exact command, into bench/results/<name>.json.
+jax/jaxlib versions and the exact command, and the median wait for the next batch (`data_wait_s`),
+into bench/results/<name>.json.
 """
 
 import json
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
         "mfu": flops.mfu(tokens_per_s, cfg.model, jax.devices()),  # as the run's own records compute it
         "peak_bytes_in_use": (jax.local_devices()[0].memory_stats() or {}).get("peak_bytes_in_use"),
         "final_loss": records[-1]["loss"],
+        # the host's wait for its next batch (the loader's time on the critical path, which the
+        # planner charges 0 for a prefetching loader), median over the same steps
+        "data_wait_s": statistics.median(r["data_wait_s"] for r in records),
     }
     print(f"{'config':<28}{'device':<28}{'step s':>9}{'tokens/s':>12}{'MFU':>8}")
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "n/a"
