@@ -601,3 +601,14 @@ def test_hidden_share_is_what_running_both_at_once_saved_of_the_shorter():
     assert hidden_share(2.0, 1.0, 3.0) == 0.0  # as if one after the other
     assert hidden_share(2.0, 1.0, 2.0) == 1.0  # the softmax hidden whole behind the GEMM
     assert hidden_share(1.0, 3.0, 3.5) == pytest.approx(0.5)
+
+
+def test_the_concurrency_row_runs_in_a_process_of_its_own_and_a_failure_there_is_one_line():
+    """PyTorch's CUDA streams are measured away from JAX's process: here (no CUDA) that process
+    fails, and the row is its one line, not the section's end."""
+    from bench.campaign import rates
+
+    row = rates.concurrency_in_process(True)
+    assert set(row) == {"error"} and row["error"].startswith("exit code 1: ")  # no CUDA device here
+    assert "\n" not in row["error"]
+    assert rates.concurrency_in_process(False) == {"skipped": "skipped: needs a GPU (PyTorch's CUDA streams)"}

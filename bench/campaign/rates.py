@@ -15,7 +15,9 @@ weight gradient.
 The stream: y = 2x + 1 over STREAM_BYTES of float32, one read and one write a value, the same way
 (bytes moved over device time), set beside the datasheet's bandwidth.
 
-Concurrency (PyTorch, on a GPU only: JAX gives no control of CUDA streams): how much of a
+Concurrency (PyTorch, on a GPU only: JAX gives no control of CUDA streams; in a process of its
+own, `concurrency_in_process`, so PyTorch's CUDA libraries never load beside JAX's and a crash
+there costs that row only): how much of a
 memory-bound kernel (a softmax over attention scores, as Megatron's unfused attention runs one)
 hides beside a GEMM (an MLP's) when the two run on two CUDA streams, `hidden_share` = (t_gemm +
 t_softmax − t_both) / min(t_gemm, t_softmax). MegaScale's parallel block lets the attention and the
@@ -25,9 +27,13 @@ price that only with this number measured.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import tempfile
 
 REPEATS = {False: 10, True: 2}  # keyed by dry_run
+CONCURRENCY_LIMIT_S = 180  # its process: PyTorch's import and CUDA start, 3 x 22 timed launches of ~2 ms
 STREAM_BYTES = {False: (2**28, 2**30, 2**32), True: (2**16,)}
 
 
@@ -146,6 +152,23 @@ def concurrency_row(on_gpu: bool, repeats: int = 20) -> dict:
             "hidden_share": hidden_share(t_gemm, t_memory, t_both)}
 
 
+def concurrency_in_process(on_gpu: bool) -> dict:
+    """`concurrency_row` run as `python -m bench.campaign.rates --concurrency OUT`: its row, or the
+    one line saying why that process failed."""
+    if not on_gpu:
+        return concurrency_row(False)
+    from bench.campaign import process
+
+    with tempfile.TemporaryDirectory(prefix="campaign-concurrency-") as work:
+        out = os.path.join(work, "concurrency.json")
+        done = process.run(process.python("bench.campaign.rates", "--concurrency", out), env=dict(os.environ),
+                           limit_s=CONCURRENCY_LIMIT_S, prefix="  [concurrency]")
+        if not done.ok:
+            return {"error": done.failure(CONCURRENCY_LIMIT_S)}
+        with open(out) as f:
+            return json.load(f)
+
+
 def run(settings: dict) -> dict:
     from bench.campaign import process
 
@@ -169,9 +192,22 @@ def run(settings: dict) -> dict:
             row = {"bytes": nbytes, "error": process.one_line(e)}
         result["stream"].append(row)
     on_gpu = settings.get("device", {}).get("backend") == "gpu"
-    try:
-        result["concurrency"] = concurrency_row(on_gpu and not dry_run)
-    except Exception as e:  # noqa: BLE001 — e.g. PyTorch without CUDA: one line, the rows above still count
-        result["concurrency"] = {"error": process.one_line(e)}
+    result["concurrency"] = concurrency_in_process(on_gpu and not dry_run)
     print(f"concurrency: {result['concurrency']}", flush=True)
     return result
+
+
+def main(argv=None) -> int:
+    """`--concurrency OUT`: `concurrency_row` on this machine's GPU, written to OUT as JSON."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2 or argv[0] != "--concurrency":
+        print("usage: python -m bench.campaign.rates --concurrency OUT.json", file=sys.stderr)
+        return 2
+    row = concurrency_row(True)
+    with open(argv[1], "w") as f:
+        json.dump(row, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
