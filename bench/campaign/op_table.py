@@ -143,11 +143,12 @@ def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> flo
     if operand is None:
         return 0.0
     lhs = dims(operand["shape"] or shapes.get(operand["name"], ""))
-    if not lhs:
+    contracted = [int(d) for d in re.findall(r"\d+", contracting.group(1))]
+    if not lhs or not contracted or max(contracted) >= len(lhs):  # a form this reader does not know: no guess
         return 0.0
     k = 1
-    for d in re.findall(r"\d+", contracting.group(1)):
-        k *= lhs[int(d)]
+    for d in contracted:
+        k *= lhs[d]
     out = 1
     for d in dims(shape):
         out *= d
