@@ -83,7 +83,7 @@ def explain(p: Plan) -> str:
             "pp sends": "pipeline sends not hidden behind a tick's compute",
             "pp edge gradients": "the embedding's and head's gradients summed over pp after the backward",
             "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute",
-            "optimizer": "the update's HBM passes (and Megatron's over its gradient and parameter buffers)",
+            "optimizer": "the update's HBM passes and the gradients' global norm (and Megatron's over its buffers)",
             "data": "loader time on the critical path (charged 0: prefetched)"}
     lines = [f"explain: {layout_name(p)}, iteration {pr.iteration_s:.3f} s"]
     lines += [f"  {k:<30} {v:9.3f} s {v / pr.iteration_s:6.1%}  {what[k]}" for k, v in pr.parts.items()]
