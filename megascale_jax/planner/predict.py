@@ -285,10 +285,10 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
     * the update over the parameters this GPU updates (its 1/dp share with ZeRO-1): read the fp32
       parameter, gradient and two moments, write the parameter and moments, 28 bytes each, and
       with LAMB 12 more (`LAMB_EXTRA_BYTES_PER_PARAM`), and the gradients' global norm's read of
-      each (`gradient_norm`; grad bytes);
-    * with Megatron-LM's optimizer (`megatron_optimizer`), per updated parameter the global norm's
-      read of the gradient (clip_grad_norm, every step) and the copy of the fp32 parameter into
-      the 16-bit model (`_copy_main_params_to_model_params`): 4 + 4 + param bytes; per parameter
+      each (`gradient_norm`, grad bytes: this project's step and Megatron-LM's clip_grad_norm);
+    * with Megatron-LM's optimizer (`megatron_optimizer`), per updated parameter the copy of the
+      fp32 parameter into the 16-bit model (`_copy_main_params_to_model_params`): 4 + param
+      bytes; per parameter
       of the stage, its fp32 gradient buffer zeroed for the iteration (`zero_grad_buffer`, 4) and,
       with dp > 1, scaled by 1/dp before the reduction (read and write, 8), where the step has that
       buffer (`grad_accumulator`); with the distributed optimizer (ZeRO-1) the gathered parameters
@@ -297,10 +297,10 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
     params = stage_params(w)
     updated = params / (w.dp if w.zero1 else 1)
     nbytes = updated * (OPTIMIZER_BYTES_PER_PARAM + (LAMB_EXTRA_BYTES_PER_PARAM if w.optimizer == "lamb" else 0))
-    if w.gradient_norm and not w.megatron_optimizer:  # Megatron's read is counted below
+    if w.gradient_norm:
         nbytes += updated * w.grad_bytes
     if w.megatron_optimizer:
-        nbytes += updated * (4 + 4 + w.param_bytes)
+        nbytes += updated * (4 + w.param_bytes)
         if w.grad_accumulator:
             nbytes += params * (4 + (8 if w.dp > 1 else 0))
         if w.zero1:

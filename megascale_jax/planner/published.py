@@ -74,7 +74,7 @@ def megatron_workload(heads, hidden, layers, tp, pp, gpus, batch, micro, virtual
         recompute=recompute, sequence_parallel=sequence_parallel, zero1=False, fused_attention=False,
         tp_overlap=False, pp_async=False, pp_split_over_tp=True, edge_on_every_stage=False,
         dp_overlap=dp_overlap, activation_bytes=2, grad_bytes=4, param_bytes=2,
-        megatron_optimizer=True, tied_embedding=True)
+        megatron_optimizer=True, gradient_norm=True, tied_embedding=True)
 
 
 def sc21_workload(row) -> Workload:

@@ -105,8 +105,8 @@ class Workload:
     # and read back, the parameters read again)
     optimizer: Literal["adamw", "lamb"] = "adamw"
     # The step reads every gradient once more for their global norm (this project's train step,
-    # always: its finite check, the metrics and the clipping share one norm; Megatron-LM's is in
-    # `megatron_optimizer`; predict.optimizer_s)
+    # always: its finite check, the metrics and the clipping share one norm; Megatron-LM's
+    # clip_grad_norm, every step; predict.optimizer_s)
     gradient_norm: bool = False
     # The LM head's logits recomputed in the backward (this project's model.loss_chunks > 1: each
     # slice's float32 logits dropped after its loss; predict.head_s)
