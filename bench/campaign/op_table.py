@@ -23,11 +23,12 @@ import argparse
 import collections
 import dataclasses
 import json
+import math
 import re
 import sys
 import tempfile
 
-from megascale_jax.observe.collectives import COMPUTATION_HEADER, INSTRUCTION
+from megascale_jax.observe.collectives import COMPUTATION_HEADER, INSTRUCTION, shape_dims
 from megascale_jax.training.trainer import OPTIMIZER_UPDATE
 
 STEPS = 2  # traced, after one untraced step
@@ -109,7 +110,6 @@ def part_of(instruction: Instruction, collective: bool = False) -> str:
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")  # a fusion's computation (not a loop's body: its time is its ops')
 _SCALAR = re.compile(r"\w+\[\]")  # a shape like "s32[]"
-_DIMS = re.compile(r"\b[a-z]+\d*(?:e\d+m\d+\w*)?\[([\d,]*)\]")  # an array shape's dims: "bf16[8,32]" -> "8,32"
 # Where a product's contracting dimensions are named: an HLO dot's attribute, or a cuBLAS custom
 # call's backend_config (JSON: "lhs_contracting_dimensions":["1"])
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
@@ -117,13 +117,8 @@ _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
 
 
-def dims(shape: str) -> list[int]:
-    """The dims of the first array in an HLO shape or operand list ('(bf16[8,16]{1,0}, s8[64]{0})' -> [8, 16])."""
-    found = _DIMS.search(shape)
-    return [int(d) for d in found.group(1).split(",") if d] if found else []
-
-
-_FIRST_OPERAND = re.compile(r"^\s*(?P<shape>[a-z]+\d*(?:e\d+m\d+\w*)?\[[\d,]*\](?:\{[^}]*\})?\s+)?%(?P<name>[\w.\-]+)")
+# The first operand: its shape where the text prints one before its name, and its name
+_FIRST_OPERAND = re.compile(r"^\s*(?P<shape>[^%]*)%(?P<name>[\w.\-]+)")
 
 
 def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> float:
@@ -142,17 +137,11 @@ def product_flops(op: str, shape: str, rest: str, shapes: dict[str, str]) -> flo
     operand = _FIRST_OPERAND.match(rest)
     if operand is None:
         return 0.0
-    lhs = dims(operand["shape"] or shapes.get(operand["name"], ""))
+    lhs = shape_dims(operand["shape"]) or shape_dims(shapes.get(operand["name"], ""))
     contracted = [int(d) for d in re.findall(r"\d+", contracting.group(1))]
     if not lhs or not contracted or max(contracted) >= len(lhs):  # a form this reader does not know: no guess
         return 0.0
-    k = 1
-    for d in contracted:
-        k *= lhs[d]
-    out = 1
-    for d in dims(shape):
-        out *= d
-    return 2.0 * out * k
+    return 2.0 * math.prod(shape_dims(shape)) * math.prod(lhs[d] for d in contracted)
 
 
 def instructions(hlo_text: str) -> dict[str, Instruction]:

@@ -58,6 +58,12 @@ class Collective:
         return (2 if self.op == "all-reduce" else 1) * (n - 1) / n * self.nbytes
 
 
+def shape_dims(shape: str) -> list[int]:
+    """Dims of the first array in an HLO shape or operand list: `(bf16[8,16]{1,0}, s8[64]{0})` → [8, 16]."""
+    found = _ARRAY.search(shape)
+    return [int(d) for d in found.group(2).split(",") if d] if found else []
+
+
 def shape_bytes(shape: str) -> int:
     """Bytes of an HLO shape, a tuple's summed over its elements: `(f32[2,3]{1,0}, bf16[4])` → 32."""
     total = 0
