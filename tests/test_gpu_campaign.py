@@ -611,4 +611,17 @@ def test_the_concurrency_row_runs_in_a_process_of_its_own_and_a_failure_there_is
     row = rates.concurrency_in_process(True)
     assert set(row) == {"error"} and row["error"].startswith("exit code 1: ")  # no CUDA device here
     assert "\n" not in row["error"]
+    assert "ModuleNotFoundError" not in row["error"]  # it got as far as PyTorch's CUDA
     assert rates.concurrency_in_process(False) == {"skipped": "skipped: needs a GPU (PyTorch's CUDA streams)"}
+
+
+def test_the_concurrency_process_writes_its_row_and_refuses_bad_arguments(monkeypatch, tmp_path, capsys):
+    """`python -m bench.campaign.rates --concurrency OUT`, the child side: the row as JSON in OUT;
+    anything else is a usage line and exit 2."""
+    from bench.campaign import rates
+
+    row = {"gemm_s": 0.002, "softmax_s": 0.001, "both_s": 0.0025, "hidden_share": 0.5}
+    monkeypatch.setattr(rates, "concurrency_row", lambda on_gpu: row if on_gpu else {})
+    out = tmp_path / "concurrency.json"
+    assert rates.main(["--concurrency", str(out)]) == 0 and json.loads(out.read_text()) == row
+    assert rates.main(["--concurrency"]) == 2 and "usage:" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from __future__ import annotations
 import types
 
 from bench.campaign import process
-from bench.kernels.attention import attention_flops, attention_impls, bench_fused, time_fwd, time_fwd_bwd
+from bench.kernels.attention import attention_flops, attention_impls, bench_fused, median_seconds, time_fwd_bwd
 
 SHAPES = {  # keyed by dry_run
     False: dict(seqs=(2048, 8192, 32768), windows=(512, 1024, 4096), batch=1, heads=16, head_dim=128, iters=20,
@@ -110,7 +110,7 @@ def forward_alone(fn, qkv, shape: dict) -> dict:
     """The forward's own median ms (the fwd+bwd row's `ms` less it is the backward's), for the
     kernels the ladder chooses between (cuDNN, the best Pallas tile): where the gap to cuDNN is."""
     try:
-        return {"forward_ms": time_fwd(fn, qkv, shape["iters"]) * 1e3}
+        return {"forward_ms": median_seconds(fn, qkv, shape["iters"]) * 1e3}
     except Exception as e:  # noqa: BLE001 — the fwd+bwd row still counts
         return {"forward_error": process.one_line(e)}
 

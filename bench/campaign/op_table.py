@@ -115,8 +115,6 @@ _SCALAR = re.compile(r"\w+\[\]")  # a shape like "s32[]"
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
-
-
 # The first operand: its shape where the text prints one before its name, and its name
 _FIRST_OPERAND = re.compile(r"^\s*(?P<shape>[^%]*)%(?P<name>[\w.\-]+)")
 

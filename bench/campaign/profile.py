@@ -130,7 +130,7 @@ def batch_split(small: dict, small_batch: int, large: dict, large_batch: int) ->
     once (the optimizer, casts and copies of the parameters and gradients) against what grows
     with its sequences: the planner's per-step and per-token costs, measured apart (issue 40;
     one profile cannot tell them apart, and by differencing two ladder runs a step paid ~29 ms
-    the planner priced as 10)."""
+    the planner prices as 11)."""
     split = {}
     for part in sorted(set(small) | set(large)):
         t_small, t_large = small.get(part, 0.0), large.get(part, 0.0)

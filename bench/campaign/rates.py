@@ -32,6 +32,8 @@ import os
 import sys
 import tempfile
 
+from bench.campaign import process  # imports neither JAX nor PyTorch
+
 REPEATS = {False: 10, True: 2}  # keyed by dry_run
 CONCURRENCY_LIMIT_S = 180  # its process: PyTorch's import and CUDA start, 3 x 22 timed launches of ~2 ms
 STREAM_BYTES = {False: (2**28, 2**30, 2**32), True: (2**16,)}
@@ -157,8 +159,6 @@ def concurrency_in_process(on_gpu: bool) -> dict:
     one line saying why that process failed."""
     if not on_gpu:
         return concurrency_row(False)
-    from bench.campaign import process
-
     with tempfile.TemporaryDirectory(prefix="campaign-concurrency-") as work:
         out = os.path.join(work, "concurrency.json")
         done = process.run(process.python("bench.campaign.rates", "--concurrency", out), env=dict(os.environ),
@@ -170,8 +170,6 @@ def concurrency_in_process(on_gpu: bool) -> dict:
 
 
 def run(settings: dict) -> dict:
-    from bench.campaign import process
-
     dry_run = settings["dry_run"]
     repeats = REPEATS[dry_run]
     result = {"repeats": repeats, "gemms": [], "stream": []}

@@ -36,11 +36,6 @@ def time_fwd_bwd(fn, args, iters: int) -> float:
     return median_seconds(step, args, iters)
 
 
-def time_fwd(fn, args, iters: int) -> float:
-    """Median seconds of one jitted forward alone (beside `time_fwd_bwd`: which half is slow)."""
-    return median_seconds(fn, args, iters)
-
-
 def median_seconds(fn, args, iters: int) -> float:
     """Median seconds of `iters` calls of jit(fn)(*args), after one that compiles and warms up."""
     import jax
