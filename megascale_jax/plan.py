@@ -12,6 +12,13 @@ does not fit in memory, or a model the planner cannot price (float32 math; an op
 no measured rate for), is refused with one line and exit 2; options priced as their default are
 named in a `note:` line (`notes` in --json) (`--search` still ranks the layouts that do fit). Validated against published runs,
 each source held out: `python -m bench.planner.plan_validation`.
+
+`--compile` compiles the trainer's own step for the layout on N described GPUs (h100-sxm, h200),
+with no GPU present, in the compile-only environment (`configs/aot/setup_env.sh`; `megascale_jax.aot`),
+and prints what XLA made of it instead of the prediction: peak memory per GPU and whether it fits,
+the buffers live at the peak by model part, the kernels by kind and GEMM backend, and the
+collectives per mesh axis beside their ideal bytes and their overlap with compute (docs/compile.md).
+A step that does not fit exits 2 with its peak, the limit and what shrinks it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import sys
 from typing import Optional, Sequence
 
 from megascale_jax import cli
+from megascale_jax.aot import environment, summary, targets
 from megascale_jax.config import ConfigError, load_config, validate
 from megascale_jax.model.flops import format_bytes
 from megascale_jax.planner import calibration
@@ -107,6 +115,35 @@ def draw(plans: list[Plan], out: str) -> None:
     fig.savefig(out, dpi=120)
 
 
+def compile_step(args, cfg, gpu: calibration.Gpu, topology: str, overrides: list[str]) -> int:
+    """`--compile`: the step compiled in the compile-only environment, its report printed (or as
+    JSON); exit 2 where it does not fit or cannot be compiled."""
+    try:
+        report = environment.compile_report(args.gpu, topology, args.config, overrides, args.xla_option, args.dump)
+    except environment.MissingEnvironment as e:
+        return cli.user_error(e)
+    except RuntimeError as e:
+        return cli.user_error(f"the step does not compile for {gpu.name} ({e}); {kernel_options(cfg)}")
+    try:  # the planner's own memory estimate, beside the compile, where the planner prices the model
+        require_priced(from_config(cfg, args.gpus), gpu)
+        estimate = plan(cfg, args.gpus, gpu).memory["total"]
+    except ValueError:
+        estimate = None
+    report["planner_estimate_bytes"] = estimate
+    print(json.dumps(report, indent=1) if args.json else summary.text(report, estimate))
+    if not summary.fits(report):
+        return cli.user_error(summary.does_not_fit(report))
+    return 0
+
+
+def kernel_options(cfg) -> str:
+    """The options that chose the step's own kernels, and what to try instead."""
+    m = cfg.model
+    chosen = [f"model.attention={m.attention}"] + [f"model.{k}=true" for k in ("fused_norm", "fused_mlp") if getattr(m, k)]
+    return (f"its kernels come from {' '.join(chosen)}: try model.attention=xla or cudnn and the fused kernels off "
+            "to find the one that does not lower for sm_90")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m megascale_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
@@ -117,9 +154,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--explain", action="store_true", help="print the prediction's parts and what each is")
     parser.add_argument("--search", action="store_true", help="rank every valid layout for --gpus")
     parser.add_argument("--plot", default=None, help="draw MFU and iteration time against GPU count to this PNG")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the step for --gpu without a GPU and report its memory, kernels and collectives")
+    parser.add_argument("--gpus-per-host", type=int, default=8, help="with --compile: GPUs a host (default 8)")
+    parser.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="with --compile: an XLA option, e.g. xla_gpu_enable_triton_gemm=false (repeatable)")
+    parser.add_argument("--dump", default=None, metavar="DIR", help="with --compile: keep XLA's dump (optimized HLO) here")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.tp=8 mesh.pp=8")
     args = cli.parse(parser, argv)
     try:
+        if args.compile:
+            topology = targets.topology(args.gpus, args.gpus_per_host)
+            targets.target(args.gpu)
         gpu = calibration.gpu(args.gpu, args.nic_gbps)
     except ValueError as e:
         return cli.user_error(e)
@@ -143,6 +189,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         validate(cfg, planning=True)  # the layout on this many GPUs (batch split over dp, ...)
     except ConfigError as e:
         return cli.user_error(e)
+    if args.compile:
+        return compile_step(args, cfg, gpu, topology, [*(o for o in args.overrides if not o.startswith("mesh.dp=")),
+                                                        f"mesh.dp={dp}"])
     if cfg.model.dtype != "bfloat16":  # the calibration is bf16 tensor-core math; fp32 would be priced wrongly
         return cli.user_error(f"model.dtype={cfg.model.dtype} is not priced by the planner (bf16 tensor-core "
                               f"rates only); set model.dtype=bfloat16")

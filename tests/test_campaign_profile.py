@@ -1,4 +1,5 @@
-"""The campaign's op table (bench/campaign/op_table.py): the part rules on hand-written HLO names,
+"""The campaign's op table (bench/campaign/op_table.py) and the part rules it names ops with
+(megascale_jax/observe/hlo_parts.py): the part rules on hand-written HLO names,
 the module-text parser, and a real traced train step of the tiny model on the CPU, whose ops
 must cover every model part and add up to the step's device op time."""
 
@@ -12,9 +13,9 @@ import numpy as np
 import pytest
 
 from bench.campaign import ladder, model, op_table, profile
-from bench.campaign.op_table import Instruction, part_of
 from megascale_jax.config import load_config
-from megascale_jax.observe import device_profile
+from megascale_jax.observe import device_profile, hlo_parts
+from megascale_jax.observe.hlo_parts import Instruction, part_of
 
 LAYER = "jit(train_step)/jvp(Transformer)/while/body/closed_call/layers"
 BACKWARD = "jit(train_step)/transpose(jvp(Transformer))/while/body/closed_call/layers"
@@ -77,7 +78,7 @@ ENTRY %main.9 (Arg_0.1: f32[4,8]) -> (f32[4,8], s32[]) {
 
 
 def test_instructions_reads_opcodes_metadata_and_a_fusions_instructions():
-    found = op_table.instructions(HLO)
+    found = hlo_parts.instructions(HLO)
     # Parameters, constants and scalars are left out of a fusion's instructions: a CSE'd constant
     # and the loop index carry other ops' op_names.
     assert found["tanh_fusion"] == Instruction("fusion", "", (("tanh", "jit(step)/jvp(Transformer)/mlp/tanh"),))
@@ -109,7 +110,7 @@ def test_instructions_count_a_matrix_products_flops_from_the_modules_shapes():
     """2 x output elements x contracted size, by hand: a dot whose operands are named (their shapes
     looked up), a cuBLAS GEMM custom call (its workspace left out, its contracting dimension in the
     backend config) and a fusion of a batched dot; anything else 0."""
-    found = op_table.instructions(PRODUCTS_HLO)
+    found = hlo_parts.instructions(PRODUCTS_HLO)
     assert found["dot.1"].flops == 2 * 32 * 128 * 64
     assert found["custom-call.2"].flops == 2 * 128 * 32 * 64
     assert found["gemm_fusion"].flops == 2 * (2 * 8 * 4) * 16
@@ -139,7 +140,7 @@ def traced(tmp_path_factory):
     overrides = ladder.row_overrides(True, changes) + ["train.global_batch=2"]
     hlo_text, module, path = op_table.trace_train_step(model.CONFIG, overrides, str(tmp_path_factory.mktemp("trace")))
     ops = device_profile.read_ops(path, module)[0]
-    hlo = op_table.instructions(hlo_text)
+    hlo = hlo_parts.instructions(hlo_text)
     return ops, hlo, op_table.table(ops, hlo, op_table.STEPS)
 
 

@@ -17,7 +17,6 @@ parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes
 Writes bench/results/collective_bytes_cpu.json.
 """
 
-import dataclasses
 import json
 import shlex
 import sys
@@ -78,11 +77,10 @@ def measure(overrides: list[str]) -> dict:
     cfg = compiled.cfg
     runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
-    w = from_config(cfg, gpus=8)
-    planned = traffic.bytes_per_axis(w)
+    planned = traffic.bytes_per_axis(from_config(cfg, gpus=8))
     # the ideal's gradient bytes: exactly the parameters one device holds (norms and biases too)
     held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(compiled.state.params))
-    ideal = traffic.bytes_per_axis(dataclasses.replace(w, dp_reduce_per_microbatch=False), params=held)
+    ideal = traffic.ideal_bytes_per_axis(cfg, 8, held)
     ratio = {axis: measured[axis] / ideal[axis] for axis in ("tp", "pp", "dp") if measured.get(axis) and ideal.get(axis)}
     return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal, "measured_over_ideal": ratio}
 

@@ -111,9 +111,10 @@ def replica_groups(rest: str, devices: int) -> tuple[tuple[int, ...], ...]:
     raise ValueError(f"no replica groups this parser knows in {rest[:160]!r}")
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-    """Every collective of the program, with how often one step executes it."""
-    devices = int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+def parse_computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, str, str]]], str]:
+    """A module's computations, each its instructions in program order as (name, shape, opcode,
+    the rest of the line), and the ENTRY computation's name. A compiled module is scheduled: the
+    order is the order its kernels run in."""
     computations: dict[str, list[tuple[str, str, str, str]]] = defaultdict(list)
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -124,6 +125,21 @@ def collectives(hlo_text: str) -> list[Collective]:
             computations[current].append((i.group("name"), i.group("shape"), i.group("op"), i.group("rest")))
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
+    return computations, entry
+
+
+def trip_count(instruction: str, rest: str) -> int:
+    """A while loop's iterations, from XLA's `known_trip_count`; a ValueError where it has none."""
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    if trips is None:
+        raise ValueError(f"while loop {instruction} has no known trip count: its collectives cannot be counted")
+    return int(trips.group(1))
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of the program, with how often one step executes it."""
+    devices = int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    computations, entry = parse_computations(hlo_text)
 
     found: list[Collective] = []
     started: dict[str, tuple[str, str]] = {}  # async start's name → (op, attribute text)
@@ -143,10 +159,7 @@ def collectives(hlo_text: str) -> list[Collective]:
                 found.append(Collective(base, nbytes, groups, executions, in_branch, op_name))
             times = executions
             if op == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
-                if trips is None:
-                    raise ValueError(f"while loop {inst} has no known trip count: its collectives cannot be counted")
-                times = executions * int(trips.group(1))
+                times = executions * trip_count(inst, rest)
             for callee in _CALLEE.findall(rest):
                 if callee != name and not op.startswith(OPS):  # a collective's to_apply is its reduction
                     visit(callee, times, in_branch)

@@ -13,9 +13,11 @@ microbatches, L the layers, P the stage's parameters per GPU (`workload.stage_pa
 
 from __future__ import annotations
 
+import dataclasses
+
 from megascale_jax import pipeline_schedule
 from megascale_jax.planner import costs
-from megascale_jax.planner.workload import Workload, edge_matrices, stage_params
+from megascale_jax.planner.workload import Workload, edge_matrices, from_config, stage_params
 
 LOSS_BYTES = 4  # the loss's vocab-split reductions (max, sum, the target's logit) are float32
 
@@ -133,3 +135,11 @@ def bytes_per_axis(w: Workload, params: float | None = None) -> dict[str, float]
     one device holds, where known exactly (else the workload's count, which leaves out norms and
     biases)."""
     return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()), "dp": sum(dp_bytes(w, params).values())}
+
+
+def ideal_bytes_per_axis(cfg, gpus: int, params: float) -> dict[str, float]:
+    """The ideal a compiled step's collectives are set beside (`bench.parallel.collective_bytes`,
+    `plan --compile`): these formulas for `cfg` on `gpus` GPUs with one gradient reduction per
+    step, over `params`, the parameters one device holds (counted from the compiled state)."""
+    w = dataclasses.replace(from_config(cfg, gpus), dp_reduce_per_microbatch=False)
+    return bytes_per_axis(w, params=params)
