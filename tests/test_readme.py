@@ -5,7 +5,9 @@ do for a user), in that order. The commands of all the files are one list, so a 
 what a command on another page wrote still runs after it, in the same chain.
 
 The only change allowed is a shorter `train.steps=` appended to commands that train. Blocks
-whose first line starts with `# on NVIDIA GPU hosts` are skipped (they need a GPU or a cluster).
+whose first line starts with `# on NVIDIA GPU hosts` are skipped (they need a GPU or a cluster),
+and so are those starting `# with the compile-only environment`: tests/aot runs those as written
+where that environment exists.
 Every relative link in README.md and docs/ must name a file that exists and, after `#`, one of its
 headings (GitHub's anchors).
 """
@@ -25,6 +27,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 GPU_MARK = "# on NVIDIA GPU hosts"
+COMPILE_MARK = "# with the compile-only environment"
 SHORT_STEPS = "train.steps=6"
 TIMEOUT_S = 600
 
@@ -34,9 +37,10 @@ def documented_files(root: Path = REPO) -> list[Path]:
     return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
 
 
-def readme_commands(text: str) -> list[str]:
+def readme_commands(text: str, marked: str | None = None) -> list[str]:
     """The `python -m megascale_jax.*` commands of a Markdown text's code blocks, continuation
-    lines joined and comments dropped, outside blocks marked as needing a GPU."""
+    lines joined and comments dropped, outside blocks marked as needing a GPU or the compile-only
+    environment; with `marked`, those of the blocks whose first line starts with it instead."""
     commands, blocks, block = [], [], None
     for line in text.splitlines():
         if line.startswith("```") and block is None:  # opens a block: ```bash, ```python, ...
@@ -47,7 +51,10 @@ def readme_commands(text: str) -> list[str]:
         elif block is not None:
             block.append(line)
     for language, *lines in blocks:
-        if language not in ("bash", "sh", "") or (lines and lines[0].startswith(GPU_MARK)):
+        first = lines[0] if lines else ""
+        if language not in ("bash", "sh", ""):
+            continue
+        if (marked is None and first.startswith((GPU_MARK, COMPILE_MARK))) or (marked and not first.startswith(marked)):
             continue
         for line in "\n".join(lines).replace("\\\n", " ").splitlines():
             for part in line.split("&&"):  # the first README line installs, then trains

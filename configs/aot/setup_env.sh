@@ -12,7 +12,7 @@
 #   * the CUDA 13 plugin wheels with --no-deps (no nvidia-* runtime wheels: nothing runs),
 #   * nvidia-cudnn-cu13, which jax checks while tracing cuDNN attention (model.attention=cudnn),
 #   * ptxas and libdevice: a CUDA 13 toolkit's if the machine has one, else the PyPI wheels,
-#   * this checkout, editable, with its own dependencies but not torch (interop is not needed).
+#   * the project's dependencies (this checkout, editable), not torch (interop is not needed).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${MEGASCALE_AOT_VENV:-$HOME/.cache/megascale_jax/aot-venv}
@@ -25,8 +25,7 @@ if [[ "${1:-}" == "--print" ]]; then
 fi
 
 if [[ -f "$stamp" ]]; then
-    # The checkout may have moved (a fresh clone): re-point the editable install, cheaply.
-    "$venv/bin/python" -m pip install -q --no-deps -e "$here" >/dev/null
+    # Made already (by any checkout: `plan --compile` puts its own checkout first on PYTHONPATH).
     echo "compile-only environment ready: $venv/bin/python (jax $jax_version)"
     exit 0
 fi

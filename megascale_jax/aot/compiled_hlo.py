@@ -221,43 +221,67 @@ def bytes_by_part(buffers: list[dict]) -> dict[str, int]:
 
 def overlap(hlo_text: str, hlo: dict[str, Instruction], mesh_shape: tuple[int, ...],
             axis_names: tuple[str, ...]) -> list[dict]:
-    """Every collective of the program, in schedule order: {"op", "axes", "async", "kernels_between",
-    "flops_between", "computation", "runs"}; `kernels_between` counts the compute kernels scheduled
-    between an async collective's start and done (0 for a synchronous one: it overlaps nothing)."""
+    """Every collective of the program: {"op", "axes", "async", "kernels_between", "flops_between",
+    "computation", "runs"}; `kernels_between` counts the compute kernels scheduled between an
+    asynchronous collective's start and its done (0 for a synchronous one: it overlaps nothing).
+
+    XLA writes an asynchronous collective two ways: `all-gather-start` ... `all-gather-done`
+    (`compiled.as_text()`), or, in its dump, a generic `async-start` whose called computation holds
+    the collective, ended by `async-done(%that start)`. Both are read."""
     computations, entry = hlo_collectives.parse_computations(hlo_text)
     devices = int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
     runs = _kernel_computations(computations, entry)
+    wrapped = {callee for sequence in computations.values() for _, _, op, rest in sequence if op == "async-start"
+               for callee in _CALLEES.findall(rest)}
     out = []
     for computation, times in runs.items():
+        if computation in wrapped:
+            continue  # its collective is read at the async-start that wraps it
         sequence = computations[computation]
-        position = {inst: i for i, (inst, *_) in enumerate(sequence)}
         for i, (inst, _, op, rest) in enumerate(sequence):
-            base = op.removesuffix("-start")
-            if base not in hlo_collectives.OPS:
+            collective = _collective(op, rest, computations)
+            if collective is None:
                 continue
-            groups = hlo_collectives.replica_groups(rest, devices)
-            axes = hlo_collectives.group_axes(groups[0], mesh_shape, axis_names)
+            base, attributes = collective
+            axes = hlo_collectives.group_axes(hlo_collectives.replica_groups(attributes, devices)[0], mesh_shape,
+                                              axis_names)
             if not axes:
                 continue
+            started = op.endswith("-start")
             done = i
-            if op.endswith("-start"):
+            if started:
                 done = next(j for j, (_, _, o, r) in enumerate(sequence)
-                            if o == base + "-done" and re.match(rf"\s*%{re.escape(inst)}\b", r))
+                            if o.endswith("-done") and re.match(rf"\s*%{re.escape(inst)}\b", r))
             between = [name for name, _, o, r in sequence[i + 1:done] if o not in FREE and not o.endswith("-done")
-                       and _kernel_kind(o, r)[0] != "collective"]
-            out.append({"op": base, "axes": axes, "async": op.endswith("-start"), "kernels_between": len(between),
+                       and _collective(o, r, computations) is None]
+            out.append({"op": base, "axes": axes, "async": started, "kernels_between": len(between),
                         "flops_between": sum(hlo[n].flops for n in between if n in hlo),
-                        "computation": computation, "runs": times, "position": position[inst]})
+                        "computation": computation, "runs": times})
     return out
 
 
+def _collective(op: str, rest: str, computations: dict) -> tuple[str, str] | None:
+    """(collective opcode, the attributes that hold its groups) of a collective or of the async-start
+    that wraps one; None for anything else."""
+    base = op.removesuffix("-start")
+    if base in hlo_collectives.OPS:
+        return base, rest
+    if op == "async-start":
+        for callee in _CALLEES.findall(rest):
+            for _, _, inner, inner_rest in computations[callee]:
+                if inner in hlo_collectives.OPS:
+                    return inner, inner_rest
+    return None
+
+
 def overlap_by_axis(rows: list[dict]) -> dict[str, dict]:
-    """`overlap`'s rows per mesh axis: collectives per step, how many of them are asynchronous, and
-    how many have compute scheduled inside their window."""
-    by = collections.defaultdict(lambda: {"collectives": 0, "async": 0, "overlapped": 0})
+    """`overlap`'s rows per mesh axis and collective: executions per step, how many of them are
+    asynchronous, and how many have compute scheduled inside their window; `all` sums the axis."""
+    by = collections.defaultdict(lambda: collections.defaultdict(lambda: {"collectives": 0, "async": 0, "overlapped": 0}))
     for r in rows:
-        a = by[r["axes"]]
-        a["collectives"] += r["runs"]
-        a["async"] += r["runs"] if r["async"] else 0
-        a["overlapped"] += r["runs"] if r["kernels_between"] else 0
-    return dict(by)
+        for key in ("all", r["op"]):
+            a = by[r["axes"]][key]
+            a["collectives"] += r["runs"]
+            a["async"] += r["runs"] if r["async"] else 0
+            a["overlapped"] += r["runs"] if r["kernels_between"] else 0
+    return {axes: dict(ops) for axes, ops in by.items()}

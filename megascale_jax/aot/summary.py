@@ -80,10 +80,11 @@ def text(report: dict, estimate_bytes: float | None) -> str:
         lines.append(f"  collectives: {_counts(k['collectives'])}")
     for axis, sent in sorted(report["collective_bytes"].items()):
         ideal = report["ideal_collective_bytes"].get(axis)
-        o = report["overlap"].get(axis, {})
         against = f", ideal {format_bytes(ideal)} ({sent / ideal:.2f}x)" if ideal else ""
-        lines.append(f"collectives over {axis}: {format_bytes(sent)} a step{against}; {o.get('async', 0)} of "
-                     f"{o.get('collectives', 0)} asynchronous, {o.get('overlapped', 0)} with compute scheduled inside")
+        lines.append(f"collectives over {axis}: {format_bytes(sent)} a step{against}; per step, asynchronous / "
+                     "with compute scheduled inside / all:")
+        lines += [f"  {op:<20} {o['async']:>6,} / {o['overlapped']:>6,} / {o['collectives']:>6,}"
+                  for op, o in report["overlap"].get(axis, {}).items() if op != "all"]
     lines.append("note: without a GPU XLA cannot autotune its GEMMs: each is a Triton GEMM fusion with default "
                  "tiles (a device picks cuBLAS for most); memory is exact, the kernel mix an approximation")
     return "\n".join(lines)

@@ -375,8 +375,14 @@ def mixed_dots_backend() -> bool:
     """Whether the backend runs every bf16 x bf16 -> float32 GEMM the head's backward may become:
     XLA:CPU (jax 0.10) cannot when the result is laid out transposed, as a tied embedding's
     gradient is ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"), and a CPU
-    has no bf16 GEMM speed to gain; there the head keeps autodiff's float32 backward."""
-    return jax.default_backend() != "cpu"
+    has no bf16 GEMM speed to gain; there the head keeps autodiff's float32 backward.
+
+    The backend is the mesh's devices' (the trainer traces inside `jax.set_mesh`), the host's only
+    without a mesh: a step compiled for GPUs on a CPU-only machine (`plan --compile`) must be the
+    step a GPU runs, though the host's own backend is the CPU."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return (device.platform if device is not None else jax.default_backend()) != "cpu"
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

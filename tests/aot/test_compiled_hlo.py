@@ -1,0 +1,191 @@
+"""The compile-only report's readers (megascale_jax/aot) on hand-written XLA text, and `plan
+--compile`'s bad inputs: what needs no compile-only environment. The compiles themselves are in
+test_compile_for_gpu.py."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megascale_jax import plan
+from megascale_jax.aot import compiled_hlo, summary, targets
+from megascale_jax.observe.hlo_parts import instructions
+
+REPO = Path(__file__).resolve().parents[2]
+LAYER = 'op_name="jit(train_step)/jvp(Transformer)/while/body/layers'
+
+# A scheduled module: the entry launches a cuDNN attention call, a synchronous all-reduce over
+# devices {0,1} and a layer loop of 3 iterations; the body has a Triton GEMM fusion, a loop fusion,
+# an all-gather written as all-gather-start/done around the GEMM, and a collective-permute wrapped
+# in a generic async-start/async-done (as XLA's dump writes it) with nothing scheduled inside.
+MODULE = f"""HloModule jit_train_step, is_scheduled=true, num_partitions=4
+
+%gemm_computation (p0: bf16[64,32], p1: bf16[32,16]) -> bf16[64,16] {{
+  %p0 = bf16[64,32]{{1,0}} parameter(0)
+  %p1 = bf16[32,16]{{1,0}} parameter(1)
+  ROOT %dot.1 = bf16[64,16]{{1,0}} dot(%p0, %p1), lhs_contracting_dims={{1}}, rhs_contracting_dims={{0}}, metadata={{{LAYER}/mlp/dot_general"}}
+}}
+
+%gelu_computation (p0.1: bf16[64,16]) -> bf16[64,16] {{
+  %p0.1 = bf16[64,16]{{1,0}} parameter(0)
+  ROOT %tanh.1 = bf16[64,16]{{1,0}} tanh(%p0.1), metadata={{{LAYER}/mlp/tanh"}}
+}}
+
+%permute_wrapper (p0.2: f32[8]) -> f32[8] {{
+  %p0.2 = f32[8]{{0}} parameter(0)
+  ROOT %collective-permute.1 = f32[8]{{0}} collective-permute(%p0.2), channel_id=2, source_target_pairs={{{{0,2}},{{2,0}},{{1,3}},{{3,1}}}}
+}}
+
+%body (param.9: (s32[], bf16[64,32])) -> (s32[], bf16[64,32]) {{
+  %param.9 = (s32[], bf16[64,32]{{1,0}}) parameter(0)
+  %get-tuple-element.1 = bf16[64,32]{{1,0}} get-tuple-element(%param.9), index=1
+  %all-gather-start.1 = (bf16[16,16]{{1,0}}, bf16[32,16]{{1,0}}) all-gather-start(%get-tuple-element.1), channel_id=1, replica_groups={{{{0,1}},{{2,3}}}}, dimensions={{0}}
+  %gemm_fusion.1 = bf16[64,16]{{1,0}} fusion(%get-tuple-element.1, %get-tuple-element.1), kind=kCustom, calls=%gemm_computation, backend_config={{"fusion_backend_config":{{"block_level_fusion_config":{{"num_warps":"4"}},"kind":"__triton_gemm"}}}}
+  %all-gather-done.1 = bf16[32,16]{{1,0}} all-gather-done(%all-gather-start.1)
+  %loop_fusion.1 = bf16[64,16]{{1,0}} fusion(%gemm_fusion.1), kind=kLoop, calls=%gelu_computation
+  %async-start.1 = ((f32[8]{{0}}), f32[8]{{0}}, u32[]) async-start(%bitcast.1), calls=%permute_wrapper
+  %async-done.1 = f32[8]{{0}} async-done(%async-start.1)
+  ROOT %tuple.1 = (s32[], bf16[64,32]{{1,0}}) tuple(%get-tuple-element.1, %get-tuple-element.1)
+}}
+
+%cond (param.10: (s32[], bf16[64,32])) -> pred[] {{
+  %param.10 = (s32[], bf16[64,32]{{1,0}}) parameter(0)
+  ROOT %constant.1 = pred[] constant(false)
+}}
+
+ENTRY %main (param.1: bf16[64,32]) -> bf16[64,32] {{
+  %param.1 = bf16[64,32]{{1,0}} parameter(0), metadata={{op_name="state.params[\\'layers\\'][\\'mlp\\'][\\'w1\\']"}}
+  %attention.1 = (bf16[8,4,64,16]{{3,2,1,0}}, u8[0]{{0}}) custom-call(%param.1), custom_call_target="__cudnn$fmhaSoftmax"
+  %all-reduce.1 = bf16[64,32]{{1,0}} all-reduce(%param.1), channel_id=3, replica_groups={{{{0,1}},{{2,3}}}}, to_apply=%cond
+  %while.1 = (s32[], bf16[64,32]{{1,0}}) while(%all-reduce.1), condition=%cond, body=%body, backend_config={{"known_trip_count":{{"n":"3"}}}}
+  ROOT %get-tuple-element.2 = bf16[64,32]{{1,0}} get-tuple-element(%while.1), index=1
+}}
+"""
+MESH = ((2, 1, 2), ("dp", "pp", "tp"))  # device d sits at dp = d // 2, tp = d % 2
+
+
+def test_the_kernel_inventory_counts_each_kernel_once_in_the_program_and_per_iteration_per_step():
+    inventory = compiled_hlo.kernel_inventory(MODULE, instructions(MODULE))
+    static, per_step = inventory["static"], inventory["per_step"]
+    # entry: the cuDNN call, the all-reduce; body: the GEMM, the GeLU, the all-gather, the permute
+    assert static["kernels"] == 6 and per_step["kernels"] == 2 + 4 * 3
+    assert static["fusions"] == {"__triton_gemm": 1, "kLoop": 1} and per_step["fusions"] == {"__triton_gemm": 3, "kLoop": 3}
+    assert per_step["gemms"] == {"triton": 3, "cudnn": 1}
+    assert per_step["custom_calls"] == {"__cudnn$fmhaSoftmax": 1}
+    assert per_step["collectives"] == {"all-gather": 3, "collective-permute": 3, "all-reduce": 1}
+    assert inventory["gemm_flops_per_step"]["triton"] == 3 * 2 * 64 * 16 * 32  # by hand: 2 x out x contracted
+
+
+def test_overlap_reads_both_async_spellings_and_counts_the_kernels_inside_the_window():
+    rows = compiled_hlo.overlap(MODULE, instructions(MODULE), *MESH)
+    found = {(r["op"], r["axes"]): r for r in rows}
+    assert found[("all-gather", "tp")]["async"] and found[("all-gather", "tp")]["kernels_between"] == 1
+    assert found[("all-gather", "tp")]["flops_between"] == 2 * 64 * 16 * 32
+    assert found[("collective-permute", "dp")]["async"] and found[("collective-permute", "dp")]["kernels_between"] == 0
+    assert not found[("all-reduce", "tp")]["async"]
+    by_axis = compiled_hlo.overlap_by_axis(rows)
+    assert by_axis["tp"]["all"] == {"collectives": 4, "async": 3, "overlapped": 3}
+    assert by_axis["dp"]["collective-permute"] == {"collectives": 3, "async": 3, "overlapped": 0}
+
+
+LIVE_RANGE = """HloLiveRange (max 10):
+  BufferLiveRange:
+    loop_fusion.1{}:1-2
+  Live ranges at 7 (peak):
+    loop_dynamic_update_slice_fusion.3{}: 6442450944 bytes (cumulative: 6442450944 bytes)
+    param.1{}: 1610612736 bytes (cumulative: 8053063680 bytes)
+    while.1{1}: 1024 bytes (cumulative: 8053064704 bytes)
+  Stack trace breakdown for peak usage: 8053064704 bytes
+"""
+ASSIGNMENT = """BufferAssignment:
+allocation 0: size 1610612736, parameter 0, shape |bf16[24,2048,8192]| at ShapeIndex {}:
+ value: <1 param.1 @0> (size=1610612736,offset=0): bf16[24,2048,8192]{2,1,0}
+allocation 1: size 6442451968, preallocated-temp:
+ value: <2 loop_dynamic_update_slice_fusion.3 @0> (size=6442450944,offset=0): bf16[24,8,2048,8192]{3,2,1,0}
+ value: <3 while.1{1} (phi) @0> (size=1024,offset=6442450944): f32[256]{0}
+"""
+USAGE = """Memory Space: default (color=0)
+Total bytes: 8053064704 (7.50GiB)
+  cumulative_size;       size;       offset; used_by_n_values; shapes_list
+  ------------------------------------------------------------
+    6.00GiB( 80%);    6.00GiB;            0;                1; bf16[24,8,2048,8192]
+    6.00GiB( 80%);     1.0KiB;   6442450944;                1; f32[256]
+  The rest 0 values are less than 5% of the total size and not shown.
+"""
+SAVES = f"""HloModule m, is_scheduled=true
+
+%stack (p: bf16[24,8,2048,8192], u: bf16[8,2048,8192]) -> bf16[24,8,2048,8192] {{
+  %u = bf16[8,2048,8192]{{2,1,0}} parameter(1)
+  %bitcast.4 = bf16[8,2048,8192]{{2,1,0}} bitcast(%u), metadata={{{LAYER}/qkv_mlp_up/dot_general"}}
+  ROOT %dynamic-update-slice.1 = bf16[24,8,2048,8192]{{3,2,1,0}} dynamic-update-slice(%p, %bitcast.4), metadata={{op_name="jit(train_step)/jvp(Transformer)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice"}}
+}}
+
+ENTRY %main (param.1: bf16[24,2048,8192]) -> bf16[24,2048,8192] {{
+  %param.1 = bf16[24,2048,8192]{{2,1,0}} parameter(0), metadata={{op_name="state.opt_state[0].mu[\\'layers\\']"}}
+  %loop_dynamic_update_slice_fusion.3 = bf16[24,8,2048,8192]{{3,2,1,0}} fusion(%param.1, %param.1), kind=kLoop, calls=%stack, metadata={{op_name="jit(train_step)/jvp(Transformer)/while/body/jit(dynamic_update_index_in_dim)/dynamic_update_slice"}}
+  %while.1 = (s32[], f32[256]{{0}}) while(%param.1), condition=%stack, body=%stack
+  ROOT %r = bf16[24,2048,8192]{{2,1,0}} copy(%param.1)
+}}
+"""
+
+
+def test_the_buffers_live_at_the_peak_are_named_by_the_part_that_owns_them():
+    buffers = compiled_hlo.peak_buffers(LIVE_RANGE, ASSIGNMENT, instructions(SAVES))
+    assert [(b["bytes"], b["shape"], b["part"]) for b in buffers] == [
+        (6442450944, "bf16[24,8,2048,8192]{3,2,1,0}", "kept for the backward: QKV + MLP-up GEMM"),
+        (1610612736, "bf16[24,2048,8192]{2,1,0}", "optimizer state"),
+        (1024, "f32[256]{0}", "layer scan state")]
+    assert compiled_hlo.bytes_by_part(buffers)["optimizer state"] == 1610612736
+
+
+def test_the_temporaries_ranges_come_from_xlas_usage_report_with_the_parts_placed_there():
+    chunks = compiled_hlo.heap_chunks(USAGE, ASSIGNMENT, instructions(SAVES))
+    assert chunks == [
+        {"bytes": 6 * 2**30, "offset": 0, "shapes": "bf16[24,8,2048,8192]",
+         "parts": ["kept for the backward: QKV + MLP-up GEMM"]},
+        {"bytes": 1024, "offset": 6442450944, "shapes": "f32[256]", "parts": ["layer scan state"]}]
+
+
+def test_the_h200s_allocator_limit_is_the_one_measured_on_it():
+    measured = json.loads((REPO / "bench/results/gpu_nvidia_h200_2026-11-27.json").read_text())["memory_limit_bytes"]
+    assert targets.TARGETS["h200"].limit_bytes() == pytest.approx(measured, rel=1e-9)
+
+
+@pytest.mark.parametrize("gpus, topology", [(1, "1x1x1"), (8, "1x1x8"), (16, "1x2x8"), (64, "1x8x8")])
+def test_the_topology_is_whole_hosts_of_eight(gpus, topology):
+    assert targets.topology(gpus) == topology
+
+
+def run(capsys, *argv):
+    code = plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+CONFIG = ["--config", str(REPO / "configs" / "gpt_1b.yaml")]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--gpu", "a100-80g", "--gpus", "1"], "known GPUs: h100-sxm, h200"),
+    (["--gpu", "b200", "--gpus", "1"], "known GPUs: h100-sxm, h200"),
+    (["--gpu", "h100-sxm", "--gpus", "12"], "use a multiple of 8"),
+    (["--gpu", "h100-sxm", "--gpus", "8", "mesh.pp=3", "parallel.microbatches=3", "train.global_batch=9"], "not divisible by mesh.tp x mesh.pp"),
+    (["--gpu", "h100-sxm", "--gpus", "8", "mesh.tp=8", "mesh.dp=2"], "disagrees with --gpus=8"),
+])
+def test_compile_refuses_bad_input_in_one_line_before_anything_starts(capsys, argv, says):
+    code, out, err = run(capsys, "--compile", *CONFIG, *argv)
+    assert code == 2 and out == "" and says in err and len(err.strip().splitlines()) == 1
+
+
+def test_compile_without_the_environment_names_the_script_that_makes_it(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGASCALE_AOT_VENV", str(tmp_path / "nowhere"))
+    code, out, err = run(capsys, "--compile", *CONFIG, "--gpu", "h200", "--gpus", "1")
+    assert code == 2 and "bash configs/aot/setup_env.sh" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_step_that_does_not_fit_names_its_peak_the_limit_and_what_shrinks_it():
+    report = {"memory": {"peak": 90 * 2**30}, "outside_step": {"checkpoint_copy": 0, "input_batches": 2**20},
+              "limit_bytes": targets.TARGETS["h100-sxm"].limit_bytes(), "device": "NVIDIA H100 80GB HBM3"}
+    assert not summary.fits(report)
+    line = summary.does_not_fit(report)
+    assert "90.0 GiB" in line and "58.9 GiB" in line and "model.remat" in line and "\n" not in line
