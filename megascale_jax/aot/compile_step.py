@@ -125,9 +125,10 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     from megascale_jax.aot.targets import target
-    from megascale_jax.config import load_config
+    from megascale_jax.config import load_config, with_device_defaults
 
-    cfg = load_config(args.config, args.overrides, planning=True)
+    # the defaults a GPU run decides by its devices (the checkpoint's background copy: on)
+    cfg = with_device_defaults(load_config(args.config, args.overrides, planning=True), "gpu")
     options = dict(o.split("=", 1) for o in args.xla_option)
     report = compile_report(cfg, target(args.gpu), args.topology, options, args.dump)
     with open(args.out, "w") as f:
