@@ -26,6 +26,7 @@ import pallas_kernels
 from pallas_kernels.bias_gelu import gelu_and_grad
 from megascale_jax.model.attention import attend
 from megascale_jax.config import ModelConfig, ParallelConfig
+from megascale_jax.parallel.sharding import per_device
 from megascale_jax.parallel.tensor_parallel import column_matmul, embed_lookup, row_matmul, vocab_edges_manual, vocab_logits
 
 INIT_STD = 0.02
@@ -209,8 +210,20 @@ def attention_heads(c: ModelConfig, q, k, v, a: dict, positions):
 def self_attention(c: ModelConfig, q, k, v, a: dict):
     """Projected (b, s, n*hd) q/k/v -> attention over the sequence (b, s, heads*head_dim), heads over tp."""
     q, k, v = attention_heads(c, q, k, v, a, jnp.arange(q.shape[1]))
-    o = attend(q, k, v, window=c.window, implementation=c.attention)
-    o = _constrain(o, ("batch", "seq", "heads", "head_dim"))
+    heads = ("batch", "seq", "heads", "head_dim")
+    if c.attention == "cudnn":
+        # cuDNN per device (`sharding.per_device`: jax's cuDNN partitioner fails on most layouts).
+        # Where k/v are whole on every tp rank (fewer kv heads than tp ranks) each rank's query heads
+        # need their own kv heads: k and v are repeated to one per query head first.
+        kv = ("batch", "seq", "heads" if kv_sharers(c) > 1 else "kv_heads", "head_dim")
+        if nn.logical_to_mesh_axes(kv) != nn.logical_to_mesh_axes(heads):
+            k, v = (_constrain(jnp.repeat(y, q.shape[2] // y.shape[2], axis=2), heads) for y in (k, v))
+            kv = heads
+        cudnn = functools.partial(attend, window=c.window, implementation="cudnn")
+        o = per_device(cudnn, (heads, kv, kv), heads)(q, k, v)
+    else:
+        o = attend(q, k, v, window=c.window, implementation=c.attention)
+    o = _constrain(o, heads)
     return o.reshape(*o.shape[:2], -1)
 
 

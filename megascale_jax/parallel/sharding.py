@@ -23,7 +23,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from megascale_jax.config import Config
 
@@ -63,6 +63,41 @@ def axis_rules(cfg: Config | None = None, manual: tuple[str, ...] = ()):
     Inside a `shard_map` that is manual over some mesh axes, constraints may only name the
     remaining (automatic) axes: the `manual` ones are dropped from the rules."""
     return nn.logical_axis_rules(tuple((name, None if axis in manual else axis) for name, axis in rules_for(cfg)))
+
+
+def per_device(fn, in_axes: tuple[tuple[str, ...], ...], out_axes: tuple[str, ...]):
+    """`fn` applied to each device's shard of its arguments (logical axes `in_axes`, result
+    `out_axes`): a `shard_map` manual over every mesh axis the caller leaves automatic, its specs
+    the active rules' (`axis_rules`), so the arguments enter as the model already laid them out.
+
+    For a custom call that must not meet GSPMD: jax's cuDNN attention partitions itself with a
+    custom partitioner that fails when part of the mesh is manual (the gradient accumulation's and
+    the pipeline's shard_map over dp: `AttributeError: 'GSPMDSharding' object has no attribute
+    'spec'`) and with dp > 1 alone (an AssertionError), so no layout with dp > 1 or several
+    microbatches compiled on GPUs (docs/compile.md). Per device, it sees local shapes only. Outside
+    any mesh, or where every axis is manual already, `fn` is called as it is."""
+    def on_shards(*args):
+        mesh = jax.sharding.get_abstract_mesh()
+        auto = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Auto)
+        if mesh.empty or not auto:
+            return fn(*args)
+        specs = tuple(nn.logical_to_mesh_axes(axes) for axes in in_axes)
+        if not all(_divides(spec, x.shape, mesh) for spec, x in zip(specs, args)):
+            return fn(*args)  # a shape no layout splits (the init's one dummy sequence): left to GSPMD
+        return jax.shard_map(fn, in_specs=specs, out_specs=nn.logical_to_mesh_axes(out_axes), axis_names=auto,
+                             check_vma=False)(*args)
+    return on_shards
+
+
+def _divides(spec: P, shape: tuple[int, ...], mesh) -> bool:
+    """Whether every dimension of `shape` splits evenly over the mesh axes `spec` puts it on."""
+    sizes = dict(mesh.shape)
+    for axes, size in zip(spec, shape):
+        for axis in (axes,) if isinstance(axes, str) else (axes or ()):
+            size, rest = divmod(size, sizes[axis])
+            if rest:
+                return False
+    return True
 
 
 def logical_to_spec(names) -> P:
