@@ -34,11 +34,12 @@ def compile_report(cfg, target, topology: str, xla_options: dict | None = None, 
     import jaxlib
     from jax.experimental import topologies
 
-    from megascale_jax.aot import compiled_hlo
+    from megascale_jax.aot import compiled_hlo, roofline
     from megascale_jax.model import flops
     from megascale_jax.observe import collectives
     from megascale_jax.observe.hlo_parts import instructions
     from megascale_jax.parallel.mesh import make_mesh
+    from megascale_jax.planner import calibration
     from megascale_jax.training import trainer as trainer_module
 
     started = time.perf_counter()
@@ -87,6 +88,8 @@ def compile_report(cfg, target, topology: str, xla_options: dict | None = None, 
         "collective_bytes": collectives.bytes_per_axis(hlo_text, mesh, runs),
         "ideal_collective_bytes": _ideal_bytes(cfg, state, len(devices)),
         "overlap": compiled_hlo.overlap_by_axis(overlap_rows),
+        "roofline": roofline.summary(roofline.kernel_costs(hlo_text, hlo, calibration.gpu(target.key),
+                                                           cfg.model.window)),
     }
 
 

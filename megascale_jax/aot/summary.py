@@ -85,6 +85,12 @@ def text(report: dict, estimate_bytes: float | None) -> str:
                      "with compute scheduled inside / all:")
         lines += [f"  {op:<20} {o['async']:>6,} / {o['overlapped']:>6,} / {o['collectives']:>6,}"
                   for op, o in report["overlap"].get(axis, {}).items() if op != "all"]
+    r = report["roofline"]
+    lines.append(f"roofline (no profile; the GPU's calibrated GEMM and copy rates): {r['step_s'] * 1e3:.1f} ms a step "
+                 f"of compute, {r['flops'] / 1e12:.1f} TFLOP and {r['bytes'] / 1e9:.1f} GB; by part: " + ", ".join(
+                     f"{part} {s * 1e3:.1f}" for part, s in list(r["by_part_s"].items())[:6]) + " ms")
+    lines += [f"  {k['seconds'] * 1e3:7.2f} ms  {k['kind'][:28]:<28} {k['part']:<24} {k['bound']}-bound, "
+              f"{k['runs']} a step  {k['op_name'][:50]}" for k in r["top"][:5]]
     lines.append("note: without a GPU XLA cannot autotune its GEMMs: each is a Triton GEMM fusion with default "
                  "tiles (a device picks cuBLAS for most); memory is exact, the kernel mix an approximation")
     return "\n".join(lines)

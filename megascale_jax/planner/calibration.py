@@ -51,6 +51,12 @@ class Gpu:
     collective_sms: int = 0  # SMs an NCCL collective holds while it runs (`costs.overlapped_s`)
     attention_query_s: float = 0.0  # a fused attention's cost per query row, forward + backward (`costs.fused_attention_s`)
     fp32_gemm_flops: float = 0.0  # a float32 GEMM's measured rate (0: none measured; `predict.head_s`)
+    hbm_copy_bandwidth: float = 0.0  # a device-to-device copy's measured bytes read + written per second (0: none)
+
+    @property
+    def hbm_stream_bandwidth(self) -> float:
+        """What a streaming pass achieves: the measured copy rate, the datasheet's where none is."""
+        return self.hbm_copy_bandwidth or self.hbm_bandwidth
 
     @property
     def collective_sm_share(self) -> float:
@@ -119,4 +125,4 @@ def gpu(key: str, nic: str | None = None, path: str = DEFAULT_FILE, held_out: st
         matmul_max_efficiency=e_max, matmul_half_flops=half, sms=g["sms"], gemm_tile=tile,
         attention_efficiency=g["attention_efficiency"], elementwise_passes=g["elementwise_passes"],
         collective_sms=g["collective_sms"], attention_query_s=g.get("attention_query_ns", 0.0) * 1e-9,
-        fp32_gemm_flops=g.get("fp32_gemm_tflops", 0.0) * 1e12)
+        fp32_gemm_flops=g.get("fp32_gemm_tflops", 0.0) * 1e12, hbm_copy_bandwidth=g.get("hbm_copy_tbps", 0.0) * 1e12)

@@ -189,3 +189,65 @@ def test_a_step_that_does_not_fit_names_its_peak_the_limit_and_what_shrinks_it()
     assert not summary.fits(report)
     line = summary.does_not_fit(report)
     assert "90.0 GiB" in line and "58.9 GiB" in line and "model.remat" in line and "\n" not in line
+
+
+# ------------------------------------------------------------------ the roofline
+
+STACKED = """HloModule m, is_scheduled=true
+
+%read_one_layer (p0: f32[24,4096,1024], p1: s32[], p2: f32[4096,1024]) -> f32[4096,1024] {
+  %p0 = f32[24,4096,1024]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %p2 = f32[4096,1024]{1,0} parameter(2)
+  %dynamic-slice.1 = f32[1,4096,1024]{2,1,0} dynamic-slice(%p0, %p1, %p1, %p1), dynamic_slice_sizes={1,4096,1024}
+  %bitcast.1 = f32[4096,1024]{1,0} bitcast(%dynamic-slice.1)
+  ROOT %add.1 = f32[4096,1024]{1,0} add(%bitcast.1, %p2)
+}
+
+%write_one_layer (q0: f32[24,4096,1024], q1: f32[1,4096,1024], q2: s32[]) -> f32[24,4096,1024] {
+  %q0 = f32[24,4096,1024]{2,1,0} parameter(0)
+  %q1 = f32[1,4096,1024]{2,1,0} parameter(1)
+  %q2 = s32[] parameter(2)
+  ROOT %dynamic-update-slice.1 = f32[24,4096,1024]{2,1,0} dynamic-update-slice(%q0, %q1, %q2, %q2, %q2)
+}
+
+ENTRY %main (stack: f32[24,4096,1024], i: s32[], x: f32[4096,1024], y: f32[1,4096,1024]) -> f32[24,4096,1024] {
+  %stack = f32[24,4096,1024]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[4096,1024]{1,0} parameter(2)
+  %y = f32[1,4096,1024]{2,1,0} parameter(3)
+  %loop_fusion.1 = f32[4096,1024]{1,0} fusion(%stack, %i, %x), kind=kLoop, calls=%read_one_layer
+  ROOT %loop_dynamic_update_slice_fusion.1 = f32[24,4096,1024]{2,1,0} fusion(%stack, %y, %i), kind=kLoop, calls=%write_one_layer
+}
+"""
+LAYER_BYTES = 4096 * 1024 * 4
+
+
+def test_the_roofline_counts_a_slice_of_a_stack_and_an_in_place_update_by_what_they_touch():
+    from megascale_jax.aot import roofline
+    from megascale_jax.planner import calibration
+
+    gpu = calibration.gpu("h200")
+    rows = {r["kernel"]: r for r in roofline.kernel_costs(STACKED, instructions(STACKED), gpu, None)}
+    # one layer read from the stack, x read, the sum written (the index is 4 bytes)
+    assert rows["loop_fusion.1"]["bytes"] == 3 * LAYER_BYTES + 4
+    # the update read and written in place: not the 24-layer buffer
+    assert rows["loop_dynamic_update_slice_fusion.1"]["bytes"] == 2 * LAYER_BYTES + 4
+    assert rows["loop_fusion.1"]["seconds"] == pytest.approx((3 * LAYER_BYTES + 4) / 4.3e12)
+
+
+def test_the_roofline_prices_cudnn_attention_by_its_windows_pairs_and_gemms_by_their_flops():
+    from megascale_jax.aot import roofline
+    from megascale_jax.planner import calibration, costs
+
+    gpu = calibration.gpu("h200")
+    rows = roofline.kernel_costs(MODULE, instructions(MODULE), gpu, window=16)
+    attention = next(r for r in rows if r["kind"] == "__cudnn$fmhaSoftmax")
+    # output bf16[8,4,64,16]: batch 8, 4 heads, 64 queries, head_dim 16; each query sees <= 16 keys
+    pairs = 16 * 17 // 2 + (64 - 16) * 16
+    assert attention["flops"] == 4 * 16 * 8 * 4 * pairs
+    gemm = next(r for r in rows if r["kind"] == "__triton_gemm")
+    assert gemm["runs"] == 3 and gemm["flops"] == 3 * 2 * 64 * 16 * 32
+    assert gemm["seconds"] == pytest.approx(3 * max(costs.matmul_s(2 * 64 * 16 * 32, gpu), roofline.LAUNCH_S,
+                                                    (64 * 32 * 2 * 2 + 64 * 16 * 2) / gpu.hbm_stream_bandwidth))
+    assert roofline.summary(rows)["step_s"] == pytest.approx(sum(r["seconds"] for r in rows))

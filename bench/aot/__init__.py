@@ -1,0 +1,1 @@
+"""Benches of the compile-only GPU environment (docs/compile.md)."""

@@ -1,0 +1,139 @@
+"""A roofline of the compiled program: every kernel's FLOPs and HBM bytes read from the optimized
+HLO's shapes, priced at the GPU's rates into a predicted step time, and the kernels ranked by it
+(the lever list for a GPU run). No profile: XLA's own `cost_analysis()` returns None without a
+device, so the counts are this module's.
+
+Per kernel (a kernel as `compiled_hlo` counts them, a loop body's once per iteration):
+
+* bytes: what it reads and writes. A fusion reads each operand whole, except an operand its
+  computation only slices (`dynamic-slice`, `slice`, `gather`: the slices' bytes: the layer scan
+  reading one layer of a stacked array) and the buffer a root `dynamic-update-slice` updates in
+  place (0 read; the update's bytes written, not the buffer's); it writes its result. A custom
+  call or a copy reads its operands and writes its result.
+* FLOPs: a matrix product's (`hlo_parts.product_flops`: dots, cuBLAS calls, fusions of dots);
+  cuDNN's fused attention by its shape: 4 · head_dim FLOPs per visible (query, key) pair of the
+  window, its backward 2.5× that (`planner.costs`).
+* seconds: a GEMM max(F / (P · e(F)), B / W) (`costs.matmul_s`: the peak and the size curve of the
+  GPU's calibration, measured on 8192³ GEMMs); attention `costs.fused_attention_s` (its forward,
+  × `FLASH_FWD_BWD` / 1 for the backward call); anything else B / W, W the HBM's measured stream rate
+  (a device-to-device copy's bytes read + written a second: 4.3 TB/s on the H200, 3.0 on the H100;
+  `calibration.yaml`'s `hbm_copy_tbps`); every kernel at least `LAUNCH_S` (a kernel's launch and its ramp: none runs faster).
+
+Collectives are left out (one GPU's step has none; on several, `compile_step` reports their
+overlap). Nothing here is fitted to a measured step.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from megascale_jax.aot import compiled_hlo
+from megascale_jax.observe import collectives as hlo_collectives
+from megascale_jax.observe.collectives import shape_bytes, shape_dims
+from megascale_jax.observe.hlo_parts import Instruction, part_of, short_op_name
+from megascale_jax.planner import costs
+
+LAUNCH_S = 2e-6  # a kernel's floor: launch and ramp (CUDA graphs hide the launch, not the ramp)
+SLICES = ("dynamic-slice", "slice", "gather")
+_OPERAND = re.compile(r"%([\w.\-]+(?:#\d+)?)")
+_TUPLE_ELEMENT = re.compile(r"(?:/\*index=\d+\*/)?\s*([a-z]+\d*(?:e\d+m\d+\w*)?\[[\d,]*\](?:\{[^}]*\})?)")
+
+
+def _operands(rest: str) -> list[str]:
+    """An instruction's operand names, `tuple#i` for a tuple's element i (XLA's dump elides the
+    get-tuple-element)."""
+    return _OPERAND.findall(rest.split(")", 1)[0])
+
+
+def _shape_of(name: str, shapes: dict[str, str]) -> str:
+    base, _, index = name.partition("#")
+    shape = shapes.get(base, "")
+    if not index:
+        return shape
+    elements = _TUPLE_ELEMENT.findall(shape)
+    return elements[int(index)] if int(index) < len(elements) else ""
+
+
+def fusion_bytes(computation: list, operand_shapes: list[str], out_shape: str) -> float:
+    """Bytes a fusion reads and writes (module docstring), given its computation's instructions
+    (name, shape, opcode, rest), its operands' shapes in parameter order and its result's shape."""
+    params = {}
+    users = collections.defaultdict(list)
+    root = computation[-1] if computation else None
+    for name, shape, op, rest in computation:
+        if op == "parameter":
+            params[name] = int(re.match(r"(\d+)", rest).group(1))
+        for position, operand in enumerate(_operands(rest) if op != "parameter" else ()):
+            users[operand].append((op, position, shape, name))
+    written = shape_bytes(out_shape)
+    read = 0.0
+    for name, index in params.items():
+        whole = shape_bytes(operand_shapes[index]) if index < len(operand_shapes) else 0
+        uses = users.get(name, [])
+        if uses and all(op in SLICES and position == 0 for op, position, _, _ in uses):
+            read += sum(shape_bytes(shape) for _, _, shape, _ in uses)
+        elif root is not None and root[2] == "dynamic-update-slice" and _operands(root[3])[:1] == [name]:
+            update = _operands(root[3])[1]
+            written = written - shape_bytes(root[1]) + shape_bytes(_local_shape(update, computation))
+        else:
+            read += whole
+    return read + written
+
+
+def _local_shape(name: str, computation: list) -> str:
+    return next((shape for n, shape, _, _ in computation if n == name), "")
+
+
+def attention_s(flops_forward: float, query_rows: float, backward: bool, gpu) -> float:
+    forward = costs.fused_attention_s(flops_forward, query_rows, gpu)
+    return forward * (costs.FLASH_FWD_BWD - 1) if backward else forward
+
+
+def kernel_costs(hlo_text: str, hlo: dict[str, Instruction], gpu, window: int | None) -> list[dict]:
+    """Every kernel of one step with its bytes, FLOPs, predicted seconds per step, part and name."""
+    computations, entry = hlo_collectives.parse_computations(hlo_text)
+    shapes = {name: shape for sequence in computations.values() for name, shape, _, _ in sequence}
+    runs = compiled_hlo._kernel_computations(computations, entry)
+    rows = []
+    for computation, times in runs.items():
+        for inst, shape, op, rest in computations[computation]:
+            if op in compiled_hlo.FREE or op.endswith("-done"):
+                continue
+            category, name = compiled_hlo._kernel_kind(op, rest)
+            if category == "collective":
+                continue
+            operands = [_shape_of(o, shapes) for o in _operands(rest)]
+            called = re.search(r"\bcalls=%([\w.\-]+)", rest)
+            if category == "fusion" and called:
+                nbytes = fusion_bytes(computations[called.group(1)], operands, shape)
+            else:
+                nbytes = sum(shape_bytes(s) for s in operands if s) + shape_bytes(shape)
+            instruction = hlo.get(inst, Instruction(""))
+            flops = instruction.flops
+            if category == "custom-call" and name.startswith("__cudnn$fmha"):
+                b, h, s, d = shape_dims(shape)[:4]  # its output (the forward's O, the backward's dQ): b, h, s, d
+                flops_forward = 4 * d * b * h * costs.visible_pairs(s, window)
+                seconds = attention_s(flops_forward, b * h * s, name.endswith("Backward"), gpu)
+                flops = flops_forward * ((costs.FLASH_FWD_BWD - 1) if name.endswith("Backward") else 1)
+            elif flops:
+                seconds = max(costs.matmul_s(flops, gpu), nbytes / gpu.hbm_stream_bandwidth)
+            else:
+                seconds = nbytes / gpu.hbm_stream_bandwidth
+            seconds = max(seconds, LAUNCH_S)
+            rows.append({"kernel": inst, "kind": name, "part": part_of(instruction), "runs": times,
+                         "bytes": nbytes * times, "flops": flops * times, "seconds": seconds * times,
+                         "bound": "compute" if flops and costs.matmul_s(flops, gpu) > nbytes / gpu.hbm_stream_bandwidth
+                         else "memory", "op_name": short_op_name(instruction.op_name)})
+    return sorted(rows, key=lambda r: -r["seconds"])
+
+
+def summary(rows: list[dict], top: int = 15) -> dict:
+    """The predicted step (the kernels' seconds summed: one stream), seconds and bytes by part,
+    the `top` kernels."""
+    by_part = collections.Counter()
+    for r in rows:
+        by_part[r["part"]] += r["seconds"]
+    return {"step_s": sum(r["seconds"] for r in rows), "flops": sum(r["flops"] for r in rows),
+            "bytes": sum(r["bytes"] for r in rows), "kernels": sum(r["runs"] for r in rows),
+            "by_part_s": dict(by_part.most_common()), "top": rows[:top]}
