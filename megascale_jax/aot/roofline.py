@@ -57,27 +57,40 @@ def _shape_of(name: str, shapes: dict[str, str]) -> str:
 
 def fusion_bytes(computation: list, operand_shapes: list[str], out_shape: str) -> float:
     """Bytes a fusion reads and writes (module docstring), given its computation's instructions
-    (name, shape, opcode, rest), its operands' shapes in parameter order and its result's shape."""
-    params = {}
+    (name, shape, opcode, rest), its operands' shapes in parameter order and its result's shape.
+    A bitcast is a view: its users are its operand's."""
+    params, views = {}, {}
     users = collections.defaultdict(list)
-    root = computation[-1] if computation else None
     for name, shape, op, rest in computation:
         if op == "parameter":
             params[name] = int(re.match(r"(\d+)", rest).group(1))
-        for position, operand in enumerate(_operands(rest) if op != "parameter" else ()):
-            users[operand].append((op, position, shape, name))
+        elif op == "bitcast":
+            views[name] = _operands(rest)[0]
+
+    def origin(name: str) -> str:
+        while name in views:
+            name = views[name]
+        return name
+
+    for name, shape, op, rest in computation:
+        if op not in ("parameter", "bitcast"):
+            for position, operand in enumerate(_operands(rest)):
+                users[origin(operand)].append((op, position, shape))
+    root = computation[-1] if computation else None
+    in_place = None  # the parameter a root dynamic-update-slice updates, and the update's bytes
+    if root is not None and root[2] == "dynamic-update-slice":
+        buffer, update = _operands(root[3])[:2]
+        in_place = (origin(buffer), shape_bytes(_local_shape(update, computation)))
     written = shape_bytes(out_shape)
     read = 0.0
     for name, index in params.items():
-        whole = shape_bytes(operand_shapes[index]) if index < len(operand_shapes) else 0
         uses = users.get(name, [])
-        if uses and all(op in SLICES and position == 0 for op, position, _, _ in uses):
-            read += sum(shape_bytes(shape) for _, _, shape, _ in uses)
-        elif root is not None and root[2] == "dynamic-update-slice" and _operands(root[3])[:1] == [name]:
-            update = _operands(root[3])[1]
-            written = written - shape_bytes(root[1]) + shape_bytes(_local_shape(update, computation))
+        if in_place and in_place[0] == name:
+            written += in_place[1] - shape_bytes(root[1])
+        elif uses and all(op in SLICES and position == 0 for op, position, _ in uses):
+            read += sum(shape_bytes(shape) for _, _, shape in uses)
         else:
-            read += whole
+            read += shape_bytes(operand_shapes[index]) if index < len(operand_shapes) else 0
     return read + written
 
 
