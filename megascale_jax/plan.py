@@ -123,6 +123,8 @@ def compile_step(args, cfg, gpu: calibration.Gpu, topology: str, overrides: list
     except environment.MissingEnvironment as e:
         return cli.user_error(e)
     except RuntimeError as e:
+        if "While setting option" in str(e) or "No such compile option" in str(e):
+            return cli.user_error(f"an --xla-option XLA refuses: {e}")
         return cli.user_error(f"the step does not compile for {gpu.name} ({e}); {kernel_options(cfg)}")
     try:  # the planner's own memory estimate, beside the compile, where the planner prices the model
         require_priced(from_config(cfg, args.gpus), gpu)

@@ -3,7 +3,9 @@ measured steps: each MFU-ladder row of the 2026-11-23 and 2026-11-27 campaigns c
 GPU, from the code that ran it (a worktree of its commit), its kernels' FLOPs and bytes priced at
 the H200's calibration, the predicted step set beside the measured one. Nothing is fitted to these
 rows. Then this checkout's same-work row (cuDNN, window 512, AdamW, 8 sequences), its kernels
-ranked by predicted time: the lever list for the next GPU run.
+ranked by predicted time: the lever list for the next GPU run. Beside each row, the planner's own
+prediction (`planner.predict`, its formulas for this checkout's model; its H200 elementwise
+passes were fitted to the 2026-11-23 xla_flags row).
 
     python -m bench.aot.roofline_rows [--out FILE] [--overwrite] [--only NAME ...]
 
@@ -21,7 +23,10 @@ import tempfile
 from bench.common import REPO, Bench
 from megascale_jax.aot import environment, roofline, targets
 from megascale_jax.observe.hlo_parts import instructions
+from megascale_jax.config import load_config
 from megascale_jax.planner import calibration
+from megascale_jax.planner.predict import predict as planner_predict
+from megascale_jax.planner.workload import from_config
 
 # The code each campaign ran: the commit its results were measured at.
 RUNS = {"2026-11-23": ("85dcec4", "bench/results/gpu_nvidia_h200_2026-11-23.json"),
@@ -63,6 +68,12 @@ def predict(tree: str, row_overrides: list[str], xla_flags: list[str], window) -
     return roofline.summary(roofline.kernel_costs(text, instructions(text), gpu, window))
 
 
+def planner_s(row_overrides: list[str]) -> float:
+    """The planner's own prediction of the row (its formulas; this checkout's model of the work)."""
+    cfg = load_config(os.path.join(REPO, "configs", "gpt_1b.yaml"), row_overrides, planning=True)
+    return planner_predict(from_config(cfg, 1), calibration.gpu("h200")).iteration_s
+
+
 def worktree(commit: str, into: str) -> str:
     path = os.path.join(into, commit)
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", "-f", path, commit], check=True,
@@ -87,7 +98,8 @@ def main(argv=None) -> int:
                     got = predict(tree, overrides(row), row.get("xla_flags") or [], window)
                     out = {"date": date, "commit": commit, "row": row["name"], "batch": row["batch"],
                            "microbatches": row["microbatches"], "measured_s": row["step_time_s"],
-                           "predicted_s": got.get("step_s"), "error": got.get("error")}
+                           "predicted_s": got.get("step_s"), "planner_s": planner_s(overrides(row)),
+                           "error": got.get("error")}
                     if out["predicted_s"]:
                         out["predicted_over_measured"] = out["predicted_s"] / out["measured_s"]
                         out["by_part_s"] = got["by_part_s"]

@@ -108,6 +108,18 @@ def _ideal_bytes(cfg, state, gpus: int) -> dict[str, float]:
     return traffic.ideal_bytes_per_axis(cfg, gpus, held)
 
 
+def _option_value(text: str):
+    """An XLA option's value as XLA takes it: a bool, an int, a float, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _read_one(directory: str, pattern: str) -> str:
     found = sorted(glob.glob(os.path.join(directory, pattern)))
     if not found:
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
 
     # the defaults a GPU run decides by its devices (the checkpoint's background copy: on)
     cfg = with_device_defaults(load_config(args.config, args.overrides, planning=True), "gpu")
-    options = dict(o.split("=", 1) for o in args.xla_option)
+    options = {name: _option_value(value) for name, value in (o.split("=", 1) for o in args.xla_option)}
     report = compile_report(cfg, target(args.gpu), args.topology, options, args.dump)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

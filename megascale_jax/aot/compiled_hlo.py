@@ -79,10 +79,14 @@ def _kernel_kind(op: str, rest: str) -> tuple[str, str]:
     return "other", op
 
 
-def gemm_backend(category: str, name: str, flops: float) -> str | None:
-    """Which library runs a kernel's matrix product, None for a kernel without one."""
+def gemm_backend(category: str, name: str, flops: float, called: str = "") -> str | None:
+    """Which library runs a kernel's matrix product, None for a kernel without one. `called`: the
+    text of the computation a fusion calls (a custom fusion around a library call, e.g. XLA's
+    dynamic-slice fusion of a cuBLAS GEMM writing into the layer scan's stack, is that library's)."""
     if category == "fusion" and name in GEMM_FUSION_KINDS:
         return GEMM_FUSION_KINDS[name]
+    if category == "fusion" and flops and (target := _TARGET.search(called)):
+        return gemm_backend("custom-call", target.group(1), flops)
     if category == "custom-call" and name.startswith("__cublas"):
         return "cublas"
     if category == "custom-call" and name.startswith("__cudnn"):
@@ -104,7 +108,9 @@ def kernel_inventory(hlo_text: str, hlo: dict[str, Instruction]) -> dict:
                 continue
             category, name = _kernel_kind(op, rest)
             flops = hlo[inst].flops if inst in hlo else 0.0
-            backend = gemm_backend(category, name, flops)
+            callee = _CALLEES.search(rest) if category == "fusion" else None
+            called = "\n".join(r for *_, r in computations.get(callee.group(1), ())) if callee else ""
+            backend = gemm_backend(category, name, flops, called)
             for scope, n in (("static", 1), ("per_step", times)):
                 counts[scope][{"fusion": "fusions", "custom-call": "custom_calls", "collective": "collectives",
                                "other": "other"}[category]][name] += n

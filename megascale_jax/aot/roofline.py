@@ -13,8 +13,8 @@ Per kernel (a kernel as `compiled_hlo` counts them, a loop body's once per itera
 * FLOPs: a matrix product's (`hlo_parts.product_flops`: dots, cuBLAS calls, fusions of dots);
   cuDNN's fused attention by its shape: 4 · head_dim FLOPs per visible (query, key) pair of the
   window, its backward 2.5× that (`planner.costs`).
-* seconds: a GEMM max(F / (P · e(F)), B / W) (`costs.matmul_s`: the peak and the size curve of the
-  GPU's calibration, measured on 8192³ GEMMs); attention `costs.fused_attention_s` (its forward,
+* seconds: a GEMM max(its time as the planner prices it, B / W) (`costs.gemm_s`: the peak, the
+  size curve of the GPU's calibration measured on 8192³ GEMMs, the last wave's idle SMs); attention `costs.fused_attention_s` (its forward,
   × `FLASH_FWD_BWD` / 1 for the backward call); anything else B / W, W the HBM's measured stream rate
   (a device-to-device copy's bytes read + written a second: 4.3 TB/s on the H200, 3.0 on the H100;
   `calibration.yaml`'s `hbm_copy_tbps`); every kernel at least `LAUNCH_S` (a kernel's launch and its ramp: none runs faster).
@@ -26,6 +26,7 @@ overlap). Nothing here is fitted to a measured step.
 from __future__ import annotations
 
 import collections
+import math
 import re
 
 from megascale_jax.aot import compiled_hlo
@@ -76,17 +77,26 @@ def fusion_bytes(computation: list, operand_shapes: list[str], out_shape: str) -
         if op not in ("parameter", "bitcast"):
             for position, operand in enumerate(_operands(rest)):
                 users[origin(operand)].append((op, position, shape))
+    # What the fusion returns: its root, or each element of a root tuple. An element that is a
+    # dynamic-update-slice of a parameter is updated in place: its update is written, the rest not.
+    by_name = {name: (shape, op, rest) for name, shape, op, rest in computation}
     root = computation[-1] if computation else None
-    in_place = None  # the parameter a root dynamic-update-slice updates, and the update's bytes
-    if root is not None and root[2] == "dynamic-update-slice":
-        buffer, update = _operands(root[3])[:2]
-        in_place = (origin(buffer), shape_bytes(_local_shape(update, computation)))
-    written = shape_bytes(out_shape)
+    results = _operands(root[3]) if root is not None and root[2] == "tuple" else ([root[0]] if root else [])
+    written, in_place = 0.0, set()
+    for result in results:
+        shape, op, rest = by_name.get(origin(result), ("", "", ""))
+        if op == "dynamic-update-slice" and origin(_operands(rest)[0]) in params:
+            in_place.add(origin(_operands(rest)[0]))
+            written += shape_bytes(_local_shape(_operands(rest)[1], computation))
+        else:
+            written += shape_bytes(shape)
+    if not results:
+        written = shape_bytes(out_shape)
     read = 0.0
     for name, index in params.items():
         uses = users.get(name, [])
-        if in_place and in_place[0] == name:
-            written += in_place[1] - shape_bytes(root[1])
+        if name in in_place:
+            continue
         elif uses and all(op in SLICES and position == 0 for op, position, _ in uses):
             read += sum(shape_bytes(shape) for _, _, shape in uses)
         else:
@@ -96,6 +106,15 @@ def fusion_bytes(computation: list, operand_shapes: list[str], out_shape: str) -
 
 def _local_shape(name: str, computation: list) -> str:
     return next((shape for n, shape, _, _ in computation if n == name), "")
+
+
+def gemm_s(flops: float, out_shape: str, gpu) -> float:
+    """A GEMM kernel as the planner prices one (`costs.gemm_s`: the size curve and the last wave's
+    idle SMs): its output's last dimension the columns, the rest the rows, k from its FLOPs."""
+    dims = shape_dims(out_shape)
+    cols = dims[-1] if dims else 1
+    rows = max(1, math.prod(dims[:-1]))
+    return costs.gemm_s(rows, max(1, round(flops / (2 * rows * cols))), cols, gpu)
 
 
 def attention_s(flops_forward: float, query_rows: float, backward: bool, gpu) -> float:
@@ -130,13 +149,13 @@ def kernel_costs(hlo_text: str, hlo: dict[str, Instruction], gpu, window: int | 
                 seconds = attention_s(flops_forward, b * h * s, name.endswith("Backward"), gpu)
                 flops = flops_forward * ((costs.FLASH_FWD_BWD - 1) if name.endswith("Backward") else 1)
             elif flops:
-                seconds = max(costs.matmul_s(flops, gpu), nbytes / gpu.hbm_stream_bandwidth)
+                seconds = max(gemm_s(flops, shape, gpu), nbytes / gpu.hbm_stream_bandwidth)
             else:
                 seconds = nbytes / gpu.hbm_stream_bandwidth
             seconds = max(seconds, LAUNCH_S)
             rows.append({"kernel": inst, "kind": name, "part": part_of(instruction), "runs": times,
                          "bytes": nbytes * times, "flops": flops * times, "seconds": seconds * times,
-                         "bound": "compute" if flops and costs.matmul_s(flops, gpu) > nbytes / gpu.hbm_stream_bandwidth
+                         "bound": "compute" if flops and gemm_s(flops, shape, gpu) > nbytes / gpu.hbm_stream_bandwidth
                          else "memory", "op_name": short_op_name(instruction.op_name)})
     return sorted(rows, key=lambda r: -r["seconds"])
 

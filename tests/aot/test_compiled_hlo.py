@@ -212,12 +212,28 @@ STACKED = """HloModule m, is_scheduled=true
   ROOT %dynamic-update-slice.1 = f32[24,4096,1024]{2,1,0} dynamic-update-slice(%view, %q1, %q2, %q2, %q2)
 }
 
+%gemm_into_stack (r0: bf16[4096,512], r1: bf16[512,1024], r2: bf16[24,4096,1024], r3: s32[]) -> (bf16[24,4096,1024], s8[1024]) {
+  %r0 = bf16[4096,512]{1,0} parameter(0)
+  %r1 = bf16[512,1024]{1,0} parameter(1)
+  %r2 = bf16[24,4096,1024]{2,1,0} parameter(2)
+  %r3 = s32[] parameter(3)
+  %custom-call.9 = (bf16[4096,1024]{1,0}, s8[1024]{0}) custom-call(%r0, %r1), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"lhs_contracting_dimensions":["1"]}}
+  %bitcast.9 = bf16[1,4096,1024]{2,1,0} bitcast(%custom-call.9#0)
+  %dynamic-update-slice.9 = bf16[24,4096,1024]{2,1,0} dynamic-update-slice(%r2, %bitcast.9, %r3, %r3, %r3)
+  %workspace = s8[1024]{0} get-tuple-element(%custom-call.9), index=1
+  ROOT %tuple.9 = (bf16[24,4096,1024]{2,1,0}, s8[1024]{0}) tuple(%dynamic-update-slice.9, %workspace)
+}
+
 ENTRY %main (stack: f32[24,4096,1024], i: s32[], x: f32[4096,1024], y: f32[1,4096,1024]) -> f32[24,4096,1024] {
   %stack = f32[24,4096,1024]{2,1,0} parameter(0)
   %i = s32[] parameter(1)
   %x = f32[4096,1024]{1,0} parameter(2)
   %y = f32[1,4096,1024]{2,1,0} parameter(3)
   %loop_fusion.1 = f32[4096,1024]{1,0} fusion(%stack, %i, %x), kind=kLoop, calls=%read_one_layer
+  %a = bf16[4096,512]{1,0} parameter(4)
+  %b = bf16[512,1024]{1,0} parameter(5)
+  %s = bf16[24,4096,1024]{2,1,0} parameter(6)
+  %dynamic-slice-fusion.9 = (bf16[24,4096,1024]{2,1,0}, s8[1024]{0}) fusion(%a, %b, %s, %i), kind=kCustom, calls=%gemm_into_stack, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_slice_fusion"}}}
   ROOT %loop_dynamic_update_slice_fusion.1 = f32[24,4096,1024]{2,1,0} fusion(%stack, %y, %i), kind=kLoop, calls=%write_one_layer
 }
 """
@@ -235,6 +251,12 @@ def test_the_roofline_counts_a_slice_of_a_stack_and_an_in_place_update_by_what_t
     # the update read and written in place (the buffer seen through a bitcast): not the 24-layer buffer
     assert rows["loop_dynamic_update_slice_fusion.1"]["bytes"] == 2 * LAYER_BYTES + 4
     assert rows["loop_fusion.1"]["seconds"] == pytest.approx((3 * LAYER_BYTES + 4) / 4.3e12)
+    # a cuBLAS GEMM writing its output into the stack (XLA's dynamic-slice fusion): its operands
+    # read, one layer and the workspace written; the GEMM is cuBLAS's
+    gemm = rows["dynamic-slice-fusion.9"]
+    assert gemm["bytes"] == 2 * (4096 * 512 + 512 * 1024) + 2 * 4096 * 1024 + 1024 + 4
+    assert gemm["flops"] == 2 * 4096 * 1024 * 512
+    assert compiled_hlo.kernel_inventory(STACKED, instructions(STACKED))["static"]["gemms"] == {"cublas": 1}
 
 
 def test_the_roofline_prices_cudnn_attention_by_its_windows_pairs_and_gemms_by_their_flops():
@@ -249,6 +271,6 @@ def test_the_roofline_prices_cudnn_attention_by_its_windows_pairs_and_gemms_by_t
     assert attention["flops"] == 4 * 16 * 8 * 4 * pairs
     gemm = next(r for r in rows if r["kind"] == "__triton_gemm")
     assert gemm["runs"] == 3 and gemm["flops"] == 3 * 2 * 64 * 16 * 32
-    assert gemm["seconds"] == pytest.approx(3 * max(costs.matmul_s(2 * 64 * 16 * 32, gpu), roofline.LAUNCH_S,
+    assert gemm["seconds"] == pytest.approx(3 * max(costs.gemm_s(64, 32, 16, gpu), roofline.LAUNCH_S,
                                                     (64 * 32 * 2 * 2 + 64 * 16 * 2) / gpu.hbm_stream_bandwidth))
     assert roofline.summary(rows)["step_s"] == pytest.approx(sum(r["seconds"] for r in rows))

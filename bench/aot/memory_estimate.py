@@ -1,0 +1,77 @@
+"""The pre-compile memory estimate (`model.flops.memory_estimate`, which `plan` and the train
+command's start-up check use, plus the planner's workspace) against the compiled step's peak, on
+layouts from one GPU to two hosts: tp, pp, dp, ZeRO-1, remat policies, the loss in slices, a long
+sequence, LAMB and AdamW. Each layout is compiled without a GPU (`plan --compile`'s own path,
+`aot.environment.compile_report`).
+
+    python -m bench.aot.memory_estimate [--out FILE] [--overwrite]
+
+Needs the compile-only environment (configs/aot/setup_env.sh). ~20 s a layout on 2 cores.
+Writes bench/results/memory_estimate_aot.json.
+"""
+
+import dataclasses
+import os
+import sys
+
+from bench.common import REPO, Bench
+from megascale_jax.aot import environment, targets
+from megascale_jax.config import load_config
+from megascale_jax.model import flops
+from megascale_jax.planner.search import WORKSPACE_BYTES
+
+CONFIG = os.path.join(REPO, "configs", "gpt_1b.yaml")
+SAME_WORK = ["model.window=512", "parallel.microbatches=1", "optim.name=adamw", "train.global_batch=8"]
+# name: (GPU, GPUs, overrides of configs/gpt_1b.yaml)
+LAYOUTS = {
+    "gpt_1b as shipped (LAMB, 2 x 4 sequences)": ("h100-sxm", 1, []),
+    "same-work row (AdamW, window 512, 8 sequences)": ("h200", 1, SAME_WORK),
+    "same-work row, remat elementwise, 19 sequences": ("h200", 1, [*SAME_WORK[:-1], "train.global_batch=19",
+                                                                   "model.remat=elementwise"]),
+    "same-work row, the loss in 8 slices": ("h200", 1, [*SAME_WORK, "model.loss_chunks=8"]),
+    "remat full, 16 sequences": ("h100-sxm", 1, ["model.remat=full", "train.global_batch=16",
+                                                 "parallel.microbatches=1"]),
+    "remat dots, 8 sequences": ("h100-sxm", 1, ["model.remat=dots", "parallel.microbatches=1"]),
+    "long sequence: 16k tokens, window 512": ("h200", 1, ["model.seq_len=16384", "model.window=512",
+                                                          "train.global_batch=1", "parallel.microbatches=1"]),
+    "tp 8, SP + collective matmul": ("h100-sxm", 8, ["mesh.tp=8", "parallel.sequence_parallel=true",
+                                                     "parallel.tp_overlap=collective_matmul"]),
+    "dp 8, ZeRO-1, 32 sequences": ("h100-sxm", 8, ["parallel.zero1=true", "train.global_batch=32"]),
+    "dp 2 x tp 4, ZeRO-1": ("h100-sxm", 8, ["mesh.tp=4", "parallel.zero1=true"]),
+    "pp 2 x tp 4, 1F1B, 4 microbatches": ("h100-sxm", 8, ["mesh.pp=2", "mesh.tp=4", "parallel.microbatches=4",
+                                                         "train.global_batch=8"]),
+    "pp 4 x tp 2, interleaved v2, 8 microbatches": ("h100-sxm", 8, [
+        "mesh.pp=4", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
+        "parallel.microbatches=8", "train.global_batch=8"]),
+    "dp 2 x tp 8 over two hosts, ZeRO-1": ("h100-sxm", 16, ["mesh.tp=8", "parallel.zero1=true",
+                                                            "train.global_batch=16"]),
+}
+
+
+def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
+    cfg = load_config(CONFIG, overrides, planning=True)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=gpus // (cfg.mesh.tp * cfg.mesh.pp)))
+    estimate = flops.memory_estimate(cfg)["total"] + WORKSPACE_BYTES
+    report = environment.compile_report(gpu, targets.topology(gpus), CONFIG, [*overrides, f"mesh.dp={cfg.mesh.dp}"])
+    peak = report["memory"]["peak"]
+    return {"gpu": gpu, "gpus": gpus, "overrides": overrides, "estimate_bytes": estimate, "compiled_bytes": peak,
+            "live_peak_bytes": report["live_peak_bytes"], "estimate_over_compiled": estimate / peak,
+            "compile_s": report["compile_s"]}
+
+
+def main(argv=None) -> int:
+    bench = Bench(__doc__, "memory_estimate_aot")
+    args = bench.parse_args(argv)
+    bench.refuse_existing()
+    rows = {}
+    print(f"{'layout':<52}{'GPUs':>5}{'estimate GiB':>14}{'compiled GiB':>14}{'ratio':>8}")
+    for name, (gpu, gpus, overrides) in LAYOUTS.items():
+        r = rows[name] = measure(gpu, gpus, overrides)
+        print(f"{name:<52}{gpus:>5}{r['estimate_bytes'] / 2**30:>14.2f}{r['compiled_bytes'] / 2**30:>14.2f}"
+              f"{r['estimate_over_compiled']:>8.2f}", flush=True)
+    bench.write({"device": "compiled without a GPU (jax 0.11.2, the compile-only environment)", "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
