@@ -59,6 +59,11 @@ def test_the_same_work_row_compiles_for_the_h200_within_the_peers_peak(capsys):
     assert kernels["custom_calls"] == {"__cudnn$fmhaSoftmax": layers, "__cudnn$fmhaSoftmaxBackward": layers}
     # every layer's two forward GEMMs (QKV+MLP-up, out+MLP-down) and their four backward ones, at least
     assert kernels["gemms"]["triton"] >= 6 * layers
+    # the roofline prices every kernel: its FLOPs hold every GEMM's and cuDNN's attention besides
+    roof = report["roofline"]
+    assert roof["kernels"] == kernels["kernels"] - sum(kernels.get("collectives", {}).values())
+    assert roof["flops"] > report["kernels"]["gemm_flops_per_step"]["triton"]
+    assert roof["step_s"] == pytest.approx(sum(roof["by_part_s"].values()))
     # what the backward keeps is named by the part that owns it, the largest the MLP-wide arrays
     top = report["peak_buffers"][0]
     assert top["part"].startswith("kept for the backward") and "8192" in top["shape"]
