@@ -127,7 +127,10 @@ def memory_estimate(cfg: Config) -> dict:
     gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
     its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
     fp32 logits of one microbatch are added for the last stage (one sequence slice's with
-    `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy."""
+    `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy.
+    Gradient accumulation at pp = 1 (several microbatches, or dp > 1: parallel/microbatches.py)
+    holds a float32 accumulator beside the gradients; sequence parallelism splits the values
+    tensor parallelism would replicate. Against the step compiled for a GPU: docs/compile.md."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
@@ -149,6 +152,10 @@ def memory_estimate(cfg: Config) -> dict:
     activations += tokens * m.vocab / mesh.tp * 4 / m.loss_chunks  # fp32 logits for the loss: one slice's
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}
+    if mesh.pp == 1 and (mesh.dp > 1 or par.microbatches > 1):
+        # parallel/microbatches.py sums each microbatch's gradients into a float32 accumulator
+        # (whole on every dp replica: the dp reduction comes after the last microbatch)
+        parts["gradient accumulator"] = params * 4
     if not cfg.train.donate:  # the step's new state beside the one it was given
         parts["undonated state"] = params * 4 + optimizer
     parts["total"] = sum(parts.values())
@@ -161,7 +168,9 @@ def _chunk_values(cfg: Config) -> tuple[float, float]:
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
     tokens = micro_seqs * m.seq_len
-    per_layer = tokens * m.d_model * (ACT_VALUES_REPLICATED + ACT_VALUES_TP_SHARDED / mesh.tp)
+    # sequence parallelism splits the values tp otherwise replicates (norms, residuals) over tp too
+    replicated = ACT_VALUES_REPLICATED / (mesh.tp if par.sequence_parallel else 1)
+    per_layer = tokens * m.d_model * (replicated + ACT_VALUES_TP_SHARDED / mesh.tp)
     if m.attention == "xla":
         per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
     # model.remat=full keeps only each layer's input, plus one layer's activations while its

@@ -323,3 +323,20 @@ def test_stash_slot_bytes_by_hand_and_the_activations_they_add_up_to():
     logits = 8 * 16 * 4
     assert flops.memory_estimate(cfg("inputs"))["activations"] == slots * chunk_input * 4 + chunk * 4 + logits
     assert flops.memory_estimate(cfg("residuals"))["activations"] == slots * (chunk + chunk_input) * 4 + logits
+
+
+def test_memory_estimate_counts_the_gradient_accumulator_and_sequence_parallel_splits():
+    """At pp = 1 with several microbatches or dp > 1 the step sums gradients into a float32
+    accumulator as large as the gradients (parallel/microbatches.py); one microbatch on one replica
+    has none. Sequence parallelism divides the values tp would otherwise replicate by tp."""
+    base = Config(model=SMALL, train=TrainConfig(global_batch=8))
+    assert "gradient accumulator" not in flops.memory_estimate(base)
+    for changed in (dataclasses.replace(base, parallel=ParallelConfig(microbatches=2)),
+                    dataclasses.replace(base, mesh=MeshConfig(dp=2))):
+        parts = flops.memory_estimate(changed)
+        assert parts["gradient accumulator"] == parts["gradients"] == 4 * flops.param_count(SMALL)
+    tp = dataclasses.replace(base, mesh=MeshConfig(tp=2))
+    sp = dataclasses.replace(tp, parallel=ParallelConfig(sequence_parallel=True))
+    tokens_layers = 8 * SMALL.seq_len * SMALL.d_model * SMALL.layers
+    saved = flops.memory_estimate(tp)["activations"] - flops.memory_estimate(sp)["activations"]
+    assert saved == pytest.approx(tokens_layers * flops.ACT_VALUES_REPLICATED / 2 * 4)  # fp32 SMALL
