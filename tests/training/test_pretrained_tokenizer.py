@@ -1,0 +1,141 @@
+"""`python -m megascale_jax.tokenize --tokenizer PATH --input 'shards/*'`: a corpus's JSONL (plain,
+gzip, zstd) and Parquet shards encoded with a model's own tokenizer, as a user runs it (a scratch
+directory, relative paths). The token file must hold exactly what `tokenizers` and `transformers`
+encode, document by document in shard order, each ended by the tokenizer's end-of-document token
+(and begun by its BOS where it defines one), whatever the worker count; a run trains on it; bad
+input is one line, or skipped and counted."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+tokenizers = pytest.importorskip("tokenizers", reason="tokenizers is not installed (pip install -e '.[interop]')")
+pq = pytest.importorskip("pyarrow.parquet", reason="pyarrow is not installed (pip install -e '.[data]')")
+zstandard = pytest.importorskip("zstandard", reason="zstandard is not installed (pip install -e '.[data]')")
+import pyarrow as pa  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORDS = ["the", "model", "attention", "window", "naïve", "日本語", "x = f(y) + 1;", "\n", "🙂", "über"]
+
+
+def run(*args: str, cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([REPO, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    return subprocess.run([sys.executable, "-m", "megascale_jax.tokenize", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def documents(rng, n: int) -> list[str]:
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(5, 60)))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A Llama-style tokenizer (BOS added by its post-processor, `</s>` as the config's EOS) saved
+    as a Hugging Face directory, and four shards of seeded random documents, one per format, with
+    two bad JSONL lines."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    work = tmp_path_factory.mktemp("corpus")
+    rng = np.random.default_rng(0)
+    docs = {name: documents(rng, n) for name, n in
+            (("a.jsonl", 7), ("b.jsonl.gz", 5), ("c.jsonl.zst", 4), ("d.parquet", 6))}
+    (work / "train.txt").write_text("\n".join(d for ds in docs.values() for d in ds), encoding="utf-8")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train([str(work / "train.txt")], trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                                            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                            show_progress=False))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(work / "model")
+    shards = work / "shards"
+    shards.mkdir()
+    lines = [json.dumps({"text": d, "id": i}) for i, d in enumerate(docs["a.jsonl"])]
+    lines[2:2] = ["{not json", json.dumps({"body": "no text field"})]  # lines 3 and 4: skipped, counted
+    (shards / "a.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with gzip.open(shards / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs["b.jsonl.gz"])
+    (shards / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in docs["c.jsonl.zst"]).encode()))
+    pq.write_table(pa.table({"text": docs["d.parquet"], "n": list(range(6))}), shards / "d.parquet")
+    return work, docs
+
+
+def expected_ids(work, docs) -> np.ndarray:
+    """transformers' encoding of each document (its BOS included), `</s>` after each, shards in name order."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(work / "model"), local_files_only=True)
+    eos = hf.convert_tokens_to_ids("</s>")
+    ids = [i for name in sorted(docs) for d in docs[name] for i in [*hf(d)["input_ids"], eos]]
+    return np.asarray(ids)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_token_file_holds_the_tokenizers_own_ids_document_by_document(corpus, workers):
+    work, docs = corpus
+    out = f"tok{workers}"
+    done = run("--tokenizer", "model", "--input", "shards/*", "--out", out, "--workers", str(workers), cwd=work)
+    assert done.returncode == 0, done.stderr
+    meta = json.loads((work / out / "tokens.json").read_text())
+    tokens = np.fromfile(work / out / "tokens.bin", dtype=meta["token_dtype"])
+    np.testing.assert_array_equal(tokens, expected_ids(work, docs))
+    assert meta["documents"] == sum(len(d) for d in docs.values()) and meta["bad_lines_skipped"] == 2
+    vocab = tokenizers.Tokenizer.from_file(str(work / "model" / "tokenizer.json")).get_vocab_size()
+    assert meta["end_of_text"] == 1 and meta["shards"] == 4 and meta["vocab"] == vocab
+    assert "skipped 2 bad lines" in done.stderr and "a.jsonl:3: not JSON" in done.stderr
+    assert f"data.path={out}/tokens.bin" in done.stdout
+    # the tokenizer goes with the tokens, so a run on them records what its ids mean
+    assert (work / out / "tokenizer.json").read_bytes() == (work / "model" / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_the_token_file_and_refuses_a_vocabulary_smaller_than_the_tokenizers(corpus):
+    work, _ = corpus
+    assert run("--tokenizer", "model", "--input", "shards/*", "--out", "tokrun", cwd=work).returncode == 0
+    common = ["-m", "megascale_jax.train", "--run-dir", "runs/r", "data.source=tokens", "data.path=tokrun/tokens.bin",
+              "train.steps=2", "train.global_batch=8", "model.seq_len=32", "mesh.dp=4", "mesh.tp=2",
+              "train.eval_batches=1", "checkpoint.every=0"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    small = subprocess.run([sys.executable, *common, "model.vocab=256"], cwd=work, env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert small.returncode == 2 and "model.vocab=256" in small.stderr and len(small.stderr.strip().splitlines()) == 1
+    ok = subprocess.run([sys.executable, *common, "model.vocab=320"], cwd=work, env=env, capture_output=True,
+                        text=True, timeout=600)
+    assert ok.returncode == 0, ok.stderr
+    assert (work / "runs" / "r" / "tokenizer" / "tokenizer.json").is_file()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--input", "nothing/*.jsonl"], "matches no files"),
+    (["--input", "shards/d.parquet", "--text-field", "body"], "has no column 'body' (its columns: text, n)"),
+    (["--input", "shards/a.jsonl", "--stop-at-bad-line"], "a.jsonl:3: not JSON"),
+    (["--input", "shards/*", "--eos", "<nope>"], "'<nope>' is not in"),
+    (["--input", "bad/binary.jsonl"], "is not UTF-8 text"),
+    (["--input", "bad/empty.jsonl"], "no document in any of its 1 shards"),
+    (["--input", "bad/notes.txt"], "neither JSONL"),
+])
+def test_bad_input_is_one_line_and_exit_2(corpus, args, says):
+    work, _ = corpus
+    (work / "bad").mkdir(exist_ok=True)
+    (work / "bad" / "binary.jsonl").write_bytes(b"PAR1\0\x15\x04\x15\x10\x4c\0\0\x80")
+    (work / "bad" / "empty.jsonl").write_bytes(b"")
+    (work / "bad" / "notes.txt").write_text("text")
+    done = run("--tokenizer", "model", *args, "--out", "never", cwd=work)
+    assert done.returncode == 2 and says in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (work / "never" / "tokens.bin").exists()
+
+
+def test_a_tokenizer_path_that_is_not_one_is_one_line(corpus):
+    work, _ = corpus
+    (work / "empty_dir").mkdir(exist_ok=True)
+    done = run("--tokenizer", "empty_dir", "--input", "shards/*", "--out", "never", cwd=work)
+    assert done.returncode == 2 and "empty_dir has no tokenizer.json" in done.stderr
