@@ -1,5 +1,5 @@
-"""The pre-compile memory estimate (`model.flops.memory_estimate`, which `plan` and the train
-command's start-up check use, plus the planner's workspace) against the compiled step's peak, on
+"""The pre-compile memory estimate (`model.flops.memory_estimate`, which the train command's
+start-up check uses and `plan` adds its workspace to) against the compiled step's peak, on
 layouts from one GPU to two hosts: tp, pp, dp, ZeRO-1, remat policies, the loss in slices, a long
 sequence, LAMB and AdamW. Each layout is compiled without a GPU (`plan --compile`'s own path,
 `aot.environment.compile_report`).
@@ -51,10 +51,11 @@ LAYOUTS = {
 def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
     cfg = load_config(CONFIG, overrides, planning=True)
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=gpus // (cfg.mesh.tp * cfg.mesh.pp)))
-    estimate = flops.memory_estimate(cfg)["total"] + WORKSPACE_BYTES
+    estimate = flops.memory_estimate(cfg)["total"]  # the compile has no cuBLAS/NCCL workspace either
     report = environment.compile_report(gpu, targets.topology(gpus), CONFIG, [*overrides, f"mesh.dp={cfg.mesh.dp}"])
     peak = report["memory"]["peak"]
-    return {"gpu": gpu, "gpus": gpus, "overrides": overrides, "estimate_bytes": estimate, "compiled_bytes": peak,
+    return {"gpu": gpu, "gpus": gpus, "overrides": overrides, "estimate_bytes": estimate,
+            "planner_workspace_bytes": WORKSPACE_BYTES, "compiled_bytes": peak,
             "live_peak_bytes": report["live_peak_bytes"], "estimate_over_compiled": estimate / peak,
             "compile_s": report["compile_s"]}
 

@@ -48,7 +48,8 @@ def estimate_bytes(overrides: list[str]) -> float:
     memory = flops.memory_estimate(cfg)
     micro = cfg.train.global_batch // cfg.parallel.microbatches
     logits = 2 * micro * cfg.model.seq_len * cfg.model.vocab * 4 / cfg.model.loss_chunks  # live: one slice's
-    state = memory["parameters"] + memory["gradients"] + memory["optimizer"] + memory.get("undonated state", 0)
+    state = (memory["parameters"] + memory["gradients"] + memory.get("gradient accumulator", 0) + memory["optimizer"]
+             + memory.get("undonated state", 0))
     return state + residual_bytes(cfg, micro) + logits
 
 

@@ -112,6 +112,18 @@ def mfu(tokens_per_s: float, model_cfg: ModelConfig, devices: Iterable) -> Optio
 # "Reducing Activation Recomputation", Table 2: 10 + 24/tp bytes at 16 bits, i.e. 5 + 12/tp
 # values; the 24/tp part lives inside tensor-parallel regions).
 ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12
+# What this project's compiled step keeps instead (the memory estimate's values; the planner's time
+# model keeps Korthikanti's above): read off the buffers the gpt_1b step compiled for an H200 keeps
+# for its backward (jax 0.11.2; docs/compile.md): ~16 bf16 values per token and layer at tp 1 (q, k,
+# v, the attention output, two MLP-wide arrays of 4, the norm's input, the layer's input), ~6.25 at
+# tp 4. The lean GeLU/norm backward keeps fewer replicated values than Megatron's 5.
+KEPT_VALUES_REPLICATED, KEPT_VALUES_TP_SHARDED = 3, 13
+# Sequence parallelism: the replicated values split over tp, but the column-parallel GEMMs keep
+# their all-gathered input (one whole value) for the weight gradient.
+KEPT_SP_GATHERED = 1
+# model.remat=dots keeps the GEMMs' outputs only: the row-parallel one whole, q, k, v and the
+# MLP-up's four split over tp.
+KEPT_DOTS_REPLICATED, KEPT_DOTS_TP_SHARDED = 1, 7
 # model.attention=xla materialises (heads, seq, seq) scores and probabilities: 2 values each.
 XLA_SCORE_VALUES = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -120,16 +132,16 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
     tp and pp; k/v whole on every tp rank with fewer kv heads than tp ranks), two fp32 optimizer
-    moments (÷dp with zero1) and stored activations: Megatron's 17 values per token and layer,
-    which this model's XLA program exceeds (on GPUs `train.check_compiled_memory` checks the
-    compiled step itself). `model.remat=full` keeps only layer inputs (`_chunk_values`). With
+    moments (÷dp with zero1) and stored activations: the values per token and layer the compiled
+    step keeps (`KEPT_VALUES_*`; on GPUs `train.check_compiled_memory` checks the compiled step
+    itself). `model.remat=full` keeps only layer inputs (`_chunk_values`). With
     pp > 1 they follow the pipeline table: its stash slots per stage (flat in m for 1F1B, m·v for
     gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
     its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
     fp32 logits of one microbatch are added for the last stage (one sequence slice's with
     `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy.
-    Gradient accumulation at pp = 1 (several microbatches, or dp > 1: parallel/microbatches.py)
-    holds a float32 accumulator beside the gradients; sequence parallelism splits the values
+    Gradient accumulation (several microbatches, dp > 1, or a pipeline) holds a float32
+    accumulator beside the gradients; sequence parallelism splits the values
     tensor parallelism would replicate. Against the step compiled for a GPU: docs/compile.md."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
@@ -152,9 +164,9 @@ def memory_estimate(cfg: Config) -> dict:
     activations += tokens * m.vocab / mesh.tp * 4 / m.loss_chunks  # fp32 logits for the loss: one slice's
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}
-    if mesh.pp == 1 and (mesh.dp > 1 or par.microbatches > 1):
-        # parallel/microbatches.py sums each microbatch's gradients into a float32 accumulator
-        # (whole on every dp replica: the dp reduction comes after the last microbatch)
+    if mesh.pp > 1 or mesh.dp > 1 or par.microbatches > 1:
+        # each microbatch's gradients are summed into a float32 accumulator (parallel/microbatches.py,
+        # the pipeline's): whole on every dp replica, the dp reduction coming after the last one
         parts["gradient accumulator"] = params * 4
     if not cfg.train.donate:  # the step's new state beside the one it was given
         parts["undonated state"] = params * 4 + optimizer
@@ -168,13 +180,15 @@ def _chunk_values(cfg: Config) -> tuple[float, float]:
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
     tokens = micro_seqs * m.seq_len
-    # sequence parallelism splits the values tp otherwise replicates (norms, residuals) over tp too
-    replicated = ACT_VALUES_REPLICATED / (mesh.tp if par.sequence_parallel else 1)
-    per_layer = tokens * m.d_model * (replicated + ACT_VALUES_TP_SHARDED / mesh.tp)
+    replicated, sharded = ((KEPT_DOTS_REPLICATED, KEPT_DOTS_TP_SHARDED) if m.remat == "dots"
+                           else (KEPT_VALUES_REPLICATED, KEPT_VALUES_TP_SHARDED))
+    if par.sequence_parallel and mesh.tp > 1:
+        replicated = replicated / mesh.tp + KEPT_SP_GATHERED
+    per_layer = tokens * m.d_model * (replicated + sharded / mesh.tp)
     if m.attention == "xla":
         per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
     # model.remat=full keeps only each layer's input, plus one layer's activations while its
-    # backward recomputes it; dots is counted as none (an upper bound).
+    # backward recomputes it (dots: its GEMMs' outputs, above).
     kept = tokens * m.d_model if m.remat == "full" else per_layer
     working = per_layer if m.remat == "full" else 0
     return m.layers // (mesh.pp * par.pp_virtual) * kept + working, tokens * m.d_model

@@ -294,11 +294,12 @@ def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
 def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
     """model.remat=full: each layer keeps only its (tokens, d_model) input, and one layer's full
     activations are live while its backward recomputes it. By hand for SMALL (8 sequences of 4
-    tokens, d 8, 2 layers, float32, xla attention with 2 heads): one layer stores (5 + 12) values
-    per token and element of d plus 2 score values per (head, query, key)."""
+    tokens, d 8, 2 layers, float32, xla attention with 2 heads): one layer stores (3 + 13) values
+    per token and element of d (what the compiled step keeps, docs/compile.md) plus 2 score values
+    per (head, query, key)."""
     cfg = Config(model=dataclasses.replace(SMALL, remat="full"), train=TrainConfig(global_batch=8))
     tokens, d, layers = 8 * 4, 8, 2
-    one_layer = tokens * d * (5 + 12) + 8 * 2 * 4 * 4 * 2
+    one_layer = tokens * d * (3 + 13) + 8 * 2 * 4 * 4 * 2
     logits = tokens * 16 * 4  # fp32 logits of the vocab of 16
     expected = (layers * tokens * d + one_layer) * 4 + logits
     assert flops.memory_estimate(cfg)["activations"] == expected
@@ -309,14 +310,14 @@ def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
 def test_stash_slot_bytes_by_hand_and_the_activations_they_add_up_to():
     """SMALL with 8 layers on pp=4, 2 sequences of 4 tokens per microbatch, float32, xla attention.
     A slot holds one microbatch's chunk input (8 tokens x d 8) with pp_stash=inputs, and also the
-    chunk's residuals (2 layers x (8 x 8 x 17 values + 2 seqs x 2 heads x 4 x 4 scores x 2)) with
+    chunk's residuals (2 layers x (8 x 8 x 16 values + 2 seqs x 2 heads x 4 x 4 scores x 2)) with
     pp_stash=residuals."""
     def cfg(stash):
         return Config(model=dataclasses.replace(SMALL, layers=8), mesh=MeshConfig(pp=4), train=TrainConfig(global_batch=8),
                       parallel=ParallelConfig(pp_schedule="1f1b", microbatches=4, pp_stash=stash))
 
     chunk_input = 8 * 8
-    chunk = 2 * (8 * 8 * (5 + 12) + 2 * 2 * 4 * 4 * 2)
+    chunk = 2 * (8 * 8 * (3 + 13) + 2 * 2 * 4 * 4 * 2)
     assert flops.stash_slot_bytes(cfg("inputs")) == chunk_input * 4
     assert flops.stash_slot_bytes(cfg("residuals")) == (chunk + chunk_input) * 4
     slots = flops.pipeline_schedule.build("1f1b", 4, 1, 4).slots
@@ -326,9 +327,9 @@ def test_stash_slot_bytes_by_hand_and_the_activations_they_add_up_to():
 
 
 def test_memory_estimate_counts_the_gradient_accumulator_and_sequence_parallel_splits():
-    """At pp = 1 with several microbatches or dp > 1 the step sums gradients into a float32
-    accumulator as large as the gradients (parallel/microbatches.py); one microbatch on one replica
-    has none. Sequence parallelism divides the values tp would otherwise replicate by tp."""
+    """With several microbatches, dp > 1 or a pipeline the step sums gradients into a float32
+    accumulator as large as the gradients; one microbatch on one replica has none. Sequence parallelism divides the values tp would otherwise replicate by tp, and keeps
+    one whole value (the GEMMs' gathered input)."""
     base = Config(model=SMALL, train=TrainConfig(global_batch=8))
     assert "gradient accumulator" not in flops.memory_estimate(base)
     for changed in (dataclasses.replace(base, parallel=ParallelConfig(microbatches=2)),
@@ -339,4 +340,5 @@ def test_memory_estimate_counts_the_gradient_accumulator_and_sequence_parallel_s
     sp = dataclasses.replace(tp, parallel=ParallelConfig(sequence_parallel=True))
     tokens_layers = 8 * SMALL.seq_len * SMALL.d_model * SMALL.layers
     saved = flops.memory_estimate(tp)["activations"] - flops.memory_estimate(sp)["activations"]
-    assert saved == pytest.approx(tokens_layers * flops.ACT_VALUES_REPLICATED / 2 * 4)  # fp32 SMALL
+    kept = flops.KEPT_VALUES_REPLICATED / 2 - flops.KEPT_SP_GATHERED
+    assert saved == pytest.approx(tokens_layers * kept * 4)  # fp32 SMALL
