@@ -9,13 +9,15 @@ ends with it. Which token that is: the directory's `tokenizer_config.json` `eos_
 first of the usual names the vocabulary has (`<|endoftext|>`, `</s>`, `<|end_of_text|>`,
 `<eos>`), else `--eos` must name it.
 
-Shards are encoded in parallel, one worker process per shard at a time (`workers`), each writing
-its part; the parts join in shard order, so the token file does not depend on the worker count.
+Shards are encoded in parallel, one worker process per shard at a time (`workers`, one core each),
+each writing its part; the parts join in shard order, so the token file does not depend on the
+worker count. With one worker `tokenizers` uses a thread per core itself.
 Memory per worker is one batch of documents and its ids, whatever the corpus's size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -108,6 +110,21 @@ def _write(out, tokenizer, batch: list[str], eos: int, dtype: str, tokens: int, 
     return tokens, docs
 
 
+@contextlib.contextmanager
+def _environment(**values):
+    """`values` set in os.environ (which spawned workers inherit) for the block, then restored."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def tokenize_corpus(tokenizer_path: str, pattern: str, out_dir: str, field: str = "text", workers: int = 1,
                     eos_token: str | None = None, stop_at_bad_line: bool = False, overwrite: bool = False,
                     log=print) -> dict:
@@ -126,7 +143,8 @@ def tokenize_corpus(tokenizer_path: str, pattern: str, out_dir: str, field: str 
         jobs = [(tokenizer_path, shard, field, eos, dtype, os.path.join(parts, f"{i:06d}.bin"), stop_at_bad_line)
                 for i, shard in enumerate(shards)]
         if workers > 1:
-            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+            # one core a worker: `tokenizers` would otherwise start a thread per core in each
+            with _environment(RAYON_NUM_THREADS="1"), multiprocessing.get_context("spawn").Pool(workers) as pool:
                 results = pool.map(_encode_shard, jobs, chunksize=1)
         else:
             results = [_encode_shard(job) for job in jobs]

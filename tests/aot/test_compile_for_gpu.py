@@ -59,6 +59,11 @@ def test_the_same_work_row_compiles_for_the_h200_within_the_peers_peak(capsys):
     assert kernels["custom_calls"] == {"__cudnn$fmhaSoftmax": layers, "__cudnn$fmhaSoftmaxBackward": layers}
     # every layer's two forward GEMMs (QKV+MLP-up, out+MLP-down) and their four backward ones, at least
     assert kernels["gemms"]["triton"] >= 6 * layers
+    # the pre-compile estimate (the train command's start-up check) within 5% of the compile
+    from megascale_jax.config import load_config
+    from megascale_jax.model import flops
+    estimate = flops.memory_estimate(load_config(GPT_1B[1], SAME_WORK, planning=True))["total"]
+    assert estimate == pytest.approx(m["peak"], rel=0.05)
     # the roofline prices every kernel: its FLOPs hold every GEMM's and cuDNN's attention besides
     roof = report["roofline"]
     assert roof["kernels"] == kernels["kernels"] - sum(kernels.get("collectives", {}).values())
