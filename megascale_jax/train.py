@@ -294,6 +294,12 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                                   f"{steps[-1]}, train.steps={cfg.train.steps}); raise train.steps to continue "
                                   "it or pass a new --run-dir")
             if steps:
+                # A config the newest checkpoint cannot continue is refused here, before config.yaml
+                # is rewritten: a refusal leaves the run directory as it was (sample and export_hf
+                # read the model's shape from that file).
+                directory = run_dirs.checkpoint_dir(cfg, run_dir)
+                if (saved := checkpoint.saved_config(directory, steps[-1])) is not None:
+                    checkpoint.check_compatible(saved, cfg, steps[-1], directory)
                 warn_if_the_schedule_changes(cfg, run_dir, steps[-1])
         try:
             os.makedirs(run_dir, exist_ok=True)

@@ -433,18 +433,35 @@ class Checkpointer:
         return holder.state
 
     def _check_compatible(self, step: int, meta: dict) -> None:
-        """A different model shape is a user mistake, not corruption: say which key differs."""
-        saved, now = meta.get("config", {}), self.cfg.to_dict()
-        keys = [(s, k) for s in _SHAPE_SECTIONS for k in now[s]] + \
-               [(s, k) for s, ks in _SHAPE_KEYS.items() for k in ks]
-        for section, key in keys:
-            if key not in saved.get(section, {}) or now[section][key] == saved[section][key]:
-                continue
-            if section == "model" and key in ("attention", "dtype", "window", "init_from"):
-                continue  # computation choices, or where the weights first came from: the parameters are the same
-            raise ConfigError(
-                f"checkpoint step {step} in {self.directory} was written with {section}.{key}="
-                f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+        check_compatible(meta.get("config", {}), self.cfg, step, self.directory)
+
+
+def check_compatible(saved: dict, cfg, step: int, directory: str) -> None:
+    """A different model shape is a user mistake, not corruption: say which key differs (a
+    ConfigError). `saved`: the config checkpoint `step` in `directory` was written with."""
+    now = cfg.to_dict()
+    keys = [(s, k) for s in _SHAPE_SECTIONS for k in now[s]] + \
+           [(s, k) for s, ks in _SHAPE_KEYS.items() for k in ks]
+    for section, key in keys:
+        if key not in saved.get(section, {}) or now[section][key] == saved[section][key]:
+            continue
+        if section == "model" and key in ("attention", "dtype", "window", "init_from"):
+            continue  # computation choices, or where the weights first came from: the parameters are the same
+        raise ConfigError(
+            f"checkpoint step {step} in {directory} was written with {section}.{key}="
+            f"{saved[section][key]} but the config has {now[section][key]}; set it back or pass a new --run-dir")
+
+
+def saved_config(directory: str, step: int) -> dict | None:
+    """The config checkpoint `step` in `directory` was written with, read from its `meta` item
+    (orbax's JSON, `<step>/meta/metadata`) without restoring anything; None where it cannot be
+    read (the restore then says why, or falls back to an older checkpoint)."""
+    try:
+        with open(os.path.join(directory, str(step), "meta", "metadata")) as f:
+            config = json.load(f).get("config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _flat(sums) -> dict[str, int]:

@@ -149,6 +149,9 @@ def test_checksums_are_kept_in_meta_one_per_array(tmp_path):
     meta = json.loads((tmp_path / "7" / "meta" / "metadata").read_text())
     expected = {f"['{k}']": _numpy_checksum(np.asarray(v)) for k, v in state.items()}
     assert meta["checksums"] == expected
+    # the config it was written with, read without restoring (what train checks before it writes)
+    assert checkpoint.saved_config(str(tmp_path), 7) == json.loads(json.dumps(cfg.to_dict()))
+    assert checkpoint.saved_config(str(tmp_path), 8) is None
 
 
 def test_orbax_waits_at_the_coordination_service_not_in_a_collective(tmp_path, monkeypatch):
@@ -461,6 +464,26 @@ def reference(tmp_path_factory):
     result = run_cli(run_dir, [*TINY, *DP8])
     assert result.returncode == 0, result.stderr[-3000:]
     return run_dir
+
+
+def _file_checksums(directory: Path) -> dict[str, str]:
+    import hashlib
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.xdist_group("checkpoint-reference")
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(reference, tmp_path):
+    """A config the newest checkpoint cannot continue (another model width) is refused in one line
+    before anything is written: config.yaml and every other file byte for byte as they were, so
+    `sample` and `export_hf` still read the run's own shape (issue 59)."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference, run_dir)
+    before = _file_checksums(run_dir)
+    result = run_cli(run_dir, [*TINY, *DP8, "model.d_model=128", "train.steps=30"])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "was written with model.d_model=64 but the config has 128" in result.stderr
+    assert _file_checksums(run_dir) == before
 
 
 @pytest.mark.xdist_group("checkpoint-reference")
