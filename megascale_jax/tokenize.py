@@ -53,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.tokenizer:
         return encode_with_tokenizer(args)
     try:
-        paths = bpe.input_files(args.input)
+        paths = bpe.input_files(args.input, warn=lambda line: print(line, file=sys.stderr))
         tokenizer = bpe.train_bpe(paths, args.vocab)
         tokens = bpe.encode_files(tokenizer, paths)
         meta = bpe.write(args.out, tokenizer, tokens, paths, args.overwrite)

@@ -35,13 +35,36 @@ class TokenizerError(ValueError):
     """A user mistake (no input files, a vocabulary too small, an output that exists): one line."""
 
 
-def input_files(pattern: str) -> list[str]:
+def input_files(pattern: str, warn=print) -> list[str]:
+    """The text files `pattern` matches, sorted. A file that is not UTF-8 text throughout (a
+    binary, a Parquet or compressed file: the BPE trainer stops at its first invalid byte) is
+    left out with one warning counting them; none left, or all empty, is a TokenizerError."""
     paths = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
     if not paths:
         raise TokenizerError(f"--input {pattern!r} matches no files; pass a glob of local text files")
-    if not any(os.path.getsize(p) for p in paths):
-        raise TokenizerError(f"--input {pattern!r}: all {len(paths)} matched files are empty")
-    return paths
+    text = [p for p in paths if _is_utf8_text(p)]
+    if not text:
+        raise TokenizerError(f"--input {pattern!r}: none of the {len(paths)} matched files is UTF-8 text (e.g. "
+                             f"{paths[0]}); pass text files, or encode JSONL/Parquet shards with --tokenizer")
+    if len(text) < len(paths):
+        skipped = sorted(set(paths) - set(text))
+        warn(f"warning: skipped {len(skipped)} of {len(paths)} files that are not UTF-8 text, e.g. {skipped[0]}")
+    if not any(os.path.getsize(p) for p in text):
+        raise TokenizerError(f"--input {pattern!r}: all {len(text)} matched files are empty")
+    return text
+
+
+def _is_utf8_text(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise TokenizerError(f"cannot read {path} ({e.strerror}); pass readable text files") from None
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return b"\0" not in data
 
 
 def train_bpe(paths: list[str], vocab: int):

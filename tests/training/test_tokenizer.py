@@ -77,6 +77,8 @@ def test_a_run_on_the_token_file_trains_and_records_its_tokenizer(corpus):
 def test_bad_input_is_one_line_and_exit_2_and_nothing_is_replaced(corpus):
     work, _, _ = corpus
     before = (work / "tok" / "tokens.bin").read_bytes()
+    (work / "binary").mkdir(exist_ok=True)
+    (work / "binary" / "data.parquet").write_bytes(b"PAR1\x15\x04\x15\x10\x15\x14\xff\xfe\0\0PAR1")
     for args, message in [
         (["--input", "nowhere/*.txt", "--vocab", "400", "--out", "x"],
          "error: --input 'nowhere/*.txt' matches no files; pass a glob of local text files"),
@@ -84,10 +86,27 @@ def test_bad_input_is_one_line_and_exit_2_and_nothing_is_replaced(corpus):
          "error: --vocab 100 is below 257 (256 bytes and <|endoftext|>); raise it"),
         (["--input", "corpus/**/*.txt", "--vocab", "400", "--out", "tok"],
          f"error: {os.path.join('tok', 'tokenizer.json')} exists; pass --overwrite to replace it, or another --out"),
+        (["--input", "binary/*", "--vocab", "400", "--out", "x"],
+         "error: --input 'binary/*': none of the 1 matched files is UTF-8 text (e.g. binary/data.parquet); pass text "
+         "files, or encode JSONL/Parquet shards with --tokenizer"),
     ]:
         done = run("megascale_jax.tokenize", *args, cwd=work)
         assert done.returncode == 2 and done.stderr.strip().splitlines() == [message], (args, done.stderr)
     assert (work / "tok" / "tokens.bin").read_bytes() == before and not (work / "x").exists()
+
+
+def test_a_file_that_is_not_utf8_text_is_left_out_with_one_warning(corpus):
+    """A binary among the text files (the BPE trainer would stop at its first invalid byte with a
+    traceback) is left out, said once; the rest is tokenized."""
+    work, texts, _ = corpus
+    (work / "mixed").mkdir(exist_ok=True)
+    (work / "mixed" / "a.txt").write_text(next(iter(texts.values())), encoding="utf-8")
+    (work / "mixed" / "b.txt").write_bytes(b"text, then \xff\xfe not UTF-8")
+    done = run("megascale_jax.tokenize", "--input", "mixed/*", "--vocab", "300", "--out", "mixedtok", cwd=work)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"warning: skipped 1 of 2 files that are not UTF-8 text, e.g. {os.path.join('mixed', 'b.txt')}"]
+    assert json.loads((work / "mixedtok" / "tokens.json").read_text())["files"] == 1
 
 
 # ============================================================================ the tokenizer of any run
