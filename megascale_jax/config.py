@@ -283,6 +283,16 @@ DEFAULT_CONFIG_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "
 # ----------------------------------------------------------------------------- loading
 
 
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """PyYAML's error as one line with where it is: `line 3, column 12: expected ',' or ']', but
+    got '<stream end>'` (lines and columns counted from 1, as editors do)."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    what = f"{problem} ({context})" if context else problem
+    return f"line {mark.line + 1}, column {mark.column + 1}: {what}" if mark else what
+
+
 def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = (), *,
                 planning: bool = False) -> Config:
     """Read YAML (`path`, default configs/tiny_cpu.yaml), apply `a.b=value` overrides, validate.
@@ -296,7 +306,7 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
     except OSError as e:
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; pass an existing --config")
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path!r} is not valid YAML: {str(e).splitlines()[0]}")
+        raise ConfigError(f"config file {path!r} is not valid YAML: {_yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
     for item in overrides:

@@ -114,7 +114,7 @@ ERROR_CASES = [
     ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),
     # config files
     ("missing-config-file", [], "{tmp}/nope.yaml", ["nope.yaml", "--config"]),
-    ("invalid-yaml-config", [], "{tmp}/broken.yaml", ["broken.yaml", "YAML"]),
+    ("invalid-yaml-config", [], "{tmp}/broken.yaml", ["broken.yaml", "YAML", "line 2, column 1"]),
     ("non-mapping-config", [], "{tmp}/list.yaml", ["list.yaml", "mapping"]),
     # data
     ("files-glob-matches-nothing", ["data.source=files", "data.path={tmp}/nothing/*.txt"], None,
