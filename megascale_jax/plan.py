@@ -229,6 +229,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       f"{p.prediction.iteration_s:>9.3f}{p.memory['total'] / GIB:>7.1f}  {'yes' if p.fits else 'NO'}")
     if args.plot:
         draw(family(chosen, gpu, max(args.gpus, 12288)), args.plot)
+        best = next((p for p in ranked if p.fits), None)
+        other = (f"; the best layout --search found, {layout_name(best)}, is not drawn"
+                 if best and layout_name(best) != layout_name(chosen) else "")
+        print(f"plot: {args.plot} draws the config's layout, {layout_name(chosen)}, as dp grows{other}",
+              file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

@@ -560,6 +560,11 @@ def test_search_ranks_valid_layouts_and_marks_what_does_not_fit(capsys, tmp_path
     rates = [r["tokens_per_s"] for r in ranked if r["fits"]]
     assert rates == sorted(rates, reverse=True) and rates
     assert (tmp_path / "scaling.png").stat().st_size > 10_000
+    # the plot says which layout it draws (on stderr beside --json), and that --search's best is another
+    best = next(r["layout"] for r in ranked if r["fits"])
+    drawn = json.loads(out)["layout"]
+    assert f"draws the config's layout, {drawn}, as dp grows" in err
+    assert (f"the best layout --search found, {best}, is not drawn" in err) == (best != drawn)
     # Every candidate is a layout the trainer's own validation accepts.
     cfg = load_config(str(REPO / "configs" / "gpt_175b.yaml"), ["train.global_batch=1536"], planning=True)
     layouts = list(candidates(cfg, 512, 8))
