@@ -144,12 +144,17 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """Optimizer, learning-rate schedule (linear warmup + cosine decay) and clipping."""
+    """Optimizer, learning-rate schedule (linear warmup, then a decay) and clipping."""
 
     name: Literal["lamb", "adamw"] = "lamb"
     lr: float = 3e-3
     warmup: int = 10
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio at train.steps
+    # after warmup: cosine (to lr * min_lr_ratio at train.steps), linear (the same ends, a straight
+    # line), or wsd (warmup-stable-decay: lr held, then a linear decay over the last decay_fraction
+    # of train.steps)
+    schedule: Literal["cosine", "linear", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # schedule=wsd: the share of train.steps spent decaying
+    min_lr_ratio: float = 0.1  # the learning rate at train.steps, as a share of lr
     weight_decay: float = 0.01  # masked off norms and biases
     clip: Optional[float] = 1.0  # global-norm clipping; None disables
     b1: float = 0.9

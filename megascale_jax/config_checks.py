@@ -131,6 +131,8 @@ def check_optim(o) -> None:
     require(o.lr > 0, f"optim.lr={o.lr} must be > 0")
     require(o.warmup >= 0, f"optim.warmup={o.warmup} must be >= 0")
     require(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]")
+    require(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction} must be in (0, 1] "
+            "(the share of train.steps optim.schedule=wsd decays over)")
     require(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0")
     require(o.clip is None or o.clip > 0, f"optim.clip={o.clip} must be > 0 (or null to disable)")
 

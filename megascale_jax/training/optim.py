@@ -1,6 +1,7 @@
 """Optimizers: LAMB (MegaScale's choice for large batches) and AdamW, built from optax parts.
 
-Both share: global-norm clipping, linear warmup + cosine decay, and weight decay applied only to
+Both share: global-norm clipping, linear warmup then a cosine, linear or warmup-stable-decay
+schedule (`optim.schedule`), and weight decay applied only to
 matrices (projections, embedding, LM head) — never to norms or biases.
 
 LAMB is optax's own composition (`scale_by_adam` → `add_decayed_weights` → trust ratio →
@@ -49,10 +50,22 @@ def decay_mask(params):
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0 to `lr` over `warmup` updates, then (`optim.schedule`) a cosine or a
+    straight line down to lr · min_lr_ratio at `total_steps`, or warmup-stable-decay: `lr` held
+    until the last `decay_fraction` of `total_steps`, then a straight line down over them."""
     decay_steps = max(total_steps, cfg.warmup + 1)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup,
-        decay_steps=decay_steps, end_value=cfg.lr * cfg.min_lr_ratio)
+    end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=cfg.lr, warmup_steps=cfg.warmup, decay_steps=decay_steps, end_value=end)
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup)
+    if cfg.schedule == "linear":
+        return optax.join_schedules([warmup, optax.linear_schedule(cfg.lr, end, decay_steps - cfg.warmup)],
+                                    [cfg.warmup])
+    decay_start = max(cfg.warmup, round(decay_steps * (1 - cfg.decay_fraction)))
+    return optax.join_schedules([warmup, optax.constant_schedule(cfg.lr),
+                                 optax.linear_schedule(cfg.lr, end, decay_steps - decay_start)],
+                                [cfg.warmup, decay_start])
 
 
 def scale_by_layerwise_trust_ratio(axes_of_layers, min_norm: float = 0.0) -> optax.GradientTransformation:

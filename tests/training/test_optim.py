@@ -175,3 +175,19 @@ def test_clipping_with_a_given_norm_is_optax_clipping(scale):
         got, _ = ours.update(grads, ours.init(grads), **kwargs)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "wsd"])
+def test_linear_and_warmup_stable_decay_schedules_by_hand(schedule):
+    """lr 2, warmup 4, 20 updates, ending at 0.2: linear falls on a straight line from update 4 to
+    20; wsd (decay_fraction 0.25) holds 2 until update 15, then falls straight to 0.2 at 20."""
+    cfg = OptimConfig(lr=2.0, warmup=4, min_lr_ratio=0.1, schedule=schedule, decay_fraction=0.25)
+    lr = optim.learning_rate_schedule(cfg, total_steps=20)
+    counts = np.arange(21)
+    warm = 2.0 * counts / 4
+    if schedule == "linear":
+        after = 2.0 + (0.2 - 2.0) * (counts - 4) / 16
+    else:
+        after = np.where(counts < 15, 2.0, 2.0 + (0.2 - 2.0) * (counts - 15) / 5)
+    expected = np.where(counts < 4, warm, after)
+    np.testing.assert_allclose([float(lr(c)) for c in counts], expected, rtol=1e-6, atol=1e-7)
