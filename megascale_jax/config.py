@@ -194,7 +194,7 @@ class DataConfig:
     source: Literal["stdlib", "files", "tokens"] = "stdlib"
     path: Optional[str] = None  # files: a glob of text files; tokens: a flat binary token file
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
-    val_fraction: float = 0.05  # share of sequences held out for validation
+    val_fraction: float = 0.05  # share of sequences held out for validation (0: none, with train.eval_batches=0)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
 
 

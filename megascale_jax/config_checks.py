@@ -41,7 +41,7 @@ def validate(cfg, planning: bool = False) -> None:
     check_train(cfg.train, cfg.mesh, cfg.parallel)
     if planning:
         return
-    check_data_options(cfg.data)
+    check_data_options(cfg.data, cfg.train)
     check_checkpoint(cfg.checkpoint)
     check_supervisor(cfg.supervisor, cfg.observe)
     check_observe(cfg.observe)
@@ -157,8 +157,11 @@ def check_train(t, m, p) -> None:
 # ----------------------------------------------------------------------------- a run (not when planning)
 
 
-def check_data_options(d) -> None:
-    require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+def check_data_options(d, t) -> None:
+    require(0 <= d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in [0, 1) (0: nothing held out)")
+    require(d.val_fraction > 0 or t.eval_batches == 0,
+            "data.val_fraction=0 holds nothing out for the validation loss; set train.eval_batches=0 too "
+            "(a run without validation), or hold some data out")
     require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0 = synchronous)")
 
 

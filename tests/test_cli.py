@@ -113,6 +113,7 @@ ERROR_CASES = [
     # features this build / platform cannot run
     ("cudnn-on-cpu", ["model.attention=cudnn"], None, ["model.attention=cudnn", "xla"]),
     # config files
+    ("val-fraction-zero-with-validation", ["data.val_fraction=0"], None, ["data.val_fraction=0", "train.eval_batches=0"]),
     ("missing-config-file", [], "{tmp}/nope.yaml", ["nope.yaml", "--config"]),
     ("invalid-yaml-config", [], "{tmp}/broken.yaml", ["broken.yaml", "YAML", "line 2, column 1"]),
     ("non-mapping-config", [], "{tmp}/list.yaml", ["list.yaml", "mapping"]),

@@ -180,7 +180,7 @@ class SequenceBatches:
         self._orders: dict[int, np.ndarray] = {}
         n = max(len(tokens) - 1, 0) // seq_len
         self.n_train, self.n_val = split_sizes(n, val_fraction)
-        if self.n_train < global_batch or self.n_val < 1:
+        if self.n_train < global_batch or (self.n_val < 1 and val_fraction > 0):  # 0: a run without validation
             raise DataError(
                 f"{len(tokens)} tokens pack into {n} sequences of model.seq_len={seq_len} "
                 f"({self.n_train} train, {self.n_val} validation) but train.global_batch={global_batch} "

@@ -247,3 +247,12 @@ def test_a_glob_of_only_binary_files_is_one_line(tmp_path):
     (tmp_path / "x.gz").write_bytes(b"\x1f\x8b\x08" + bytes(range(256)))
     with pytest.raises(DataError, match=r"none of the 1 matched files is text .*; pass a glob of text files$"):
         load_tokens(_cfg(data={"source": "files", "path": str(tmp_path / "*")}))
+
+
+def test_val_fraction_zero_trains_on_every_sequence():
+    """data.val_fraction=0 (a run without validation): every packed sequence is a training one,
+    each epoch a permutation of all of them; nothing is held out."""
+    tokens = np.arange(10 * 8 + 1, dtype=np.uint16) % 251
+    b = _batches(tokens, 8, "train", val_fraction=0.0, global_batch=5)
+    assert (b.n_train, b.n_val) == (10, 0)
+    assert sorted(np.concatenate([b.global_indices(0), b.global_indices(1)])) == list(range(10))
