@@ -62,7 +62,7 @@ def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
 
 def main(argv=None) -> int:
     bench = Bench(__doc__, "memory_estimate_aot")
-    args = bench.parse_args(argv)
+    bench.parse_args(argv)
     bench.refuse_existing()
     rows = {}
     print(f"{'layout':<52}{'GPUs':>5}{'estimate GiB':>14}{'compiled GiB':>14}{'ratio':>8}")

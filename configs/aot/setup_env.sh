@@ -4,7 +4,6 @@
 # no GPU and no driver (docs/compile.md; measured facts in the design notes' AOT page).
 #
 #   bash configs/aot/setup_env.sh          # creates or checks the environment; idempotent
-#   bash configs/aot/setup_env.sh --print  # prints the environment's python, creating nothing
 #
 # Where: $MEGASCALE_AOT_VENV, default ~/.cache/megascale_jax/aot-venv (outside the checkout, so
 # every clone on a machine shares one ~2.3 GB environment). What goes in:
@@ -18,11 +17,6 @@ here=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${MEGASCALE_AOT_VENV:-$HOME/.cache/megascale_jax/aot-venv}
 jax_version=0.11.2
 stamp="$venv/.megascale_aot_$jax_version"
-
-if [[ "${1:-}" == "--print" ]]; then
-    [[ -f "$stamp" ]] && echo "$venv/bin/python" && exit 0
-    exit 1
-fi
 
 if [[ -f "$stamp" ]]; then
     # Made already (by any checkout: `plan --compile` puts its own checkout first on PYTHONPATH).

@@ -10,4 +10,6 @@ jax and its CUDA plugin in compile-only mode: `configs/aot/setup_env.sh` makes t
 * `compile_step`: runs there: the trainer's own step for the topology, compiled, and its report.
 * `compiled_hlo`: reads the compiled module: its kernels, the buffers live at the memory peak,
   its collectives' overlap with compute.
+* `roofline`: each kernel's FLOPs and bytes priced at the GPU's rates into a step time.
+* `summary`: the report as `plan --compile` prints it, and its verdict on memory.
 """

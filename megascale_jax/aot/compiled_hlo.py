@@ -21,7 +21,9 @@ kernels, the buffers live at its memory peak, and which collectives overlap comp
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
+from typing import Iterator
 
 from megascale_jax.observe import collectives as hlo_collectives
 from megascale_jax.observe.hlo_parts import Instruction, part_of, scope_part, short_op_name
@@ -36,8 +38,30 @@ GEMM_FUSION_KINDS = {"__triton_gemm": "triton", "__triton_nested_gemm_fusion": "
 _FUSION_KIND = re.compile(r"kind=(k\w+)")
 _BACKEND_KIND = re.compile(r'"fusion_backend_config":\{.*?"kind":"(__[^"]+)"')  # not always its first key
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
-_CALLEES = re.compile(r"\b(?:body|calls|to_apply)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))")
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of the program (module docstring), where it runs and how often a step runs it."""
+
+    name: str
+    shape: str
+    op: str
+    rest: str  # the rest of its line: operands and attributes
+    category: str  # "fusion", "custom-call", "collective" or "other"
+    kind: str  # the fusion's kind (kLoop, or a custom fusion's backend kind), the call's target, the opcode
+    computation: str
+    runs: int  # executions per step: its computation's
+
+
+def kernels(computations: dict, entry: str) -> Iterator[Kernel]:
+    """Every kernel of a parsed module (`collectives.parse_computations`), in schedule order within
+    each computation that runs kernels of its own."""
+    for computation, times in _kernel_computations(computations, entry).items():
+        for name, shape, op, rest in computations[computation]:
+            if op in FREE or op.endswith("-done"):
+                continue
+            yield Kernel(name, shape, op, rest, *_kernel_kind(op, rest), computation, times)
 
 
 def _kernel_computations(computations: dict, entry: str) -> dict[str, int]:
@@ -53,11 +77,10 @@ def _kernel_computations(computations: dict, entry: str) -> dict[str, int]:
                 body = re.search(r"\bbody=%([\w.\-]+)", rest).group(1)
                 visit(body, times * hlo_collectives.trip_count(inst, rest))
             elif op == "conditional":
-                for listed, single in _BRANCHES.findall(rest):
-                    for callee in re.findall(r"%([\w.\-]+)", listed) or [single]:
-                        visit(callee, times)
+                for callee in hlo_collectives.branches(rest):
+                    visit(callee, times)
             elif op in ("call", "async-start"):
-                for callee in _CALLEES.findall(rest):
+                for callee in hlo_collectives.CALLEE.findall(rest):
                     visit(callee, times)
 
     visit(entry, 1)
@@ -79,14 +102,15 @@ def _kernel_kind(op: str, rest: str) -> tuple[str, str]:
     return "other", op
 
 
-def gemm_backend(category: str, name: str, flops: float, called: str = "") -> str | None:
-    """Which library runs a kernel's matrix product, None for a kernel without one. `called`: the
-    text of the computation a fusion calls (a custom fusion around a library call, e.g. XLA's
-    dynamic-slice fusion of a cuBLAS GEMM writing into the layer scan's stack, is that library's)."""
+def gemm_backend(category: str, name: str, flops: float, called_target: str | None = None) -> str | None:
+    """Which library runs a kernel's matrix product, None for a kernel without one.
+    `called_target`: the custom call inside the computation a fusion calls (a custom fusion around a
+    library call, e.g. XLA's dynamic-slice fusion of a cuBLAS GEMM writing into the layer scan's
+    stack, is that library's)."""
     if category == "fusion" and name in GEMM_FUSION_KINDS:
         return GEMM_FUSION_KINDS[name]
-    if category == "fusion" and flops and (target := _TARGET.search(called)):
-        return gemm_backend("custom-call", target.group(1), flops)
+    if category == "fusion" and flops and called_target:
+        return gemm_backend("custom-call", called_target, flops)
     if category == "custom-call" and name.startswith("__cublas"):
         return "cublas"
     if category == "custom-call" and name.startswith("__cudnn"):
@@ -99,39 +123,46 @@ def kernel_inventory(hlo_text: str, hlo: dict[str, Instruction]) -> dict:
     {"fusions": {kind: n}, "gemms": {backend: n}, "custom_calls": {target: n}, "collectives":
     {op: n}, "other": {opcode: n}, "kernels": n}, and the matrix products' FLOPs per step by backend."""
     computations, entry = hlo_collectives.parse_computations(hlo_text)
-    runs = _kernel_computations(computations, entry)
+    targets = library_calls(computations)
     counts = {scope: collections.defaultdict(collections.Counter) for scope in ("static", "per_step")}
     gemm_flops = collections.Counter()
-    for computation, times in runs.items():
-        for inst, _, op, rest in computations[computation]:
-            if op in FREE or op.endswith("-done"):
-                continue
-            category, name = _kernel_kind(op, rest)
-            flops = hlo[inst].flops if inst in hlo else 0.0
-            callee = _CALLEES.search(rest) if category == "fusion" else None
-            called = "\n".join(r for *_, r in computations.get(callee.group(1), ())) if callee else ""
-            backend = gemm_backend(category, name, flops, called)
-            for scope, n in (("static", 1), ("per_step", times)):
-                counts[scope][{"fusion": "fusions", "custom-call": "custom_calls", "collective": "collectives",
-                               "other": "other"}[category]][name] += n
-                counts[scope]["kernels"]["all"] += n
-                if backend:
-                    counts[scope]["gemms"][backend] += n
+    for k in kernels(computations, entry):
+        flops = hlo[k.name].flops if k.name in hlo else 0.0
+        callee = hlo_collectives.CALLEE.search(k.rest) if k.category == "fusion" else None
+        backend = gemm_backend(k.category, k.kind, flops, targets.get(callee.group(1)) if callee else None)
+        for scope, n in (("static", 1), ("per_step", k.runs)):
+            counts[scope][{"fusion": "fusions", "custom-call": "custom_calls", "collective": "collectives",
+                           "other": "other"}[k.category]][k.kind] += n
+            counts[scope]["kernels"]["all"] += n
             if backend:
-                gemm_flops[backend] += flops * times
+                counts[scope]["gemms"][backend] += n
+        if backend:
+            gemm_flops[backend] += flops * k.runs
     out = {scope: {key: dict(sorted(c.items(), key=lambda kv: -kv[1])) for key, c in by.items() if key != "kernels"}
            | {"kernels": by["kernels"]["all"]} for scope, by in counts.items()}
     out["gemm_flops_per_step"] = dict(gemm_flops)
     return out
 
 
+def library_calls(computations: dict) -> dict[str, str]:
+    """Computation -> the target of the first custom call in it (for the fusions that wrap one)."""
+    found = {}
+    for name, sequence in computations.items():
+        target = next((m.group(1) for *_, op, rest in sequence if op == "custom-call" and (m := _TARGET.search(rest))),
+                      None)
+        if target:
+            found[name] = target
+    return found
+
+
 # ============================================================================ the memory peak
 
 _PEAK_HEADER = re.compile(r"^\s*Live ranges at (\d+) \(peak\):")
 _PEAK_VALUE = re.compile(r"^\s+(?P<name>[\w.\-]+)(?P<index>\{[\d,]*\}): (?P<bytes>\d+) bytes")
-# A value of the buffer assignment: `value: <3740 input_add_reduce_select_fusion{0} @0> (size=..): f32[2,64]{1,0}`
-_ASSIGNED_VALUE = re.compile(r"value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): "
-                             r"(?P<shape>\S+)")
+# A value of the buffer assignment:
+# `value: <3740 input_add_reduce_select_fusion{0} @0> (size=1024,offset=512): f32[2,64]{1,0}`
+_ASSIGNED_VALUE = re.compile(r"value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
+                             r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\): (?P<shape>\S+)")
 
 
 def buffer_part(name: str, inst: Instruction) -> str:
@@ -185,8 +216,6 @@ def peak_buffers(live_range_text: str, buffer_assignment_text: str, hlo: dict[st
 _CHUNK = re.compile(r"^\s+[\d.]+\w+\(\s*\d+%\);\s+(?P<size>[\d.]+)(?P<unit>B|KiB|MiB|GiB);\s+(?P<offset>\d+);\s+\d+; (?P<shapes>.*)$")
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 _TEMP_ALLOCATION = re.compile(r"^allocation \d+: size \d+, .*preallocated-temp:$")
-_TEMP_VALUE = re.compile(r"value: <\d+ (?P<name>[\w.\-]+)(?P<index>\{[\d,]*\})?(?: \(phi\))? @\d+> "
-                         r"\(size=(?P<size>\d+),offset=(?P<offset>\d+)\)")
 
 
 def heap_chunks(memory_usage_text: str, buffer_assignment_text: str, hlo: dict[str, Instruction],
@@ -201,7 +230,7 @@ def heap_chunks(memory_usage_text: str, buffer_assignment_text: str, hlo: dict[s
     for line in buffer_assignment_text.splitlines():
         if line.startswith("allocation "):
             in_temp = bool(_TEMP_ALLOCATION.match(line))
-        elif in_temp and (m := _TEMP_VALUE.search(line)):
+        elif in_temp and (m := _ASSIGNED_VALUE.search(line)):
             at_offset[int(m["offset"])].add(buffer_part(m["name"], hlo.get(m["name"], Instruction(""))))
     chunks = []
     for line in memory_usage_text.splitlines()[4:]:  # after the title, total, header and rule
@@ -235,10 +264,10 @@ def overlap(hlo_text: str, hlo: dict[str, Instruction], mesh_shape: tuple[int, .
     (`compiled.as_text()`), or, in its dump, a generic `async-start` whose called computation holds
     the collective, ended by `async-done(%that start)`. Both are read."""
     computations, entry = hlo_collectives.parse_computations(hlo_text)
-    devices = int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    devices = hlo_collectives.partitions(hlo_text)
     runs = _kernel_computations(computations, entry)
     wrapped = {callee for sequence in computations.values() for _, _, op, rest in sequence if op == "async-start"
-               for callee in _CALLEES.findall(rest)}
+               for callee in hlo_collectives.CALLEE.findall(rest)}
     out = []
     for computation, times in runs.items():
         if computation in wrapped:
@@ -273,7 +302,7 @@ def _collective(op: str, rest: str, computations: dict) -> tuple[str, str] | Non
     if base in hlo_collectives.OPS:
         return base, rest
     if op == "async-start":
-        for callee in _CALLEES.findall(rest):
+        for callee in hlo_collectives.CALLEE.findall(rest):
             for _, _, inner, inner_rest in computations[callee]:
                 if inner in hlo_collectives.OPS:
                     return inner, inner_rest

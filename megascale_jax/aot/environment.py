@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,10 +59,3 @@ def _failure(stderr: str) -> str:
     errors = [line for line in lines if not line.startswith(" ") and ("Error" in line or "error:" in line)]
     return (errors[-1] if errors else " | ".join(lines[-3:]))[:600]
 
-
-if __name__ == "__main__":  # prints the environment's python, or the one-line error
-    try:
-        print(python())
-    except MissingEnvironment as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)

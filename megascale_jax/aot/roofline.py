@@ -126,37 +126,32 @@ def kernel_costs(hlo_text: str, hlo: dict[str, Instruction], gpu, window: int | 
     """Every kernel of one step with its bytes, FLOPs, predicted seconds per step, part and name."""
     computations, entry = hlo_collectives.parse_computations(hlo_text)
     shapes = {name: shape for sequence in computations.values() for name, shape, _, _ in sequence}
-    runs = compiled_hlo._kernel_computations(computations, entry)
     rows = []
-    for computation, times in runs.items():
-        for inst, shape, op, rest in computations[computation]:
-            if op in compiled_hlo.FREE or op.endswith("-done"):
-                continue
-            category, name = compiled_hlo._kernel_kind(op, rest)
-            if category == "collective":
-                continue
-            operands = [_shape_of(o, shapes) for o in _operands(rest)]
-            called = re.search(r"\bcalls=%([\w.\-]+)", rest)
-            if category == "fusion" and called:
-                nbytes = fusion_bytes(computations[called.group(1)], operands, shape)
-            else:
-                nbytes = sum(shape_bytes(s) for s in operands if s) + shape_bytes(shape)
-            instruction = hlo.get(inst, Instruction(""))
-            flops = instruction.flops
-            if category == "custom-call" and name.startswith("__cudnn$fmha"):
-                b, h, s, d = shape_dims(shape)[:4]  # its output (the forward's O, the backward's dQ): b, h, s, d
-                flops_forward = 4 * d * b * h * costs.visible_pairs(s, window)
-                seconds = attention_s(flops_forward, b * h * s, name.endswith("Backward"), gpu)
-                flops = flops_forward * ((costs.FLASH_FWD_BWD - 1) if name.endswith("Backward") else 1)
-            elif flops:
-                seconds = max(gemm_s(flops, shape, gpu), nbytes / gpu.hbm_stream_bandwidth)
-            else:
-                seconds = nbytes / gpu.hbm_stream_bandwidth
-            seconds = max(seconds, LAUNCH_S)
-            rows.append({"kernel": inst, "kind": name, "part": part_of(instruction), "runs": times,
-                         "bytes": nbytes * times, "flops": flops * times, "seconds": seconds * times,
-                         "bound": "compute" if flops and gemm_s(flops, shape, gpu) > nbytes / gpu.hbm_stream_bandwidth
-                         else "memory", "op_name": short_op_name(instruction.op_name)})
+    for k in compiled_hlo.kernels(computations, entry):
+        if k.category == "collective":
+            continue
+        operands = [_shape_of(o, shapes) for o in _operands(k.rest)]
+        called = hlo_collectives.CALLEE.search(k.rest)
+        if k.category == "fusion" and called:
+            nbytes = fusion_bytes(computations[called.group(1)], operands, k.shape)
+        else:
+            nbytes = sum(shape_bytes(s) for s in operands if s) + shape_bytes(k.shape)
+        instruction = hlo.get(k.name, Instruction(""))
+        flops, memory_s = instruction.flops, nbytes / gpu.hbm_stream_bandwidth
+        if k.category == "custom-call" and k.kind.startswith("__cudnn$fmha"):
+            b, h, s, d = shape_dims(k.shape)[:4]  # its output (the forward's O, the backward's dQ): b, h, s, d
+            backward = k.kind.endswith("Backward")
+            flops_forward = 4 * d * b * h * costs.visible_pairs(s, window)
+            flops = flops_forward * ((costs.FLASH_FWD_BWD - 1) if backward else 1)
+            compute_s = seconds = attention_s(flops_forward, b * h * s, backward, gpu)
+        else:
+            compute_s = gemm_s(flops, k.shape, gpu) if flops else 0.0
+            seconds = max(compute_s, memory_s)
+        seconds = max(seconds, LAUNCH_S)
+        rows.append({"kernel": k.name, "kind": k.kind, "part": part_of(instruction), "runs": k.runs,
+                     "bytes": nbytes * k.runs, "flops": flops * k.runs, "seconds": seconds * k.runs,
+                     "bound": "compute" if compute_s > memory_s else "memory",
+                     "op_name": short_op_name(instruction.op_name)})
     return sorted(rows, key=lambda r: -r["seconds"])
 
 

@@ -170,6 +170,12 @@ class MlpParams(nn.Module):
         return p
 
 
+def kv_heads_axis(c: ModelConfig) -> str:
+    """The logical axis of k's and v's heads: their own, or the query heads' where each tp rank
+    holds a repeated kv head (`kv_sharers`)."""
+    return "heads" if kv_sharers(c) > 1 else "kv_heads"
+
+
 def kv_sharers(c: ModelConfig) -> int:
     """How many tp ranks use each kv head: tp / kv_heads when the mesh in scope has more tp ranks
     than kv heads (grouped-query attention, Llama-70B's 8 kv heads at tp=16), else 1."""
@@ -201,8 +207,7 @@ def attention_heads(c: ModelConfig, q, k, v, a: dict, positions):
             y = y + jnp.repeat(bias, y.shape[2] // bias.shape[0], axis=0).astype(c.dtype)
         return _constrain(y, ("batch", "seq", axes, "head_dim"))
 
-    kv_axes = "heads" if kv_sharers(c) > 1 else "kv_heads"
-    q, k, v = heads(q, "q", "heads"), heads(k, "k", kv_axes), heads(v, "v", kv_axes)
+    q, k, v = heads(q, "q", "heads"), heads(k, "k", kv_heads_axis(c)), heads(v, "v", kv_heads_axis(c))
     q, k = (rotary(y, positions, c.rope_base, c.rotary_dims) for y in (q, k))
     return q, k, v
 
@@ -213,12 +218,9 @@ def self_attention(c: ModelConfig, q, k, v, a: dict):
     heads = ("batch", "seq", "heads", "head_dim")
     if c.attention == "cudnn":
         # cuDNN per device (`sharding.per_device`: jax's cuDNN partitioner fails on most layouts).
-        # Where k/v are whole on every tp rank (fewer kv heads than tp ranks) each rank's query heads
-        # need their own kv heads: k and v are repeated to one per query head first.
-        kv = ("batch", "seq", "heads" if kv_sharers(c) > 1 else "kv_heads", "head_dim")
-        if nn.logical_to_mesh_axes(kv) != nn.logical_to_mesh_axes(heads):
-            k, v = (_constrain(jnp.repeat(y, q.shape[2] // y.shape[2], axis=2), heads) for y in (k, v))
-            kv = heads
+        # k and v are split over tp like the query heads (validation makes tp and kv_heads divide
+        # one another), so each rank's query heads find their kv heads on the same rank.
+        kv = ("batch", "seq", kv_heads_axis(c), "head_dim")
         cudnn = functools.partial(attend, window=c.window, implementation="cudnn")
         o = per_device(cudnn, (heads, kv, kv), heads)(q, k, v)
     else:

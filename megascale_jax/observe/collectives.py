@@ -36,8 +36,8 @@ DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16"
 INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%(?P<name>[\w.\-]+) = (?P<shape>.*?) (?P<op>[a-z][\w\-]*)\((?P<rest>.*)$")
 COMPUTATION_HEADER = re.compile(r"^(?:ENTRY )?%(?P<name>[\w.\-]+) .*\{$")
 _ARRAY = re.compile(r"\b([a-z]+\d*(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
-_CALLEE = re.compile(r"\b(?:body|calls|to_apply)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))")
+CALLEE = re.compile(r"\b(?:body|calls|to_apply)=%([\w.\-]+)")  # the computations an instruction calls
+BRANCHES = re.compile(r"\b(?:branch_computations=\{([^}]*)\}|(?:true|false)_computation=%([\w.\-]+))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +128,17 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[tuple[str, str, st
     return computations, entry
 
 
+def partitions(hlo_text: str) -> int:
+    """The devices an SPMD module runs on (its `num_partitions`; 1 where it says none)."""
+    return int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+
+
+def branches(rest: str) -> list[str]:
+    """The branch computations of a `conditional` (its attribute text)."""
+    return [callee for listed, single in BRANCHES.findall(rest)
+            for callee in (re.findall(r"%([\w.\-]+)", listed) or [single])]
+
+
 def trip_count(instruction: str, rest: str) -> int:
     """A while loop's iterations, from XLA's `known_trip_count`; a ValueError where it has none."""
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
@@ -138,7 +149,7 @@ def trip_count(instruction: str, rest: str) -> int:
 
 def collectives(hlo_text: str) -> list[Collective]:
     """Every collective of the program, with how often one step executes it."""
-    devices = int(m.group(1)) if (m := re.search(r"num_partitions=(\d+)", hlo_text)) else 1
+    devices = partitions(hlo_text)
     computations, entry = parse_computations(hlo_text)
 
     found: list[Collective] = []
@@ -160,12 +171,11 @@ def collectives(hlo_text: str) -> list[Collective]:
             times = executions
             if op == "while":
                 times = executions * trip_count(inst, rest)
-            for callee in _CALLEE.findall(rest):
+            for callee in CALLEE.findall(rest):
                 if callee != name and not op.startswith(OPS):  # a collective's to_apply is its reduction
                     visit(callee, times, in_branch)
-            for listed, single in _BRANCHES.findall(rest):
-                for callee in re.findall(r"%([\w.\-]+)", listed) or [single]:
-                    visit(callee, 1, True)  # counted per run of the branch
+            for callee in branches(rest):
+                visit(callee, 1, True)  # counted per run of the branch
 
     visit(entry, 1, False)
     return found

@@ -41,6 +41,7 @@ import numpy as np
 
 from megascale_jax import cli
 from megascale_jax.config import Config
+from megascale_jax.training import documents
 
 logger = cli.get_logger("data")
 
@@ -77,7 +78,7 @@ def load_corpus(cfg: Config) -> Corpus:
         if d.path is None:
             raise DataError("data.source=files needs data.path=GLOB (e.g. 'corpus/*.txt')")
         # Each file once: two symlinks (or a link and its target) to one file are one file.
-        paths = sorted(dict.fromkeys(os.path.realpath(f) for f in glob.glob(d.path, recursive=True) if os.path.isfile(f)))
+        paths = documents.matching_files(d.path)
         where = f"data.path={d.path!r}"
         tokens, used = _read_text_files(paths, where)
         description = f"{used:,} files, {len(tokens):,} bytes"

@@ -51,9 +51,14 @@ class BadLines:
         self.first = self.first or f"{where}: {reason}"
 
 
+def matching_files(pattern: str) -> list[str]:
+    """The files a glob names, sorted, each once however many symlinks lead to it (real paths)."""
+    return sorted(dict.fromkeys(os.path.realpath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
+
+
 def shard_paths(pattern: str) -> list[str]:
-    """The shards a glob names, sorted (the corpus's order), each file once."""
-    paths = sorted(dict.fromkeys(os.path.realpath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)))
+    """The shards a glob names, in the corpus's order (`matching_files`)."""
+    paths = matching_files(pattern)
     if not paths:
         raise DocumentError(f"{pattern!r} matches no files; pass a glob of .jsonl(.gz|.zst) or .parquet shards")
     unknown = [p for p in paths if shard_format(p) is None]

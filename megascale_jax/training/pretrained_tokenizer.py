@@ -27,7 +27,7 @@ import tempfile
 import numpy as np
 
 from megascale_jax.training import documents
-from megascale_jax.training.tokenizer import META_FILE, TOKENIZER_FILE, TOKENS_FILE, TokenizerError, sha256, token_dtype
+from megascale_jax.training.tokenizer import TOKENIZER_FILE, TokenizerError, output_files, sha256, token_dtype
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 BATCH_DOCUMENTS = 256
@@ -133,12 +133,8 @@ def tokenize_corpus(tokenizer_path: str, pattern: str, out_dir: str, field: str 
     tokenizer = load(tokenizer_path)
     eos = end_of_document(tokenizer_path, tokenizer, eos_token)
     shards = documents.shard_paths(pattern)
-    targets = [os.path.join(out_dir, name) for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE)]
-    existing = [t for t in targets if os.path.exists(t)]
-    if existing and not overwrite:
-        raise TokenizerError(f"{existing[0]} exists; pass --overwrite to replace it, or another --out")
+    targets = output_files(out_dir, overwrite)
     dtype = token_dtype(tokenizer.get_vocab_size())
-    os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".parts-", dir=out_dir) as parts:
         jobs = [(tokenizer_path, shard, field, eos, dtype, os.path.join(parts, f"{i:06d}.bin"), stop_at_bad_line)
                 for i, shard in enumerate(shards)]

@@ -101,11 +101,7 @@ def token_dtype(vocab: int) -> str:
 def write(out_dir: str, tokenizer, tokens: np.ndarray, paths: list[str], overwrite: bool = False) -> dict:
     """tokenizer.json, tokens.bin and tokens.json in `out_dir`; an existing one is kept unless
     `overwrite`. Returns the metadata written to tokens.json."""
-    targets = [os.path.join(out_dir, name) for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE)]
-    existing = [t for t in targets if os.path.exists(t)]
-    if existing and not overwrite:
-        raise TokenizerError(f"{existing[0]} exists; pass --overwrite to replace it, or another --out")
-    os.makedirs(out_dir, exist_ok=True)
+    targets = output_files(out_dir, overwrite)
     tokenizer.save(targets[0])
     tokens.tofile(targets[1])
     meta = {"vocab": tokenizer.get_vocab_size(), "token_dtype": str(tokens.dtype), "tokens": int(tokens.size),
@@ -114,6 +110,17 @@ def write(out_dir: str, tokenizer, tokens: np.ndarray, paths: list[str], overwri
     with open(targets[2], "w") as f:
         json.dump(meta, f, indent=1)
     return meta
+
+
+def output_files(out_dir: str, overwrite: bool) -> list[str]:
+    """out_dir's tokenizer.json, tokens.bin and tokens.json, the directory made; a TokenizerError
+    where one exists and `overwrite` is off (nothing is replaced by mistake)."""
+    targets = [os.path.join(out_dir, name) for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE)]
+    existing = [t for t in targets if os.path.exists(t)]
+    if existing and not overwrite:
+        raise TokenizerError(f"{existing[0]} exists; pass --overwrite to replace it, or another --out")
+    os.makedirs(out_dir, exist_ok=True)
+    return targets
 
 
 def sha256(path: str) -> str:
