@@ -234,3 +234,20 @@ def test_on_a_gpu_the_op_table_runs_without_cuda_graphs(monkeypatch, tmp_path):
     result = profile.op_table_run(str(tmp_path / "table.json"), gpu)
     assert seen["xla_flags"].split() == [profile.NO_CUDA_GRAPHS]
     assert result["op_table"]["xla_flags"] == [profile.NO_CUDA_GRAPHS]
+
+
+def test_a_launch_of_several_kernels_counts_its_products_flops_once():
+    """cuBLAS can run one GEMM as two kernels back to back (the product, its split-K reduction), and
+    cuDNN attention's backward as eight: a call is a run of one instruction's kernels, so the FLOPs
+    a step (2 traced steps: each launches the GEMM twice, once as 2 kernels) are 2 launches' worth."""
+    gemm = Instruction("custom-call", "jvp(Transformer)/layers/qkv_mlp_up/dot_general", flops=1e12)
+    hlo = {"custom-call.1": gemm, "fusion.2": Instruction("fusion")}
+    times = [("custom-call.1", 0, 4), ("custom-call.1", 4, 5), ("fusion.2", 5, 6), ("custom-call.1", 6, 10),
+             ("fusion.2", 10, 11)]
+    ops = [device_profile.Op(0, name, 1e9 * (step * 11 + start), 1e9 * (step * 11 + end))
+           for step in range(2) for name, start, end in times]
+    table = op_table.table(ops, hlo, steps=2)
+    assert table["products"]["flops"] == 2e12  # 2 launches a step of 1e12, not 3 kernels' worth
+    assert table["products"]["seconds"] == pytest.approx(9.0)
+    gemm_row = next(r for r in table["top_ops"] if r["op"] == "custom-call.1")
+    assert gemm_row["calls"] == 2 and gemm_row["tflop_per_s"] == pytest.approx(2e12 / 9.0 / 1e12)

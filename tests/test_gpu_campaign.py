@@ -188,17 +188,18 @@ def test_dry_run_levers_each_alone_against_one_base(full):
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
 def test_dry_run_summary_has_exactly_the_claims_keys_read_off_its_rows(full):
-    """Issue 36, item 7: the result's top-level summary, exactly its twelve keys. On the CPU no
+    """Issue 36, item 7: the result's top-level summary, exactly its thirteen keys. On the CPU no
     row has an MFU and nothing runs cuDNN or saves 16 GB: those are None, not made up."""
     done, path = full[0], full[1]
     result = json.loads(path.read_text())
     summary, sections = result["summary"], result["sections"]
     assert list(summary) == ["device", "mfu_best", "tokens_per_s_best", "batch_best", "peer_same_work_tokens_per_s",
-                             "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_peer",
-                             "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb",
+                             "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_predicted",
+                             "peak_bytes_peer", "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb",
                              "device_to_host_gb_per_s"]
     assert summary["device"] == result["device"] == "cpu"
-    rows = sections["mfu_ladder"]["rows"]
+    levers = sections["levers"]
+    rows = [*sections["mfu_ladder"]["rows"], levers["base"], *levers["rows"]]
     fastest = max((r for r in rows if "tokens_per_s" in r and r["config"]["model.window"] == campaign_ladder.WINDOW[True]),
                   key=lambda r: r["tokens_per_s"])
     assert summary["mfu_best"] is None and summary["tokens_per_s_best"] == fastest["tokens_per_s"]
@@ -247,13 +248,32 @@ def test_claims_are_read_off_the_sections_rows():
         "profiled_steps": {"status": "error", "reason": "x"}})
     assert out == {"device": "NVIDIA H100 80GB HBM3", "mfu_best": 0.57, "tokens_per_s_best": 65000.0, "batch_best": 32,
                    "peer_same_work_tokens_per_s": 40000.0, "ratio_vs_peer_same_work": 1.5,
-                   "ratio_vs_peer_dense": 1.25, "peak_bytes_ours": 30e9, "peak_bytes_peer": 35e9,
+                   "ratio_vs_peer_dense": 1.25, "peak_bytes_ours": 30e9, "peak_bytes_predicted": None,
+                   "peak_bytes_peer": 35e9,
                    "attention_worst_ratio_vs_cudnn": 0.8, "checkpoint_block_fraction_16gb": 0.04,
                    "device_to_host_gb_per_s": 16.0 / 0.9}
     # a failed section's numbers are None, never borrowed from elsewhere
     failed = campaign_claims.summary("x", {"mfu_ladder": {"status": "error", "reason": "y"}})
     assert failed == {"device": "x", **dict.fromkeys(campaign_claims.KEYS[1:])}
 
+
+
+def test_a_levers_only_campaign_claims_its_same_work_row_and_its_predicted_peak():
+    """A call that ran the levers and the peer but no ladder (2026-11-28): the same-work claim is the
+    fastest lever row at the peer's window, AdamW and batch (the unrolled scan here, not the row at
+    another batch), with the peak the compile without a GPU predicted for that row."""
+    config = {"model.window": 512, "optim.name": "adamw"}
+    lever = lambda name, batch, tps, mfu, peak, predicted: {
+        "name": name, "config": config, "batch": batch, "microbatches": 1, "tokens_per_s": tps, "mfu": mfu,
+        "peak_bytes_in_use": peak, "peak_bytes_predicted": predicted}
+    levers = {"status": "ok", "config": config, "base": lever("base", 8, 60000.0, 0.50, 48e9, 47e9), "rows": [
+        lever("scan_unroll", 8, 66000.0, 0.55, 45e9, 44e9), lever("remat_dots", 30, 70000.0, 0.58, 84e9, 83e9),
+        {"name": "horizontal_fusion_off", "config": config, "batch": 8, "error": "exit code 1"}]}
+    peer = {"status": "ok", "rows": [{"row": "sliding_window", "batch": 8, "tokens_per_s": 60000.0,
+                                      "peak_bytes_in_use": 50e9}]}
+    out = campaign_claims.summary("NVIDIA H200", {"levers": levers, "torch_peer": peer})
+    assert (out["ratio_vs_peer_same_work"], out["peak_bytes_ours"], out["peak_bytes_predicted"]) == (1.1, 45e9, 44e9)
+    assert (out["mfu_best"], out["batch_best"]) == (0.58, 30)  # the best MFU at the window, any batch
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")

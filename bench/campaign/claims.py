@@ -2,16 +2,18 @@
 each read off the sections' own rows, with exactly the keys of `KEYS`. A number a section did not
 measure (a dry run, a section that failed, a row that did not fit) is None, never a guess.
 
-* mfu_best, tokens_per_s_best, batch_best: the MFU ladder's row of highest MFU among those that
-  compute the ladder's window, its FLOPs counted for that window (issue 36, item 1: the dense
+* mfu_best, tokens_per_s_best, batch_best: the training row (the MFU ladder's and the levers',
+  each lever alone on its base) of highest MFU among those that compute the campaign's window, its FLOPs counted for that window (issue 36, item 1: the dense
   twin, whose MFU counts full attention's FLOPs, is the check beside it, not the claim);
   sequences per step, microbatches included; without MFUs (a CPU dry run) the fastest such row,
   mfu_best None.
 * peer_same_work_tokens_per_s, ratio_vs_peer_same_work: the PyTorch peer's sliding-window row,
-  and our fastest ladder row doing the same work: the same window, AdamW, one microbatch, the same
+  and our fastest training row (ladder or levers) doing the same work: the same window, AdamW, one microbatch, the same
   batch (kernels, fusion and XLA flags are ours to choose).
 * ratio_vs_peer_dense: the same at window=null, against the faster dense peer row at that batch.
 * peak_bytes_ours, peak_bytes_peer: the device's peak memory of the two same-work rows.
+* peak_bytes_predicted: our same-work row's peak as compiled without a GPU (`bench.aot.predict_peaks`
+  writes it into each row: the compiled step's argument + output - alias + temporaries).
 * attention_worst_ratio_vs_cudnn: per measured (seq, window), cuDNN's time over the faster of our
   kernels (the tuned Pallas kernel, tokamax's); the worst such ratio.
 * checkpoint_block_fraction_16gb: with checkpoint.background_host_copy, the 16 GB save's blocking
@@ -27,19 +29,21 @@ import statistics
 from bench.campaign.ladder import measured
 
 KEYS = ("device", "mfu_best", "tokens_per_s_best", "batch_best", "peer_same_work_tokens_per_s",
-        "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_peer",
+        "ratio_vs_peer_same_work", "ratio_vs_peer_dense", "peak_bytes_ours", "peak_bytes_predicted", "peak_bytes_peer",
         "attention_worst_ratio_vs_cudnn", "checkpoint_block_fraction_16gb", "device_to_host_gb_per_s")
 OURS = ("pallas_window", "triton_window", "tokamax_window")  # sliding-window kernels we run (Pallas, our jax-triton kernel, tokamax), against cudnn_window
 
 
 def summary(device: str, sections: dict) -> dict:
     ok = {name: s for name, s in sections.items() if s.get("status") == "ok"}
-    ladder = [r for r in ok.get("mfu_ladder", {}).get("rows", []) if measured(r)]
+    levers = ok.get("levers", {})
+    rows = [r for r in [*ok.get("mfu_ladder", {}).get("rows", []), *([levers["base"], *levers["rows"]] if levers else [])]
+              if measured(r)]
     peers = [r for r in ok.get("torch_peer", {}).get("rows", []) if measured(r)]
     out = dict.fromkeys(KEYS)
     out["device"] = device
-    window = ok.get("mfu_ladder", {}).get("window")
-    windowed = [r for r in ladder if str(r["config"].get("model.window")) == str(window)]
+    window = ok["mfu_ladder"]["window"] if "mfu_ladder" in ok else levers.get("config", {}).get("model.window")
+    windowed = [r for r in rows if str(r["config"].get("model.window")) == str(window)]
     # highest MFU; where no row has one (a CPU has no peak FLOP/s), the fastest row
     rated = [r for r in windowed if r.get("mfu") is not None]
     best = max(rated, key=lambda r: r["mfu"]) if rated else fastest(windowed)
@@ -47,14 +51,14 @@ def summary(device: str, sections: dict) -> dict:
         out.update(mfu_best=best["mfu"], tokens_per_s_best=best["tokens_per_s"],
                    batch_best=best["batch"] * best["microbatches"])
     peer = next((p for p in peers if p["row"] == "sliding_window"), None)
-    ours = fastest(same_work(ladder, window, peer["batch"])) if peer else None
+    ours = fastest(same_work(rows, window, peer["batch"])) if peer else None
     if peer:
         out.update(peer_same_work_tokens_per_s=peer["tokens_per_s"], peak_bytes_peer=peer.get("peak_bytes_in_use"))
     if peer and ours:
         out.update(ratio_vs_peer_same_work=ours["tokens_per_s"] / peer["tokens_per_s"],
-                   peak_bytes_ours=ours.get("peak_bytes_in_use"))
+                   peak_bytes_ours=ours.get("peak_bytes_in_use"), peak_bytes_predicted=ours.get("peak_bytes_predicted"))
     dense_peer = fastest(p for p in peers if p["row"] != "sliding_window")
-    dense_ours = fastest(same_work(ladder, None, dense_peer["batch"])) if dense_peer else None
+    dense_ours = fastest(same_work(rows, None, dense_peer["batch"])) if dense_peer else None
     if dense_peer and dense_ours:
         out["ratio_vs_peer_dense"] = dense_ours["tokens_per_s"] / dense_peer["tokens_per_s"]
     out["attention_worst_ratio_vs_cudnn"] = attention_worst_ratio(ok.get("kernels", {}).get("attention", []))
@@ -71,7 +75,7 @@ def fastest(rows):
 
 
 def same_work(ladder: list[dict], window, batch: int) -> list[dict]:
-    """Our ladder rows that do the peer's work: `window` (None: full causal), AdamW, one
+    """Our training rows that do the peer's work: `window` (None: full causal), AdamW, one
     microbatch of `batch` sequences."""
     want = "null" if window is None else str(window)
     return [r for r in ladder if str(r["config"].get("model.window")) == want and r["config"].get("optim.name") == "adamw"

@@ -34,7 +34,8 @@ import time
 from bench.campaign import model, process
 
 BASELINE = {"model.block": "serial", "model.window": "null", "model.attention": "xla", "optim.name": "adamw",
-            "model.fused_norm": "false", "model.fused_mlp": "false", "model.remat": "none"}
+            "model.fused_norm": "false", "model.fused_mlp": "false", "model.remat": "none",
+            "model.scan_unroll": 1}  # the layer scan rolled, as before configs/gpt_1b.yaml unrolled it: a lever
 WINDOW = {False: 512, True: 16}  # keyed by dry_run; the dry run's sequence is 64 tokens
 # Flags that exist in XLA:GPU (an unknown flag aborts the process) and matter on one GPU: the
 # latency-hiding scheduler orders async work; double buffering overlaps the layer scan's

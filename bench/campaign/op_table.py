@@ -42,11 +42,17 @@ def table(ops: list, hlo: dict[str, Instruction], steps: int, top: int = TOP) ->
     a GPU's one stream they agree."""
     from megascale_jax.observe import device_profile
 
-    timed = [o for o in ops if o.is_compute or o.is_collective]
+    timed = sorted((o for o in ops if o.is_compute or o.is_collective), key=lambda o: o.start_ns)
     seconds, calls, collective = collections.Counter(), collections.Counter(), {}
+    previous = None
     for o in timed:
         seconds[o.name] += (o.end_ns - o.start_ns) / 1e9 / steps
-        calls[o.name] += 1
+        # One launch of an instruction can be several kernels back to back (cuBLAS's GEMM and its
+        # split-K reduction, cuDNN attention's 8 backward kernels): a call is a run of one name, so
+        # that a product's FLOPs count once a launch (on the H200, 2026-11-28, counting kernels put
+        # every GEMM at ~1,560 TFLOP/s, past the chip's 989).
+        calls[o.name] += o.name != previous
+        previous = o.name
         collective[o.name] = o.is_collective
     total = sum(seconds.values())
     parts = {name: part_of(hlo.get(name, Instruction("")), collective[name]) for name in seconds}

@@ -794,7 +794,9 @@ def test_tied_embeddings_and_the_gradient_norm_are_priced_by_their_bytes():
 def test_an_option_without_a_measured_rate_is_refused_and_defaults_are_named(capsys):
     """No float32 GEMM rate for the A100: model.head_grad_float32=true is one line, exit 2. Options
     priced as their default are named in a note (text) and in `notes` (--json)."""
-    base = ["--config", str(REPO / "configs" / "gpt_1b.yaml"), "--gpus", "1", "train.global_batch=8"]
+    # the layer scan rolled: configs/gpt_1b.yaml unrolls it, which the planner prices as rolled (a note)
+    base = ["--config", str(REPO / "configs" / "gpt_1b.yaml"), "--gpus", "1", "train.global_batch=8",
+            "model.scan_unroll=1"]
     code, out, err = run(capsys, *base, "--gpu", "a100-80g", "model.head_grad_float32=true")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "model.head_grad_float32=true is not priced on a100-80g" in err
