@@ -200,6 +200,7 @@ def test_the_profiled_configuration_is_the_ladders_strongest_fixed_one():  # the
     assert flags == ()
     changes, flags = ladder.strongest_fixed({"dry_run": False, "device": {"backend": "gpu"}})
     assert (changes["model.window"], changes["model.attention"], flags) == (512, "cudnn", ())  # flags: a lever
+    assert changes["model.scan_unroll"] == 24  # gpt_1b's layers, unrolled as configs/gpt_1b.yaml ships
 
 
 def test_an_op_table_that_fails_is_one_line_beside_the_profiled_runs_numbers(monkeypatch):

@@ -157,14 +157,15 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
     # what no other section measures first (a budget that ends the section keeps those), the
     # ladder's own configurations later, the float32 head (already timed in a profile) last
-    assert list(rows) == ["triton_gemm_off", "loss_chunks", "scan_unroll", "command_buffers_off", "horizontal_fusion_off",
+    assert list(rows) == ["triton_gemm_off", "loss_chunks", "scan_rolled", "command_buffers_off", "cublaslt",
                           "remat_elementwise_same_batch", "no_donation", "half_batch", "xla_flags", "fused_norm_gelu",
                           "remat_elementwise", "remat_dots", "head_grad_float32"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are a lever
     assert base["config"] == campaign_ladder.strongest_fixed({"dry_run": True, "device": {"backend": "cpu"}})[0]
     assert base["config"]["model.block"] == "parallel" and base["config"]["model.attention"] == "xla"
     assert rows["loss_chunks"]["config"]["model.loss_chunks"] == 8
-    assert rows["scan_unroll"]["config"]["model.scan_unroll"] == 2  # the dry run's layers
+    assert base["config"]["model.scan_unroll"] == 2  # the dry run's layers, unrolled
+    assert rows["scan_rolled"]["config"]["model.scan_unroll"] == 1
     assert rows["remat_dots"]["config"]["model.remat"] == "dots"
     assert rows["remat_elementwise"]["config"]["model.remat"] == "elementwise"
     same = rows["remat_elementwise_same_batch"]
@@ -172,14 +173,14 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["half_batch"]["batch"] == base["batch"] // 2
     assert rows["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     assert rows["no_donation"]["config"]["train.donate"] == "false"
-    assert rows["horizontal_fusion_off"]["xla_flags"] == ["--xla_gpu_use_horizontal_fusion=false"]
-    for name in ("xla_flags", "triton_gemm_off", "command_buffers_off", "horizontal_fusion_off"):
+    assert rows["cublaslt"]["xla_flags"] == ["--xla_gpu_enable_cublaslt=true"]
+    for name in ("xla_flags", "triton_gemm_off", "command_buffers_off", "cublaslt"):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
     assert rows["head_grad_float32"]["config"]["model.head_grad_float32"] == "true"
     assert rows["head_grad_float32"]["skipped"].startswith("skipped in the dry run: on a CPU the head's backward")
     for name in campaign_levers.LADDER_RUNS:  # run by the ladder's dry run, not twice
         assert rows[name]["skipped"] == "skipped in the dry run: the ladder's dry run runs this configuration's code"
-    for name in ("loss_chunks", "scan_unroll", "half_batch", "no_donation"):
+    for name in ("loss_chunks", "scan_rolled", "half_batch", "no_donation"):
         r = rows[name]
         assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
         assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])

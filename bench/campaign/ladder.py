@@ -50,11 +50,13 @@ def strongest_fixed(settings: dict) -> tuple[dict, tuple]:
     """(config changes, XLA flags) of the ladder's strongest configuration that does not depend on
     which rows won, for the sections that cannot see the ladder's result (levers, the op table):
     parallel block, the window, cuDNN attention on a GPU (the H200's faster kernel) and XLA's
-    elsewhere, AdamW, no XLA flags: on an H200 the tuned flags gained 0.5% at 4 sequences
-    (2026-11-23) and lost 7% at 8 (2026-11-27), so they are a lever, not the base."""
+    elsewhere, AdamW, the layer scan unrolled (+10% on an H200, 2026-11-28), no XLA flags: on an
+    H200 the tuned flags gained 0.5% at 4 sequences (2026-11-23), lost 7% at 8 (2026-11-27) and
+    did nothing at 8 (2026-11-28), so they are a lever, not the base."""
     gpu = settings["device"]["backend"] == "gpu"
+    layers = model.load(model.base_overrides(settings["dry_run"])).model.layers
     changes = {**BASELINE, "model.block": "parallel", "model.window": WINDOW[settings["dry_run"]],
-               "model.attention": "cudnn" if gpu else "xla"}
+               "model.attention": "cudnn" if gpu else "xla", "model.scan_unroll": layers}
     return changes, ()
 STEPS = {False: (6, 2), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
 ROW_LIMIT_S = {False: 240, True: 120}

@@ -4,10 +4,11 @@ in the order of `measure`'s plan (what each tells that no other section measures
 order listed here, so a call's budget that ends the section early keeps the most.
 
     base                 the ladder's strongest fixed configuration (`ladder.strongest_fixed`:
-                         parallel block, the window, cuDNN attention on a GPU, no XLA flags),
-                         AdamW, the largest batch that fits
+                         parallel block, the window, cuDNN attention on a GPU, the layer scan
+                         unrolled, no XLA flags), AdamW, the largest batch that fits
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
-    scan_unroll          + the layer scan unrolled whole (model.scan_unroll = layers)
+    scan_rolled          the layer scan rolled (model.scan_unroll=1; unrolled won +10% on an H200,
+                         2026-11-28, and became configs/gpt_1b.yaml's default)
     head_grad_float32    + model.head_grad_float32: the LM head's backward GEMMs on the float32
                          logits' gradient, as before 2026-11-27 (the default runs them in bf16)
     fused_norm_gelu      + the Pallas LayerNorm and bias+GeLU kernels
@@ -23,10 +24,10 @@ order listed here, so a call's budget that ends the section early keeps the most
     xla_flags            + the ladder's tuned XLA flags (GPU only)
     triton_gemm_off      + --xla_gpu_enable_triton_gemm=false: cuBLAS for every GEMM (GPU only)
     command_buffers_off  + --xla_gpu_enable_command_buffer= : no CUDA graphs (GPU only)
-    horizontal_fusion_off + --xla_gpu_use_horizontal_fusion=false: XLA's horizontal loop fusion is
-                         its optimizer fusion (one kernel updates many small parameter arrays, as
-                         apex's multi_tensor_apply does); off, each array's update is its own
-                         kernel (GPU only)
+    cublaslt             + --xla_gpu_enable_cublaslt=true: GEMMs through cuBLASLt, whose epilogue
+                         can take the bias (and GeLU) that XLA otherwise fuses apart (GPU only).
+                         (XLA's horizontal fusion, a lever until 2026-11-28, has no flag in jax
+                         0.11.2's XLA: `--xla_gpu_use_horizontal_fusion` aborted the process)
 
 Each row is the MFU ladder's row runner (`ladder.Ladder.row`): its own process, its batch from the
 memory estimate, a row that does not fit or fails is that row's one-line error. Each row's
@@ -47,7 +48,7 @@ LADDER_RUNS = ("fused_norm_gelu", "remat_elementwise", "remat_elementwise_same_b
 GPU_FLAGS = {"xla_flags": ladder.TUNED_XLA_FLAGS,
              "triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
              "command_buffers_off": ("--xla_gpu_enable_command_buffer=",),
-             "horizontal_fusion_off": ("--xla_gpu_use_horizontal_fusion=false",)}
+             "cublaslt": ("--xla_gpu_enable_cublaslt=true",)}
 
 
 def run(settings: dict) -> dict:
@@ -60,11 +61,9 @@ def run(settings: dict) -> dict:
 
 
 def measure(runner: ladder.Ladder) -> dict:
-    dry_run = runner.dry_run
     base, flags = ladder.strongest_fixed(runner.settings)
     first = runner.row("base", base, xla_flags=flags)
     batch = first.get("batch") or 1
-    layers = model.load(ladder.row_overrides(dry_run, base)).model.layers
 
     def lever(name: str, changes: dict, dry_run_skip: str = "", **how) -> dict:
         skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else dry_run_skip
@@ -86,9 +85,9 @@ def measure(runner: ladder.Ladder) -> dict:
     rows = [
         flag_lever("triton_gemm_off"),
         lever("loss_chunks", {**base, "model.loss_chunks": LOSS_CHUNKS}, batch=batch),
-        lever("scan_unroll", {**base, "model.scan_unroll": layers}, batch=batch),
+        lever("scan_rolled", {**base, "model.scan_unroll": 1}, batch=batch),
         flag_lever("command_buffers_off"),
-        flag_lever("horizontal_fusion_off"),
+        flag_lever("cublaslt"),
         lever("remat_elementwise_same_batch", {**base, "model.remat": "elementwise"}, batch=batch),
         lever("no_donation", {**base, "train.donate": "false"}, largest=True),
         lever("half_batch", base, batch=max(1, batch // 2)),

@@ -74,9 +74,12 @@ def test_slices_that_do_not_divide_the_sequence_are_refused_before_compiling():
 
 def test_an_unrolled_layer_scan_has_the_same_loss_and_gradients_and_no_loop():
     """`model.scan_unroll`: the stacked layers unrolled into straight-line code (no while loop in
-    the lowered step), the same parameters, loss and gradients as the scan."""
+    the lowered step), the same parameters, loss and gradients as the scan. More than the layers
+    (configs/gpt_1b.yaml's 24 with model.layers=4) unrolls them all; 0 is refused."""
     cfg = ModelConfig(**{**SHAPE, "layers": 4})
-    looped, unrolled = Transformer(cfg), Transformer(dataclasses.replace(cfg, scan_unroll=4))
+    looped, unrolled = Transformer(cfg), Transformer(dataclasses.replace(cfg, scan_unroll=24))
+    with pytest.raises(ConfigError, match=r"model.scan_unroll=0 must be >= 1"):
+        load_config(None, ["model.scan_unroll=0"])
     params = perturbed_params(looped, seed=3)
     assert jax.tree.structure(params) == jax.tree.structure(perturbed_params(unrolled, seed=3))
     batch = jax.random.randint(jax.random.key(5), (2, cfg.seq_len + 1), 0, cfg.vocab)
