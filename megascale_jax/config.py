@@ -191,9 +191,18 @@ class TrainConfig:
 class DataConfig:
     """Where tokens come from. `stdlib`: this Python's own standard-library sources, byte-level."""
 
-    source: Literal["stdlib", "files", "tokens"] = "stdlib"
-    path: Optional[str] = None  # files: a glob of text files; tokens: a flat binary token file
+    source: Literal["stdlib", "files", "tokens", "jsonl", "parquet"] = "stdlib"
+    # files: a glob of text files; tokens: a flat binary token file; jsonl/parquet: a glob of shards
+    path: Optional[str] = None
     token_dtype: Literal["uint16", "uint32"] = "uint16"  # for source=tokens
+    # jsonl/parquet (training/tokenized_corpus.py): each document the shard's `text_field`, encoded with
+    # `tokenizer` (a tokenizer.json or a Hugging Face model directory) once, into `cache_dir`
+    tokenizer: Optional[str] = None
+    text_field: str = "text"
+    eos: Optional[str] = None  # the end-of-document token, where the tokenizer does not say
+    stop_at_bad_line: bool = False  # a bad JSONL line stops the run (default: skipped and counted)
+    cache_dir: Optional[str] = None  # default ~/.cache/megascale_jax/tokenized
+    tokenize_workers: int = 0  # processes tokenizing shards at once (0: one a core, at most one a shard)
     val_fraction: float = 0.05  # share of sequences held out for validation (0: none, with train.eval_batches=0)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
 

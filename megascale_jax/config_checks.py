@@ -207,6 +207,13 @@ def check_data_source(d, mo) -> None:
         unreadable = [f for f in matches if not os.access(f, os.R_OK)]
         require(not unreadable, f"data.path: {unreadable[:1]} is not readable; fix its permissions")
         require(mo.vocab >= 256, f"data.source=files is byte-level: model.vocab={mo.vocab} must be >= 256")
+    elif d.source in ("jsonl", "parquet"):
+        suffix = ".jsonl.gz" if d.source == "jsonl" else ".parquet"
+        require(d.path is not None, f"data.source={d.source} needs data.path=GLOB (e.g. 'shards/*{suffix}')")
+        require(d.tokenizer is not None, f"data.source={d.source} needs data.tokenizer=PATH (a tokenizer.json or a "
+                                         "Hugging Face model directory)")
+        require(bool(d.text_field), "data.text_field must name the field each document's text is in (e.g. text)")
+        require(d.tokenize_workers >= 0, f"data.tokenize_workers={d.tokenize_workers} must be >= 0 (0: one a core)")
     else:
         require(d.path is not None, "data.source=tokens needs data.path=FILE (a flat uint16/uint32 token file)")
         require(os.path.isfile(d.path) and os.access(d.path, os.R_OK),

@@ -369,6 +369,8 @@ def _main(argv) -> int:
         run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)
+            if corpus.token_file:  # data.source=jsonl|parquet: which tokenizer the ids mean
+                tokenizer.record_in_run_dir(corpus.token_file, run_dir)
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         return cli.user_error(e)
     try:

@@ -4,7 +4,9 @@ Design:
 * One flat 1-D token array per run. `data.source=stdlib` (default) is this Python's own
   standard-library `.py` sources as bytes — real text on every machine, no download;
   `files` is a glob of text files, also byte-level; `tokens` is a flat uint16/uint32 file,
-  memory-mapped so a huge corpus is never read whole.
+  memory-mapped so a huge corpus is never read whole; `jsonl`/`parquet` are a corpus's shards,
+  tokenized with `data.tokenizer` once into a cached token file, then mapped as `tokens`
+  (`tokenized_corpus`).
 * Packing: sequence i is the window `tokens[i*L : i*L + L + 1]` (inputs = first L tokens,
   targets = last L). Windows do not overlap except for that one shared boundary token.
 * Split: the last ceil(val_fraction * n) sequences are validation, the rest train — two
@@ -41,7 +43,7 @@ import numpy as np
 
 from megascale_jax import cli
 from megascale_jax.config import Config
-from megascale_jax.training import documents
+from megascale_jax.training import documents, tokenized_corpus
 
 logger = cli.get_logger("data")
 
@@ -57,8 +59,9 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray  # 1-D, all of it (a read-only memmap for data.source=tokens)
+    tokens: np.ndarray  # 1-D, all of it (a read-only memmap for data.source=tokens|jsonl|parquet)
     description: str  # what was read: "12 files, 1,234,567 bytes" or "1,234,567 tokens"
+    token_file: str | None = None  # jsonl/parquet: the cached token file (its tokenizer.json beside it)
 
 
 def load_tokens(cfg: Config) -> np.ndarray:
@@ -82,6 +85,12 @@ def load_corpus(cfg: Config) -> Corpus:
         where = f"data.path={d.path!r}"
         tokens, used = _read_text_files(paths, where)
         description = f"{used:,} files, {len(tokens):,} bytes"
+    elif d.source in ("jsonl", "parquet"):
+        try:
+            tokens, description, token_file = tokenized_corpus.load(cfg)
+        except tokenized_corpus.CorpusError as e:
+            raise DataError(str(e)) from None
+        return Corpus(tokens, description, token_file)  # the tokenizer's ids: checked against model.vocab
     else:
         tokens = _map_token_file(d.path, d.token_dtype)
         where = f"data.path={d.path!r}"

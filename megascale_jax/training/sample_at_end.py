@@ -57,10 +57,10 @@ def sample_text(cfg, run_dir: str, trainer, state) -> str:
 
 def codec(cfg, run_dir: str):
     """(encode, decode) between text and the run's token ids."""
-    if cfg.data.source != "tokens":  # byte-level: the ids are the text's UTF-8 bytes
+    from megascale_jax.training.tokenizer import BYTE_LEVEL_SOURCES, run_tokenizer
+
+    if cfg.data.source in BYTE_LEVEL_SOURCES:  # the ids are the text's UTF-8 bytes
         return (lambda text: list(text.encode("utf-8")),
                 lambda ids: bytes(ids).decode("utf-8", errors="replace"))
-    from megascale_jax.training.tokenizer import run_tokenizer
-
     tokenizer = run_tokenizer(run_dir, cfg)
     return lambda text: tokenizer.encode(text).ids, tokenizer.decode

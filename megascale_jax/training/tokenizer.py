@@ -28,6 +28,7 @@ from megascale_jax import run_dir as run_dirs
 
 END_OF_TEXT = "<|endoftext|>"
 TOKENIZER_FILE, TOKENS_FILE, META_FILE = "tokenizer.json", "tokens.bin", "tokens.json"
+BYTE_LEVEL_SOURCES = ("stdlib", "files")  # data.source values whose ids are UTF-8 bytes
 MIN_VOCAB = 256 + 1  # every byte, and END_OF_TEXT
 
 
@@ -150,10 +151,11 @@ def _byte_chars() -> list[str]:
 
 def run_tokenizer(run_dir: str, cfg):
     """The tokenizer whose ids a run's model reads and writes (`cfg` is the run's Config): its
-    recorded RUN_DIR/tokenizer/tokenizer.json for `data.source=tokens`, else the byte tokenizer."""
+    recorded RUN_DIR/tokenizer/tokenizer.json for `data.source=tokens|jsonl|parquet`, else (the
+    byte-level sources) the byte tokenizer."""
     from tokenizers import Tokenizer
 
-    if cfg.data.source != "tokens":
+    if cfg.data.source in BYTE_LEVEL_SOURCES:
         return byte_tokenizer()
     path = os.path.join(run_dirs.tokenizer_dir(run_dir), TOKENIZER_FILE)
     if not os.path.isfile(path):

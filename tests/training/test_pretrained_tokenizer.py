@@ -139,3 +139,87 @@ def test_a_tokenizer_path_that_is_not_one_is_one_line(corpus):
     (work / "empty_dir").mkdir(exist_ok=True)
     done = run("--tokenizer", "empty_dir", "--input", "shards/*", "--out", "never", cwd=work)
     assert done.returncode == 2 and "empty_dir has no tokenizer.json" in done.stderr
+
+
+# ----------------------------------------------------------------------------- data.source=jsonl|parquet
+
+
+def source_config(work, source: str, path: str, **extra):
+    from megascale_jax.config import load_config
+
+    overrides = {"data.source": source, "data.path": str(work / path), "data.tokenizer": str(work / "model"),
+                 "data.cache_dir": str(work / "cache"), "model.vocab": 320,
+                 "data.tokenize_workers": 1, **extra}  # in this process: no worker pool left behind
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def test_a_jsonl_source_trains_on_the_tokenizers_ids_tokenized_once(corpus):
+    """`data.source=jsonl`: the loader's tokens are transformers' ids of every document of the JSONL
+    shards (plain, gzip, zstd) in shard order, each ended by `</s>`; the second load maps the
+    cached file (not tokenized again); a changed shard is tokenized again; Parquet likewise."""
+    from megascale_jax.training import data
+
+    work, docs = corpus
+    cfg = source_config(work, "jsonl", "shards/*.jsonl*")
+    first = data.load_corpus(cfg)
+    jsonl = {name: d for name, d in docs.items() if "jsonl" in name}
+    np.testing.assert_array_equal(first.tokens, expected_ids(work, jsonl))
+    assert "3 jsonl shards, 16 documents" in first.description and "2 bad lines skipped" in first.description
+    written = os.stat(first.token_file).st_mtime_ns
+    again = data.load_corpus(cfg)
+    assert again.token_file == first.token_file and os.stat(again.token_file).st_mtime_ns == written
+    assert (work / "cache").is_dir() and not [p for p in os.listdir(work / "cache") if p.startswith(".")]
+    parquet = data.load_corpus(source_config(work, "parquet", "shards/*.parquet"))
+    np.testing.assert_array_equal(parquet.tokens, expected_ids(work, {"d.parquet": docs["d.parquet"]}))
+    (work / "shards2").mkdir(exist_ok=True)
+    (work / "shards2" / "a.jsonl").write_text(json.dumps({"text": docs["a.jsonl"][0]}) + "\n", encoding="utf-8")
+    one = data.load_corpus(source_config(work, "jsonl", "shards2/a.jsonl"))
+    (work / "shards2" / "a.jsonl").write_text(json.dumps({"text": docs["a.jsonl"][1]}) + "\n", encoding="utf-8")
+    changed = data.load_corpus(source_config(work, "jsonl", "shards2/a.jsonl"))
+    assert changed.token_file != one.token_file
+    np.testing.assert_array_equal(changed.tokens, expected_ids(work, {"a.jsonl": docs["a.jsonl"][1:2]}))
+
+
+@pytest.mark.parametrize("source, path, extra, says", [
+    ("jsonl", "shards/*", {}, "d.parquet, which is not jsonl; narrow the glob, or set data.source=parquet"),
+    ("jsonl", "nothing/*.jsonl", {}, "matches no files"),
+    ("jsonl", "shards/*.jsonl*", {"model.vocab": 256}, "tokens but model.vocab=256; set model.vocab="),
+    ("parquet", "shards/*.parquet", {"data.text_field": "body"}, "has no column 'body'"),
+    ("jsonl", "shards/a.jsonl", {"data.stop_at_bad_line": "true"}, "a.jsonl:3: not JSON"),
+    ("jsonl", "shards/*.jsonl*", {"data.eos": "<nope>"}, "'<nope>' is not in"),
+])
+def test_a_corpus_the_loader_cannot_use_is_one_line_and_nothing_cached(corpus, tmp_path, source, path, extra, says):
+    from megascale_jax.training import data
+
+    work, _ = corpus
+    cfg = source_config(work, source, path, **{"data.cache_dir": str(tmp_path / "cache"), **extra})
+    with pytest.raises(data.DataError, match=None) as raised:
+        data.load_corpus(cfg)
+    message = str(raised.value)
+    assert says in message and "\n" not in message and "--" not in message, message
+    assert not (tmp_path / "cache").exists() or os.listdir(tmp_path / "cache") == []
+
+
+def test_a_jsonl_source_without_its_tokenizer_is_refused_before_anything_runs(corpus):
+    from megascale_jax.config import ConfigError, load_config
+
+    work, _ = corpus
+    with pytest.raises(ConfigError, match="data.source=jsonl needs data.tokenizer=PATH"):
+        load_config(None, ["data.source=jsonl", f"data.path={work}/shards/*.jsonl"])
+
+
+@pytest.mark.slow
+def test_a_run_trains_on_jsonl_shards_and_samples_with_their_tokenizer(corpus):
+    """What a user types, from the corpus's directory with relative paths: train on the shards with
+    the model directory's tokenizer; the run records that tokenizer, which `sample` then decodes with."""
+    work, _ = corpus
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", "runs/j", "data.source=jsonl",
+                           "data.path=shards/*.jsonl*", "data.tokenizer=model", "data.cache_dir=cache2",
+                           "model.vocab=320", "train.steps=2", "train.global_batch=4", "model.seq_len=16",
+                           "mesh.dp=2", "mesh.tp=1", "data.val_fraction=0", "train.eval_batches=0",
+                           "checkpoint.every=0"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "3 jsonl shards, 16 documents" in done.stderr + done.stdout
+    recorded = work / "runs" / "j" / "tokenizer" / "tokenizer.json"
+    assert recorded.read_bytes() == (work / "model" / "tokenizer.json").read_bytes()
