@@ -97,6 +97,12 @@ class ModelConfig:
     # (transformer.head_logits). Only matters at dtype=bfloat16; on an H200 the float32 weight-
     # gradient GEMM alone took 15.5 ms of a 340 ms step (2026-11-27)
     head_grad_float32: bool = False
+    # Packed documents kept apart (model/documents.py): the token that ends each document. Set, no
+    # query attends to a key of another document of its sequence, and the target after this token
+    # (the next document's first) is not trained on. data.source=jsonl|parquet set it to the
+    # tokenizer's end-of-document token (data.keep_documents_apart). None: plain causal packing
+    document_eos: Optional[int] = None
+    rope_restart: bool = True  # with document_eos: rotary positions count from each document's start
 
     @property
     def head_dim(self) -> int:
@@ -203,6 +209,9 @@ class DataConfig:
     stop_at_bad_line: bool = False  # a bad JSONL line stops the run (default: skipped and counted)
     cache_dir: Optional[str] = None  # default ~/.cache/megascale_jax/tokenized
     tokenize_workers: int = 0  # processes tokenizing shards at once (0: one a core, at most one a shard)
+    # jsonl/parquet: attention stays inside each packed document (model.document_eos set to the
+    # tokenizer's end-of-document token); false: documents attend across their boundaries
+    keep_documents_apart: bool = True
     val_fraction: float = 0.05  # share of sequences held out for validation (0: none, with train.eval_batches=0)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
 

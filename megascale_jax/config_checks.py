@@ -85,6 +85,11 @@ def check_model(mo) -> None:
             f"model.loss_chunks={mo.loss_chunks} must be >= 1 and divide model.seq_len={mo.seq_len}")
     require(mo.heads % mo.kv_heads == 0,
             f"model.heads={mo.heads} must be divisible by model.kv_heads={mo.kv_heads} (grouped-query attention)")
+    if mo.document_eos is not None:
+        require(0 <= mo.document_eos < mo.vocab,
+                f"model.document_eos={mo.document_eos} must be a token id below model.vocab={mo.vocab}")
+        require(mo.attention != "pallas", "model.document_eos: the Pallas attention kernel does not keep documents "
+                                          "apart yet; use model.attention=xla|cudnn, or data.keep_documents_apart=false")
 
 
 def check_tensor_parallel(mo, m, p) -> None:
@@ -120,6 +125,8 @@ def check_pipeline(mo, m, p) -> None:
     require(mo.layers % (m.pp * p.pp_virtual) == 0,
             f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp} x parallel.pp_virtual={p.pp_virtual}")
     if m.pp > 1:
+        require(mo.document_eos is None, f"model.document_eos: documents are not kept apart through the pipeline yet "
+                                         f"(mesh.pp={m.pp}); use mesh.pp=1, or data.keep_documents_apart=false")
         try:
             pipeline_schedule.check(p.pp_schedule, m.pp, p.pp_virtual, p.microbatches)
         except ValueError as e:

@@ -3,19 +3,23 @@
 `attend(q, k, v, window=w, implementation=...)` with q: (batch, seq, heads, head_dim) and k, v:
 (batch, seq, kv_heads, head_dim), kv_heads dividing heads (grouped-query attention). A query at
 position i sees keys j with i - w < j <= i: itself and the previous w-1 tokens (window=None:
-every earlier token).
+every earlier token); with `documents` (batch, seq) document ids (`model.documents`), only keys
+of its own document as well.
 
 * `xla`   — the reference: explicit scores, mask and float32 softmax; runs everywhere.
 * `cudnn` — `jax.nn.dot_product_attention(..., implementation="cudnn")` with cuDNN's left-only
   `local_window_size`; NVIDIA GPUs, bf16/fp16 only (checked when the config is validated).
+  Documents go in as its boolean `mask` (batch, 1, seq, seq), which jax hands cuDNN as a bias.
 * `pallas` — `pallas_kernels.flash_attention`: flash attention that skips KV blocks outside the
-  window (interpret mode on the CPU).
+  window (interpret mode on the CPU); no documents yet (refused when the config is validated).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from megascale_jax.model.documents import same_document
 
 
 def sliding_window_mask(seq_len: int, window: int | None) -> jax.Array:
@@ -28,28 +32,33 @@ def sliding_window_mask(seq_len: int, window: int | None) -> jax.Array:
     return mask
 
 
-def attend(q, k, v, *, window: int | None, implementation: str = "xla"):
+def attend(q, k, v, *, window: int | None, implementation: str = "xla", documents=None):
     if implementation == "xla":
-        return _attend_xla(q, k, v, window)
+        return _attend_xla(q, k, v, window, documents)
     if implementation == "cudnn":
         return jax.nn.dot_product_attention(
-            q, k, v, is_causal=True,
+            q, k, v, is_causal=True, mask=None if documents is None else same_document(documents)[:, None],
             local_window_size=None if window is None else (window - 1, 0),
             implementation="cudnn")
     if implementation == "pallas":
+        if documents is not None:
+            raise ValueError("the Pallas attention kernel does not keep documents apart yet; use xla or cudnn")
         from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
         return flash_attention(q, k, v, window=window)
     raise ValueError(f"unknown attention implementation {implementation!r}")
 
 
-def _attend_xla(q, k, v, window):
+def _attend_xla(q, k, v, window, documents):
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     # Group query heads by the kv head they share instead of repeating k and v in memory.
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
-    scores = jnp.where(sliding_window_mask(seq, window), scores, jnp.finfo(jnp.float32).min)
+    mask = sliding_window_mask(seq, window)
+    if documents is not None:  # (batch, q, s) -> the scores' (batch, kv head, group, q, s)
+        mask = (mask & same_document(documents))[:, None, None]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(batch, seq, heads, head_dim)

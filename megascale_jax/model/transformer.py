@@ -24,7 +24,9 @@ import jax.numpy as jnp
 
 import pallas_kernels
 from pallas_kernels.bias_gelu import gelu_and_grad
+from megascale_jax.model import documents
 from megascale_jax.model.attention import attend
+from megascale_jax.model.documents import Documents
 from megascale_jax.config import ModelConfig, ParallelConfig
 from megascale_jax.parallel.sharding import per_device
 from megascale_jax.parallel.tensor_parallel import column_matmul, embed_lookup, row_matmul, vocab_edges_manual, vocab_logits
@@ -116,8 +118,8 @@ def rotary(x, positions, base: float = 10000.0, dims: int | None = None):
     dims = x.shape[-1] if dims is None else dims
     half = dims // 2
     freqs = 1.0 / (base ** (jnp.arange(half, dtype=jnp.float32) / half))
-    angles = positions[:, None].astype(jnp.float32) * freqs[None, :]  # (seq, half)
-    sin, cos = jnp.sin(angles)[None, :, None, :], jnp.cos(angles)[None, :, None, :]
+    angles = positions[..., None].astype(jnp.float32) * freqs  # positions (seq,) or (batch, seq), then half
+    sin, cos = jnp.sin(angles)[..., None, :], jnp.cos(angles)[..., None, :]  # one for every head
     xf = x.astype(jnp.float32)
     x1, x2, rest = xf[..., :half], xf[..., half:dims], xf[..., dims:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
@@ -212,19 +214,26 @@ def attention_heads(c: ModelConfig, q, k, v, a: dict, positions):
     return q, k, v
 
 
-def self_attention(c: ModelConfig, q, k, v, a: dict):
-    """Projected (b, s, n*hd) q/k/v -> attention over the sequence (b, s, heads*head_dim), heads over tp."""
-    q, k, v = attention_heads(c, q, k, v, a, jnp.arange(q.shape[1]))
+def self_attention(c: ModelConfig, q, k, v, a: dict, docs: Documents | None = None):
+    """Projected (b, s, n*hd) q/k/v -> attention over the sequence (b, s, heads*head_dim), heads over
+    tp; with `docs`, inside each packed document, its rotary positions from the document's start."""
+    positions = docs.positions if docs is not None and c.rope_restart else jnp.arange(q.shape[1])
+    q, k, v = attention_heads(c, q, k, v, a, positions)
     heads = ("batch", "seq", "heads", "head_dim")
+    ids = None if docs is None else docs.ids
     if c.attention == "cudnn":
         # cuDNN per device (`sharding.per_device`: jax's cuDNN partitioner fails on most layouts).
         # k and v are split over tp like the query heads (validation makes tp and kv_heads divide
         # one another), so each rank's query heads find their kv heads on the same rank.
         kv = ("batch", "seq", kv_heads_axis(c), "head_dim")
         cudnn = functools.partial(attend, window=c.window, implementation="cudnn")
-        o = per_device(cudnn, (heads, kv, kv), heads)(q, k, v)
+        if ids is None:
+            o = per_device(cudnn, (heads, kv, kv), heads)(q, k, v)
+        else:
+            o = per_device(lambda q, k, v, d: cudnn(q, k, v, documents=d), (heads, kv, kv, ("batch", "seq")),
+                           heads)(q, k, v, ids)
     else:
-        o = attend(q, k, v, window=c.window, implementation=c.attention)
+        o = attend(q, k, v, window=c.window, implementation=c.attention, documents=ids)
     o = _constrain(o, heads)
     return o.reshape(*o.shape[:2], -1)
 
@@ -329,12 +338,12 @@ class Block(nn.Module):
     parallel: ParallelConfig = ParallelConfig()
 
     @nn.compact
-    def __call__(self, x, _):
+    def __call__(self, x, docs: Documents | None):
         c = self.cfg
         p = {"attn": AttentionParams(c, name="attn")(), "mlp": MlpParams(c, name="mlp")()}
         for name in ("norm",) if c.block == "parallel" else ("norm1", "norm2"):
             p[name] = NormParams(c, name=name)()
-        y = layer(c, self.parallel, p, x, lambda q, k, v: self_attention(c, q, k, v, p["attn"]))
+        y = layer(c, self.parallel, p, x, lambda q, k, v: self_attention(c, q, k, v, p["attn"], docs))
         return _constrain(y, ("batch", "act_seq", "embed")), None
 
 
@@ -347,11 +356,12 @@ REMAT_POLICIES = {"none": None, "elementwise": None,  # elementwise: inside the 
 
 
 def scanned_blocks(length: int, remat: str = "none", unroll: int = 1):
-    """`length` stacked layers as one module: `(x, None) -> (x, None)`, each layer rematerialised
-    per `remat` (a ModelConfig.remat value), `unroll` of them per loop iteration."""
+    """`length` stacked layers as one module: `(x, docs) -> (x, None)`, each layer rematerialised
+    per `remat` (a ModelConfig.remat value), `unroll` of them per loop iteration; `docs` (the
+    packed documents' layout, or None) the same for every layer."""
     block = Block if REMAT_POLICIES[remat] is None else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
     return nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length,
+        block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length, in_axes=nn.broadcast,
         unroll=min(unroll, length), metadata_params={nn.PARTITION_NAME: "layers"})
 
 
@@ -437,12 +447,15 @@ def token_losses(logits, targets):
         return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
-def cross_entropy(logits, targets):
-    """Mean next-token cross entropy in float32."""
-    return jnp.mean(token_losses(logits, targets))
+def cross_entropy(logits, targets, weights=None):
+    """Mean next-token cross entropy in float32 over every target position; `weights` (batch, seq)
+    zero the targets not trained on (documents.trained_targets), the mean's count unchanged."""
+    losses = token_losses(logits, targets)
+    return jnp.mean(losses if weights is None else losses * weights)
 
 
-def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: ParallelConfig = ParallelConfig()):
+def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: ParallelConfig = ParallelConfig(),
+                          weights=None):
     """The mean cross entropy of the LM head on `x` (batch, seq, d_model; the final norm applied),
     `cfg.loss_chunks` slices of the sequence at a time: a scan whose body projects one slice to its
     float32 logits and reduces them to the slice's summed loss, under `jax.checkpoint`, so neither
@@ -452,15 +465,17 @@ def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: Parallel
     n = cfg.loss_chunks
     slices = x.reshape(b, n, s // n, d).swapaxes(0, 1)  # (n, b, s/n, d): the batch keeps its dp split
     slice_targets = targets.reshape(b, n, s // n).swapaxes(0, 1)
+    weights = jnp.ones((b, s), jnp.float32) if weights is None else weights
+    slice_weights = weights.reshape(b, n, s // n).swapaxes(0, 1)
 
     @jax.checkpoint
-    def slice_loss(x_slice, t_slice):
-        return jnp.sum(token_losses(project_vocab(cfg, x_slice, head, parallel), t_slice))
+    def slice_loss(x_slice, t_slice, w_slice):
+        return jnp.sum(token_losses(project_vocab(cfg, x_slice, head, parallel), t_slice) * w_slice)
 
     def add(total, piece):
         return total + slice_loss(*piece), None
 
-    total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), (slices, slice_targets))
+    total, _ = jax.lax.scan(add, jnp.zeros((), jnp.float32), (slices, slice_targets, slice_weights))
     return total / (b * s)
 
 
@@ -477,7 +492,8 @@ class Transformer(nn.Module):
         c = self.cfg
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
         x = embed_tokens(c, embed, tokens, self.parallel)
-        x, _ = scanned_blocks(c.layers, c.remat, c.scan_unroll)(c, self.parallel, name="layers")(x, None)
+        docs = None if c.document_eos is None else documents.layout(tokens, c.document_eos)
+        x, _ = scanned_blocks(c.layers, c.remat, c.scan_unroll)(c, self.parallel, name="layers")(x, docs)
         x = norm(c, NormParams(c, name="final_norm")(), x)
         if self.hidden:
             return x
@@ -496,7 +512,9 @@ def loss_fn(model: Transformer, params, batch):
     """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens. With
     `model.loss_chunks` > 1 the head runs slice by slice (`chunked_cross_entropy`)."""
     tokens, targets = batch[:, :-1], batch[:, 1:]
+    eos = model.cfg.document_eos
+    weights = None if eos is None else documents.trained_targets(tokens, eos)
     if model.cfg.loss_chunks > 1:
         x = model.clone(hidden=True).apply({"params": params}, tokens)
-        return chunked_cross_entropy(model.cfg, x, lm_head(model.cfg, params), targets, model.parallel)
-    return cross_entropy(model.apply({"params": params}, tokens), targets)
+        return chunked_cross_entropy(model.cfg, x, lm_head(model.cfg, params), targets, model.parallel, weights)
+    return cross_entropy(model.apply({"params": params}, tokens), targets, weights)

@@ -62,6 +62,7 @@ class Corpus:
     tokens: np.ndarray  # 1-D, all of it (a read-only memmap for data.source=tokens|jsonl|parquet)
     description: str  # what was read: "12 files, 1,234,567 bytes" or "1,234,567 tokens"
     token_file: str | None = None  # jsonl/parquet: the cached token file (its tokenizer.json beside it)
+    end_of_document: int | None = None  # jsonl/parquet: the token the tokenizer ends each document with
 
 
 def load_tokens(cfg: Config) -> np.ndarray:
@@ -87,10 +88,10 @@ def load_corpus(cfg: Config) -> Corpus:
         description = f"{used:,} files, {len(tokens):,} bytes"
     elif d.source in ("jsonl", "parquet"):
         try:
-            tokens, description, token_file = tokenized_corpus.load(cfg)
+            tokens, description, token_file, eos = tokenized_corpus.load(cfg)
         except tokenized_corpus.CorpusError as e:
             raise DataError(str(e)) from None
-        return Corpus(tokens, description, token_file)  # the tokenizer's ids: checked against model.vocab
+        return Corpus(tokens, description, token_file, eos)  # the tokenizer's ids: checked against model.vocab
     else:
         tokens = _map_token_file(d.path, d.token_dtype)
         where = f"data.path={d.path!r}"
@@ -170,6 +171,14 @@ def _check_vocab(tokens: np.ndarray, vocab: int, where: str) -> None:
 
 
 # ----------------------------------------------------------------------------- packing and order
+
+
+def with_documents_apart(cfg: Config, corpus: Corpus) -> Config:
+    """`cfg` with model.document_eos the corpus's end-of-document token, where the source has one
+    (jsonl/parquet), data.keep_documents_apart is on and the config names none itself."""
+    if corpus.end_of_document is None or not cfg.data.keep_documents_apart or cfg.model.document_eos is not None:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, document_eos=corpus.end_of_document))
 
 
 def split_sizes(n_sequences: int, val_fraction: float) -> tuple[int, int]:

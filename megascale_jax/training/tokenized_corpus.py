@@ -122,11 +122,12 @@ def _tokenize(d, paths: list[str], root: str, directory: str) -> None:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def load(cfg) -> tuple[np.ndarray, str, str]:
-    """(tokens as a read-only memory map, what was read, the token file) for `data.source=jsonl|parquet`."""
+def load(cfg) -> tuple[np.ndarray, str, str, int]:
+    """(tokens as a read-only memory map, what was read, the token file, the end-of-document token)
+    for `data.source=jsonl|parquet`."""
     path, meta = token_file(cfg)
     tokens = np.memmap(path, dtype=meta["token_dtype"], mode="r")
     description = (f"{meta['shards']:,} {cfg.data.source} shards, {meta['documents']:,} documents, "
                    f"{len(tokens):,} tokens (tokenized with {cfg.data.tokenizer}"
                    + (f"; {meta['bad_lines_skipped']:,} bad lines skipped" if meta["bad_lines_skipped"] else "") + ")")
-    return tokens, description, path
+    return tokens, description, path, meta["end_of_text"]

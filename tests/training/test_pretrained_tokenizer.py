@@ -209,9 +209,10 @@ def test_a_jsonl_source_without_its_tokenizer_is_refused_before_anything_runs(co
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_jsonl_shards_and_samples_with_their_tokenizer(corpus):
+def test_a_run_trains_on_jsonl_shards_and_records_their_tokenizer(corpus):
     """What a user types, from the corpus's directory with relative paths: train on the shards with
-    the model directory's tokenizer; the run records that tokenizer, which `sample` then decodes with."""
+    the model directory's tokenizer; the run records that tokenizer (which `sample` decodes with)
+    and keeps the documents apart at its end-of-document token."""
     work, _ = corpus
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     done = subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", "runs/j", "data.source=jsonl",
@@ -223,3 +224,9 @@ def test_a_run_trains_on_jsonl_shards_and_samples_with_their_tokenizer(corpus):
     assert "3 jsonl shards, 16 documents" in done.stderr + done.stdout
     recorded = work / "runs" / "j" / "tokenizer" / "tokenizer.json"
     assert recorded.read_bytes() == (work / "model" / "tokenizer.json").read_bytes()
+    # documents kept apart by default: the run's config names the tokenizer's end-of-document token
+    import yaml
+    from transformers import AutoTokenizer
+
+    eos = AutoTokenizer.from_pretrained(str(work / "model"), local_files_only=True).convert_tokens_to_ids("</s>")
+    assert yaml.safe_load((work / "runs" / "j" / "config.yaml").read_text())["model"]["document_eos"] == eos
