@@ -46,6 +46,18 @@ def validate(cfg, planning: bool = False) -> None:
     check_supervisor(cfg.supervisor, cfg.observe)
     check_observe(cfg.observe)
     check_data_source(cfg.data, cfg.model)
+    check_documents_apart(cfg.data, cfg.model, cfg.mesh)
+
+
+def check_documents_apart(d, mo, m) -> None:
+    """What data.keep_documents_apart will ask of the model (model.document_eos, set once the
+    tokenizer is known) refused before the corpus is tokenized."""
+    if d.source not in ("jsonl", "parquet") or not d.keep_documents_apart:
+        return
+    why = ("documents are not kept apart through the pipeline yet (mesh.pp=%d)" % m.pp if m.pp > 1 else
+           "the Pallas attention kernel does not keep documents apart yet" if mo.attention == "pallas" else None)
+    require(why is None, f"data.source={d.source} keeps documents apart (data.keep_documents_apart=true), but {why}; "
+                         "set data.keep_documents_apart=false to train across document boundaries")
 
 
 # ----------------------------------------------------------------------------- shapes (planning too)
