@@ -90,7 +90,9 @@ class ModelConfig:
     loss_chunks: int = 1
     # Layers the layer scan runs per loop iteration (jax.lax.scan's unroll; the parameters stay
     # stacked): 1 keeps one layer's code in the loop, `layers` unrolls the stack whole, as NVIDIA's
-    # MaxText GPU recipes run (scan_layers=False), at the cost of compile time
+    # MaxText GPU recipes run (scan_layers=False), at the cost of compile time (gpt_1b for an H100:
+    # 29 s against 8). With model.remat a rolled scan keeps less (gpt_1b, remat=full at 16
+    # sequences, compiled for an H100: 31.5 GiB rolled, 36.4 unrolled)
     scan_unroll: int = 1
     # The LM head's backward GEMMs take the logits' gradient in float32 (autodiff of its float32-
     # accumulated forward) rather than in `dtype` as every other GEMM's backward does
@@ -101,6 +103,10 @@ class ModelConfig:
     # query attends to a key of another document of its sequence, and the target after this token
     # (the next document's first) is not trained on. data.source=jsonl|parquet set it to the
     # tokenizer's end-of-document token (data.keep_documents_apart). None: plain causal packing
+    # The layers' four GEMMs as FP8 GEMMs (model/fp8.py: e4m3 values and weights, e5m2 gradients,
+    # each scaled by its own amax in the step). The embedding, attention and the LM head stay in
+    # `dtype`. Compiled for a GPU it must become cuBLASLt's FP8 GEMM (`plan --compile` counts them)
+    fp8: bool = False
     document_eos: Optional[int] = None
     rope_restart: bool = True  # with document_eos: rotary positions count from each document's start
 

@@ -37,6 +37,7 @@ def validate(cfg, planning: bool = False) -> None:
     check_model(cfg.model)
     check_tensor_parallel(cfg.model, cfg.mesh, cfg.parallel)
     check_pipeline(cfg.model, cfg.mesh, cfg.parallel)
+    check_fp8(cfg.model, cfg.mesh, cfg.parallel)
     check_optim(cfg.optim)
     check_train(cfg.train, cfg.mesh, cfg.parallel)
     if planning:
@@ -128,6 +129,11 @@ def check_tensor_parallel(mo, m, p) -> None:
         require((mo.seq_len // m.tp) % p.tp_chunks == 0,
                 f"collective matmul cuts each device's model.seq_len/mesh.tp={mo.seq_len // m.tp} tokens into "
                 f"parallel.tp_chunks={p.tp_chunks} pieces; choose a seq_len or tp_chunks that divides")
+
+
+def check_fp8(mo, m, p) -> None:
+    require(not (mo.fp8 and m.tp > 1 and p.tp_overlap == "collective_matmul"),
+            "model.fp8=true: the collective matmul has no FP8 GEMM yet; use parallel.tp_overlap=none|xla with mesh.tp > 1")
 
 
 def check_pipeline(mo, m, p) -> None:

@@ -157,7 +157,7 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     base, rows = section["base"], {r["name"]: r for r in section["rows"]}
     # what no other section measures first (a budget that ends the section keeps those), the
     # ladder's own configurations later, the float32 head (already timed in a profile) last
-    assert list(rows) == ["triton_gemm_off", "loss_chunks", "scan_rolled", "command_buffers_off", "cublaslt",
+    assert list(rows) == ["triton_gemm_off", "fp8", "loss_chunks", "scan_rolled", "command_buffers_off", "cublaslt",
                           "remat_elementwise_same_batch", "no_donation", "half_batch", "xla_flags", "fused_norm_gelu",
                           "remat_elementwise", "remat_dots", "head_grad_float32"]
     assert base["tokens_per_s"] > 0 and base["xla_flags"] == []  # the tuned flags are a lever
@@ -174,7 +174,8 @@ def test_dry_run_levers_each_alone_against_one_base(full):
     assert rows["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     assert rows["no_donation"]["config"]["train.donate"] == "false"
     assert rows["cublaslt"]["xla_flags"] == ["--xla_gpu_enable_cublaslt=true"]
-    for name in ("xla_flags", "triton_gemm_off", "command_buffers_off", "cublaslt"):
+    assert rows["fp8"]["xla_flags"] == ["--xla_gpu_enable_triton_gemm=false"] and rows["fp8"]["config"]["model.fp8"] == "true"
+    for name in ("xla_flags", "triton_gemm_off", "fp8", "command_buffers_off", "cublaslt"):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
     assert rows["head_grad_float32"]["config"]["model.head_grad_float32"] == "true"
     assert rows["head_grad_float32"]["skipped"].startswith("skipped in the dry run: on a CPU the head's backward")

@@ -7,6 +7,11 @@ order listed here, so a call's budget that ends the section early keeps the most
                          parallel block, the window, cuDNN attention on a GPU, the layer scan
                          unrolled, no XLA flags), AdamW, the largest batch that fits
     loss_chunks          + the loss in 8 sequence slices (model.loss_chunks: no whole fp32 logits)
+    fp8                  + model.fp8=true (the layers' GEMMs in FP8, model/fp8.py) with Triton GEMMs
+                         off: compiled for an H200 without a GPU, Triton GEMM fusions take FP8 dots
+                         as bf16 products of upcast operands, cuBLAS takes them as cuBLASLt's FP8
+                         GEMM (tests/aot asserts every layer GEMM); compare with triton_gemm_off
+                         (the bf16 step with the same GEMM library) as well as the base (GPU only)
     scan_rolled          the layer scan rolled (model.scan_unroll=1; unrolled won +10% on an H200,
                          2026-11-28, and became configs/gpt_1b.yaml's default)
     head_grad_float32    + model.head_grad_float32: the LM head's backward GEMMs on the float32
@@ -48,7 +53,10 @@ LADDER_RUNS = ("fused_norm_gelu", "remat_elementwise", "remat_elementwise_same_b
 GPU_FLAGS = {"xla_flags": ladder.TUNED_XLA_FLAGS,
              "triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
              "command_buffers_off": ("--xla_gpu_enable_command_buffer=",),
-             "cublaslt": ("--xla_gpu_enable_cublaslt=true",)}
+             "cublaslt": ("--xla_gpu_enable_cublaslt=true",),
+             "fp8": ("--xla_gpu_enable_triton_gemm=false",)}
+# Levers that change the configuration as well as the flags
+FLAG_LEVER_CHANGES = {"fp8": {"model.fp8": "true"}}
 
 
 def run(settings: dict) -> dict:
@@ -72,11 +80,11 @@ def measure(runner: ladder.Ladder) -> dict:
     gpu = runner.settings["device"]["backend"] == "gpu"
 
     def flag_lever(name: str) -> dict:  # an XLA:GPU flag added to the base's own
-        row_flags = (*flags, *GPU_FLAGS[name])
+        row_flags, changes = (*flags, *GPU_FLAGS[name]), {**base, **FLAG_LEVER_CHANGES.get(name, {})}
         if not gpu:
-            return {"name": name, "config": dict(base), "xla_flags": list(row_flags),
+            return {"name": name, "config": changes, "xla_flags": list(row_flags),
                     "skipped": "skipped: needs a GPU (XLA:GPU flags)"}
-        return runner.row(name, base, batch=batch, xla_flags=row_flags)
+        return runner.row(name, changes, batch=batch, xla_flags=row_flags)
 
     # In the order of what each tells that no other section measures, so that a call whose budget
     # ends the section early keeps the most: the GEMM backend and the loss first; configurations
@@ -84,6 +92,7 @@ def measure(runner: ladder.Ladder) -> dict:
     # the 2026-11-27 profile already timed (15.5 ms, ~220 TFLOP/s), last.
     rows = [
         flag_lever("triton_gemm_off"),
+        flag_lever("fp8"),
         lever("loss_chunks", {**base, "model.loss_chunks": LOSS_CHUNKS}, batch=batch),
         lever("scan_rolled", {**base, "model.scan_unroll": 1}, batch=batch),
         flag_lever("command_buffers_off"),

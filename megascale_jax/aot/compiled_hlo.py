@@ -112,7 +112,7 @@ def gemm_backend(category: str, name: str, flops: float, called_target: str | No
     if category == "fusion" and flops and called_target:
         return gemm_backend("custom-call", called_target, flops)
     if category == "custom-call" and name.startswith("__cublas"):
-        return "cublas"
+        return "cublas-fp8" if name.endswith("$f8") else "cublas"
     if category == "custom-call" and name.startswith("__cudnn"):
         return "cudnn"
     return "xla" if flops else None  # a dot XLA emitted itself, inside a loop/input fusion

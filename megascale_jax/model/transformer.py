@@ -308,26 +308,26 @@ def layer(c: ModelConfig, par: ParallelConfig, p: dict, x, attention):
     if c.block == "parallel":
         h = norm(c, p["norm"], x)
         with scope("qkv_mlp_up"):
-            q, k, v, *ups = column_matmul(h, [*qkv_weights(c, a), *mlp_up_weights(c, m)], par)
+            q, k, v, *ups = column_matmul(h, [*qkv_weights(c, a), *mlp_up_weights(c, m)], par, c.fp8)
         with scope("attention"):
             o = attention(q, k, v)
         with scope("mlp"):
             hidden = mlp_activation(c, ups, m)
         with scope("out_mlp_down"):
-            out = row_matmul([o, hidden], [wo, m["w2"]], par)
+            out = row_matmul([o, hidden], [wo, m["w2"]], par, c.fp8)
         return x + out + output_bias(c, a.get("bo"), m.get("b2"))
     h = norm(c, p["norm1"], x)
     with scope("qkv_projection"):
-        q, k, v = column_matmul(h, qkv_weights(c, a), par)
+        q, k, v = column_matmul(h, qkv_weights(c, a), par, c.fp8)
     with scope("attention"):
         o = attention(q, k, v)
     with scope("out_projection"):
-        x = x + row_matmul([o], [wo], par) + output_bias(c, a.get("bo"))
+        x = x + row_matmul([o], [wo], par, c.fp8) + output_bias(c, a.get("bo"))
     x = _constrain(x, ("batch", "act_seq", "embed"))
     h = norm(c, p["norm2"], x)
     with scope("mlp"):
-        ups = column_matmul(h, mlp_up_weights(c, m), par)
-        return x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par) + output_bias(c, m.get("b2"))
+        ups = column_matmul(h, mlp_up_weights(c, m), par, c.fp8)
+        return x + row_matmul([mlp_activation(c, ups, m)], [m["w2"]], par, c.fp8) + output_bias(c, m.get("b2"))
 
 
 class Block(nn.Module):
@@ -359,7 +359,11 @@ def scanned_blocks(length: int, remat: str = "none", unroll: int = 1):
     """`length` stacked layers as one module: `(x, docs) -> (x, None)`, each layer rematerialised
     per `remat` (a ModelConfig.remat value), `unroll` of them per loop iteration; `docs` (the
     packed documents' layout, or None) the same for every layer."""
-    block = Block if REMAT_POLICIES[remat] is None else nn.remat(Block, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    # prevent_cse=False is safe only where the scan's loop keeps XLA from merging the backward's
+    # recomputation with the forward; unrolled (the loop gone), that merge would undo the remat
+    # (compiled for an H100, gpt_1b at remat=full: 61.8 GiB unrolled without it, as if no remat)
+    block = Block if REMAT_POLICIES[remat] is None else nn.remat(Block, policy=REMAT_POLICIES[remat],
+                                                                 prevent_cse=min(unroll, length) > 1)
     return nn.scan(
         block, variable_axes={"params": 0}, split_rngs={"params": True}, length=length, in_axes=nn.broadcast,
         unroll=min(unroll, length), metadata_params={nn.PARTITION_NAME: "layers"})

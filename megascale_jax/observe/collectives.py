@@ -29,7 +29,10 @@ import numpy as np
 
 OPS = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
-               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+               "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+               # the 8-bit floats (model.fp8: e4m3fn values and weights, e5m2 gradients) and their kin
+               "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1, "f8e4m3b11fnuz": 1,
+               "f8e3m4": 1, "f8e8m0fnu": 1}
 
 # One HLO instruction line and one computation's header line of a module's text (also
 # bench/campaign/op_table.py reads modules with them).

@@ -100,7 +100,7 @@ _SCALAR = re.compile(r"\w+\[\]")  # a shape like "s32[]"
 # call's backend_config (JSON: "lhs_contracting_dimensions":["1"])
 _DOT_CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
-GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul")
+GEMM_TARGETS = ("__cublas$gemm", "__cublas$lt$matmul", "__cublas$lt$matmul$f8")
 # The first operand: its shape where the text prints one before its name, and its name
 _FIRST_OPERAND = re.compile(r"^\s*(?P<shape>[^%]*)%(?P<name>[\w.\-]+)")
 

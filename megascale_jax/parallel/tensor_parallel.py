@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from megascale_jax.config import ParallelConfig
+from megascale_jax.model.fp8 import fp8_matmul
 
 AXIS = "tp"
 
@@ -126,23 +127,41 @@ def _split(y, widths):
     return jnp.split(y, list(itertools.accumulate(widths))[:-1], axis=-1)
 
 
-def column_matmul(x, weights, parallel: ParallelConfig):
-    """[x @ w for w in weights], x: (b, s, d), each w: (d, n_i) with n_i split over tp.
+def _matmul(x, w, fp8: bool):
+    """x @ w in x's dtype, or as an FP8 GEMM (`model.fp8`, model/fp8.py). Inside the shard_maps
+    below: the FP8 GEMM's hand-written backward gives x a gradient that varies over tp, so x,
+    replicated over tp, enters as varying (its transpose then sums that gradient over tp, as
+    autodiff of the plain product does by itself)."""
+    if not fp8:
+        return x @ w.astype(x.dtype)
+    if AXIS not in jax.typeof(x).manual_axis_type.varying:
+        x = jax.lax.pcast(x, AXIS, to="varying")
+    return fp8_matmul(x, w)
+
+
+def column_matmul(x, weights, parallel: ParallelConfig, fp8: bool = False):
+    """[x @ w for w in weights], x: (b, s, d), each w: (d, n_i) with n_i split over tp; `fp8`: each
+    an FP8 GEMM (not with the collective matmul, which config validation refuses).
 
     Returns (b, s, n_i) arrays, features split over tp; the sequence is whole. A weight replicated
     over tp (k and v with fewer kv heads than tp ranks, see `sharding.rules_for`) enters sliced to
     this device's columns, so every n_i divides by tp (config validation checks kv_heads·head_dim)."""
     tp = _tp_size()
+    if fp8 and (tp == 1 or parallel.tp_overlap == "xla"):
+        # one FP8 GEMM over the weights side by side, one scale for all: XLA merges dots that share
+        # their input, and a merged product of separately scaled weights is no FP8 pattern (it stays bf16)
+        y = fp8_matmul(x, jnp.concatenate(weights, axis=1))
+        return _split(y, [w.shape[1] for w in weights])
     if tp == 1 or parallel.tp_overlap == "xla":  # local, or GSPMD's collectives for XLA to overlap
         return [x @ w.astype(x.dtype) for w in weights]
     sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
 
     def local(x, *ws):
-        w = jnp.concatenate([w.astype(x.dtype) for w in ws], axis=1)  # one matmul, one collective
+        w = jnp.concatenate([w if fp8 else w.astype(x.dtype) for w in ws], axis=1)  # one matmul, one collective
         if sp and overlap:
             y = all_gather_matmul(x, w, tp, parallel.tp_chunks, parallel.tp_bidirectional)
         else:
-            y = (gather_seq(x) if sp else x) @ w
+            y = _matmul(gather_seq(x) if sp else x, w, fp8)
         return tuple(_split(y, [w.shape[1] for w in ws]))
 
     in_x = P(None, AXIS, None) if sp else P()
@@ -151,11 +170,14 @@ def column_matmul(x, weights, parallel: ParallelConfig):
     return list(run(x, *weights))
 
 
-def row_matmul(inputs, weights, parallel: ParallelConfig):
-    """sum(h @ w for h, w in zip(inputs, weights)), each h: (b, s, n_i) with n_i split over tp.
+def row_matmul(inputs, weights, parallel: ParallelConfig, fp8: bool = False):
+    """sum(h @ w for h, w in zip(inputs, weights)), each h: (b, s, n_i) with n_i split over tp;
+    `fp8`: each an FP8 GEMM.
 
     Returns (b, s, d): sequence split over tp with sequence parallelism, else replicated."""
     tp = _tp_size()
+    if fp8 and (tp == 1 or parallel.tp_overlap == "xla"):  # one FP8 GEMM (as in column_matmul)
+        return fp8_matmul(jnp.concatenate(inputs, axis=-1), jnp.concatenate(weights, axis=0))
     if tp == 1 or parallel.tp_overlap == "xla":
         return sum(h @ w.astype(h.dtype) for h, w in zip(inputs, weights))
     sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
@@ -163,10 +185,11 @@ def row_matmul(inputs, weights, parallel: ParallelConfig):
     def local(*args):
         hs, ws = args[: len(inputs)], args[len(inputs):]
         h = jnp.concatenate(hs, axis=-1)
-        w = jnp.concatenate([w.astype(h.dtype) for w in ws], axis=0)
+        w = jnp.concatenate([w if fp8 else w.astype(h.dtype) for w in ws], axis=0)
         if sp and overlap:
             return matmul_reduce_scatter(h, w, tp, parallel.tp_chunks, parallel.tp_bidirectional)
-        return scatter_seq(h @ w) if sp else jax.lax.psum(h @ w, AXIS)
+        y = _matmul(h, w, fp8)
+        return scatter_seq(y) if sp else jax.lax.psum(y, AXIS)
 
     out = P(None, AXIS, None) if sp else P()
     run = jax.shard_map(local, in_specs=(*[P(None, None, AXIS)] * len(inputs), *[P(AXIS, None)] * len(weights)),

@@ -104,3 +104,19 @@ def test_eight_gpus_at_tp_8_move_the_ideal_bytes_and_overlap_collective_matmuls_
     assert report["collective_bytes"]["tp"] == pytest.approx(report["ideal_collective_bytes"]["tp"], rel=0.05)
     permutes = report["overlap"]["tp"]["collective-permute"]
     assert permutes["async"] > 0 and permutes["overlapped"] == permutes["async"]
+
+
+def test_fp8_layer_gemms_become_cublaslt_fp8_gemms_for_the_h200(capsys):
+    """model.fp8: every layer GEMM (2 forward, 4 backward a layer) is cuBLASLt's FP8 GEMM in the
+    program compiled for sm_90, none silently left in bf16; the LM head's 3 stay bf16 (cuBLAS
+    GEMMs forced: without a device XLA cannot autotune, and would pick Triton for all)."""
+    layers = 4
+    code, report = compiled(capsys, "--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--gpu", "h200",
+                            "--gpus", "1", "mesh.dp=1", "mesh.tp=1", f"model.layers={layers}", "model.dtype=bfloat16",
+                            "model.attention=cudnn", "model.fp8=true", "--xla-option",
+                            "xla_gpu_enable_triton_gemm=false")
+    assert code == 0
+    kernels = report["kernels"]["per_step"]
+    assert kernels["custom_calls"]["__cublas$lt$matmul$f8"] == 6 * layers
+    assert kernels["gemms"] == {"cublas-fp8": 6 * layers, "cublas": 3, "cudnn": 2 * layers}
+    assert report["kernels"]["gemm_flops_per_step"]["cublas-fp8"] > 0  # FP8 GEMMs count their FLOPs

@@ -108,3 +108,14 @@ def test_documents_kept_apart_on_dp_tp_match_one_device():
     plain, _ = run(mesh_overrides(1, 1, False), steps=1)
     np.testing.assert_allclose(losses, ref, rtol=1e-5)
     assert abs(ref[0] - plain[0]) > 1e-3 * plain[0]  # the documents change what is trained
+
+
+@pytest.mark.slow
+def test_fp8_gemms_on_dp_tp_train_like_one_device_to_fp8_precision():
+    """model.fp8: each tp rank scales its own slice of a weight (its own amax), so the layouts agree
+    to FP8's precision, not bitwise; both learn."""
+    fp8 = ["model.fp8=true"]
+    ref, _ = run(mesh_overrides(1, 1, False) + fp8, steps=3)
+    losses, _ = run(mesh_overrides(2, 4, False) + fp8, steps=3)
+    assert np.all(np.isfinite(losses)) and ref[-1] < ref[0] and losses[-1] < losses[0]
+    np.testing.assert_allclose(losses, ref, rtol=2e-2)

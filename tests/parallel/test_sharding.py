@@ -231,12 +231,14 @@ def test_per_device_attention_equals_gspmds_with_its_gradients(manual_dp):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-over-tp", "one-kv-head-shared-by-the-ranks"])
-def test_the_models_cudnn_path_runs_per_device_and_equals_gspmds(monkeypatch, kv_heads):
+@pytest.mark.parametrize("kv_heads, eos", [(2, None), (1, None), (2, 7)],
+                         ids=["kv-heads-over-tp", "one-kv-head-shared-by-the-ranks", "documents-apart"])
+def test_the_models_cudnn_path_runs_per_device_and_equals_gspmds(monkeypatch, kv_heads, eos):
     """model.attention=cudnn's wiring in the model (`transformer.self_attention`): the attention
     call gets each device's heads (4 heads / tp 2) inside gradient accumulation's shard_map, and the
     step's loss and gradients equal the same model's under GSPMD. cuDNN itself needs a GPU: here
-    its call is XLA's attention, so the check is the per-device plumbing (specs, GQA kv heads)."""
+    its call is XLA's attention, so the check is the per-device plumbing (specs, GQA kv heads, and
+    with model.document_eos each device's rows of the document ids beside its heads)."""
     import dataclasses
 
     import jax.numpy as jnp
@@ -246,17 +248,21 @@ def test_the_models_cudnn_path_runs_per_device_and_equals_gspmds(monkeypatch, kv
 
     seen = []
 
-    def attend(q, k, v, *, window, implementation="xla"):
+    def attend(q, k, v, *, window, implementation="xla", documents=None):
         if implementation == "cudnn":
             seen.append((q.shape[2], k.shape[2]))
             implementation = "xla"
-        return attention.attend(q, k, v, window=window, implementation=implementation)
+        return attention.attend(q, k, v, window=window, implementation=implementation, documents=documents)
 
     monkeypatch.setattr(transformer, "attend", attend)
     base = load_config(None, ["mesh.dp=2", "mesh.tp=2", "parallel.microbatches=2", "model.layers=2",
                               "model.d_model=32", "model.heads=4", f"model.kv_heads={kv_heads}", "model.seq_len=16",
-                              "model.window=5", "train.global_batch=8"])
-    tokens = np.random.default_rng(0).integers(0, base.model.vocab, (8, 17)).astype(np.int32)
+                              "model.window=5", "train.global_batch=8",
+                              *([f"model.document_eos={eos}"] if eos is not None else [])])
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, base.model.vocab, (8, 17)).astype(np.int32)
+    if eos is not None:  # documents of ~6 tokens
+        tokens[rng.random(tokens.shape) < 0.15] = eos
     results = []
     for cfg in (base, dataclasses.replace(base, model=dataclasses.replace(base.model, attention="cudnn"))):
         trainer = build_trainer(cfg, make_mesh(cfg.mesh))
