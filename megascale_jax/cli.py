@@ -27,6 +27,7 @@ LOGGER = "megascale_jax"
 EXIT_CONFIG_ERROR = 2  # bad input: every CLI's user_error
 EXIT_DIVERGED = 3  # a non-finite loss, again when the step was replayed
 EXIT_UNREADABLE_CHECKPOINT = 4  # one of several processes cannot read the newest checkpoint: a restart falls back
+EXIT_NOT_SAVED = 5  # the run's final checkpoint could not be written (a full disk): a person frees space
 
 
 def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:

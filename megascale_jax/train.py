@@ -37,7 +37,7 @@ from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, Train
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import learning_rate_schedule
 from megascale_jax.training.resume import choose_start
-from megascale_jax.training.saving import Saves
+from megascale_jax.training.saving import FinalSaveFailed, Saves
 from megascale_jax.training.trainer import build_trainer, compile_steps
 from megascale_jax.training.triage import NonFiniteTriage, release
 
@@ -386,6 +386,8 @@ def _main(argv) -> int:
         return cli.user_error(e, code=cli.EXIT_DIVERGED)
     except checkpoint.CheckpointUnreadable as e:  # the restart falls back; no machine is to blame
         return cli.user_error(e, code=cli.EXIT_UNREADABLE_CHECKPOINT)
+    except FinalSaveFailed as e:  # a full disk: the steps since the newest good checkpoint are not on disk
+        return cli.user_error(e, code=cli.EXIT_NOT_SAVED)
     except Interrupted as e:
         if jax.process_index() == 0:
             resume = cli.resume_command("megascale_jax.train", sys.argv[1:] if argv is None else list(argv),

@@ -16,6 +16,8 @@ injection, else the last sign of health):
 * diverged — exit code 3 (non-finite loss, again when replayed).
 * unreadable_checkpoint — exit code 4: a process found the newest checkpoint damaged and moved it
   aside (training/checkpoint.py); every process falls back to the previous one on the restart.
+* not_saved — exit code 5: the run's final checkpoint could not be written (a full disk); the
+  newest good checkpoint is older, and a restart would fail the same way until space is freed.
 * config_error — exit code 2: a user mistake, or a control plane the worker refused to trust (a
   Redis password refused, a coordinator record that fails verification: cluster/rendezvous.py).
 * straggler — every `supervisor.straggler_check_s` the driver runs the straggler statistic on
@@ -38,7 +40,7 @@ from typing import Callable
 
 import redis
 
-from megascale_jax.cli import EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_UNREADABLE_CHECKPOINT, get_logger
+from megascale_jax.cli import EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NOT_SAVED, EXIT_UNREADABLE_CHECKPOINT, get_logger
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.config import Config
 from megascale_jax.observe.hangs import describe_exit
@@ -49,6 +51,7 @@ log = get_logger("supervise", tag="[supervisor] ")
 
 PEER_EXIT_GRACE_S = 1.0  # how long a raised loop waits for a peer's exit to be seen (see peer_exit)
 EXIT_CAUSES = {EXIT_CONFIG_ERROR: "config_error", EXIT_DIVERGED: "diverged", EXIT_UNREADABLE_CHECKPOINT: "unreadable_checkpoint",
+               EXIT_NOT_SAVED: "not_saved",
                -signal.SIGABRT: "aborted"}
 
 

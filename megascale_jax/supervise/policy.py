@@ -104,6 +104,9 @@ def decide(fault: Fault | None, previous: Fault | None, restarts: int, cfg: Conf
         return Done(f"training finished after {restarts} restart(s)")
     if fault.cause == "config_error":
         return GiveUp("a worker rejected the config or data (see its log); not retried")
+    if fault.cause == "not_saved":
+        return GiveUp("the final checkpoint could not be written (see the worker's last line); free space on "
+                      "the checkpoint disk and run the same command again: it resumes from the newest good one")
     if fault.cause == "unreadable_checkpoint":
         if restarts >= sv.max_restarts:
             return GiveUp(f"supervisor.max_restarts={sv.max_restarts} exhausted")

@@ -37,6 +37,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -124,6 +125,36 @@ def _barriers_through_coordination_service() -> None:
         flag.value, flag.present = True, 1
 
 
+class OrbaxErrors(logging.Filter):
+    """orbax's own error logs (through absl's logger) about a save, kept as one line and not printed:
+    a full disk printed ~200 lines of tracebacks from its background threads. The run's warning
+    (`Checkpointer.poll`, "checkpoint at step N failed ...") names the error instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.last: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+            return True
+        cause = record.exc_info[1] if record.exc_info else None
+        text = str(cause) if cause is not None else record.getMessage()
+        # a full disk's own words kept whole (they can come after 300 characters of paths)
+        self.last = ("No space left on device" if "No space left on device" in text
+                     else cli.one_line(cause) if cause is not None else text.splitlines()[0][:300])
+        return False
+
+
+_ORBAX_ERRORS = OrbaxErrors()
+
+
+def _quiet_orbax_errors() -> OrbaxErrors:
+    absl_logger = logging.getLogger("absl")
+    if _ORBAX_ERRORS not in absl_logger.filters:
+        absl_logger.addFilter(_ORBAX_ERRORS)
+    return _ORBAX_ERRORS
+
+
 class CheckpointUnreadable(Exception):
     """A multi-process restore found a damaged checkpoint: it was moved aside, and this attempt
     ends, since the processes cannot agree in-process on falling back (see restore_latest)."""
@@ -150,12 +181,31 @@ class Checkpointer:
                               "pass a writable checkpoint.dir") from None
         _write_arrays_whole()
         _barriers_through_coordination_service()
+        self._orbax_errors = _quiet_orbax_errors()
         options = ocp.CheckpointManagerOptions(
             enable_async_checkpointing=c.async_, max_to_keep=c.keep, save_interval_steps=max(c.every, 1),
             async_options=ocp.AsyncOptions(post_finalization_callback=self._on_commit))
         self.manager = ocp.CheckpointManager(directory, options=options)
 
     # ------------------------------------------------------------------ save
+
+    def check_room(self, abstract_state) -> None:
+        """Before the first step: the disk under checkpoint.dir holds the checkpoints the run keeps
+        (checkpoint.keep, and the one orbax writes before it deletes the oldest), counted as the
+        state's bytes each (orbax's metadata aside), beside what the directory holds already.
+        ConfigError (one line, naming the fixes) if not: a full disk found at the first save would
+        have cost the steps before it."""
+        one = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(abstract_state))
+        keep = self.cfg.checkpoint.keep
+        held = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(self.directory) for f in files)
+        free = shutil.disk_usage(self.directory).free + held
+        need = (keep + 1) * one
+        if need > free:
+            raise ConfigError(
+                f"checkpoint.dir {self.directory!r} has {free / 2**20:,.1f} MiB free (its own checkpoints counted) but "
+                f"the run keeps checkpoint.keep={keep} checkpoints of {one / 2**20:,.1f} MiB and writes one more before "
+                f"deleting the oldest ({need / 2**20:,.1f} MiB); lower checkpoint.keep, or set checkpoint.dir on a "
+                "larger disk")
 
     def compile(self, abstract_state) -> None:
         """Compile the checksum up front, so that neither the restore's verification nor the first
@@ -246,8 +296,15 @@ class Checkpointer:
             pending["error"] = cli.one_line(e)
 
     def _warn_not_saved(self, step: int, error: str) -> None:
-        self.warn(f"warning: checkpoint at step {step} not saved: {error}; training continues, "
+        self.warn(f"warning: checkpoint at step {step} not saved: {self.brief(error)}; training continues, "
                   f"last good checkpoint: step {self._last_committed()}")
+
+    def brief(self, error: str) -> str:
+        """A save's error as the user needs it: a full disk said plainly (orbax's and tensorstore's
+        own wording of it runs to hundreds of characters)."""
+        if "No space left on device" in error or "ENOSPC" in error:
+            return f"no space left on the disk of {self.directory}"
+        return error
 
     def _on_commit(self) -> None:
         # Runs on orbax's background thread once the write is finalised (just before the rename).
@@ -285,7 +342,7 @@ class Checkpointer:
             record["background_parts_s"] = pending["background_parts_s"]
         # orbax logs a background write error but does not always re-raise it, so success is
         # judged by the commit itself: the rename to <dir>/<step>.
-        error = "not committed (orbax logged the cause above)"
+        error = f"not committed ({self._orbax_errors.last or 'orbax gave no cause'})"
         try:
             self.manager.check_for_errors()
         except Exception as e:
@@ -293,14 +350,18 @@ class Checkpointer:
         with self._lock:
             done = self._commit_times.pop(step, None)
         if step not in committed_steps(self.directory):
-            self.warn(f"warning: checkpoint at step {step} failed in the background: {error}; "
+            self.warn(f"warning: checkpoint at step {step} failed in the background: {self.brief(error)}; "
                       f"training continues, last good checkpoint: step {self._last_committed()}")
             return [{**record, "error": error}]
         return [{**record, "total_s": (done or time.perf_counter()) - pending["start"]}]
 
     def close(self) -> list[dict]:
         records = self.poll(wait=True)
-        self.manager.close()
+        try:
+            self.manager.close()  # waits for orbax's own metadata writes, which a full disk fails too
+        except OSError as e:  # a full disk was said with the save that met it
+            if self.brief(str(e)) == str(e):
+                self.warn(f"warning: closing the checkpoints in {self.directory}: {cli.one_line(e)}")
         return records
 
     def _last_committed(self):

@@ -34,6 +34,11 @@ from megascale_jax.training import checkpoint, compile_cache, snapshot
 from megascale_jax.training.hooks import Hooks
 
 
+class FinalSaveFailed(RuntimeError):
+    """The run trained to its last step but that step's checkpoint was not written: one line saying
+    what was lost and where the newest good state is (train exits cli.EXIT_NOT_SAVED)."""
+
+
 class Saves:
     def __init__(self, cfg: Config, run_dir: str, to_canonical: Callable, abstract_state: Any,
                  warn: Callable[[str], None], clock):
@@ -45,6 +50,7 @@ class Saves:
         self.to_canonical, self.permutes = to_canonical, layout.permutes(cfg)
         self.checkpoint_copy: tuple | None = None  # (step, the checkpoint's device copy) for its snapshot
         if self.ckpt:
+            self.ckpt.check_room(abstract_state)
             self.ckpt.compile(abstract_state)
             if self.permutes:  # compiled now: the first save's blocking time holds no compilation
                 self.to_canonical = compile_cache.compile(to_canonical.lower(abstract_state), "to_canonical")
@@ -60,7 +66,9 @@ class Saves:
         self.every, self.memory_every = cfg.checkpoint.every, cfg.checkpoint.memory_every
         self.in_background = cfg.checkpoint.background_host_copy
         self.saved_step: int | None = None
+        self.final_error: str | None = None  # why the last step's checkpoint was not written
         self.start = self.data_position = 0  # the step and data index this run started from
+        self.last: int | None = None
 
     # ---- the start
     def restore(self, abstract_state: Any, clock) -> tuple[Any, int, int, str] | None:
@@ -164,11 +172,24 @@ class Saves:
             self._log_saves(self.ckpt.close())
 
     def finished(self) -> None:
-        """The run reached its last step: the final state is in the last checkpoint, or nowhere by request."""
+        """The run reached its last step: the final state is in the last checkpoint, or nowhere by
+        request; FinalSaveFailed if that checkpoint was asked for and could not be written (the
+        memory snapshots are then kept: they may hold a newer state than the disk)."""
+        if self.final_error is not None:
+            good = run_dirs.committed_steps(self.ckpt.directory)
+            where = (f"the newest saved state is the checkpoint of step {good[-1]} in {self.ckpt.directory}" if good
+                     else "no checkpoint of this run was saved")
+            raise FinalSaveFailed(f"the final checkpoint (step {self.last}) was not saved: "
+                                  f"{self.ckpt.brief(self.final_error)}; {where}; "
+                                  "free space there and run the same command again to resume")
         if self.snapshots:
             self.snapshots.remove_all()
 
     def _log_saves(self, saves: list[dict]) -> None:
-        """One line per finished save in checkpoints.jsonl: blocking vs total (until committed) seconds."""
+        """One line per finished save in checkpoints.jsonl: blocking vs total (until committed)
+        seconds. Notes a failed save of the last step (`finished` reports it)."""
+        for save in saves:
+            if save["step"] == self.last and "error" in save:
+                self.final_error = save["error"]
         if self.is_main and saves:
             run_dirs.append_jsonl(run_dirs.saves_path(self.run_dir), saves)

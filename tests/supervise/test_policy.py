@@ -67,6 +67,10 @@ CASES = [
     ("config-error", crash(code=2, cause="config_error"), None, 0, [], slots(), None, GiveUp(CONFIG_ERROR)),
     ("config-error-diagnosed-anyway", crash(code=2, cause="config_error"), None, 0, [], slots(1), {1: "bad"},
      GiveUp(CONFIG_ERROR)),
+    # not_saved: the final checkpoint hit a full disk; a restart would fail the same way until space is freed.
+    ("final-checkpoint-not-saved", crash(code=5, cause="not_saved"), None, 0, [], slots(1), None,
+     GiveUp("the final checkpoint could not be written (see the worker's last line); free space on the checkpoint "
+            "disk and run the same command again: it resumes from the newest good one")),
     # diverged: a restart replays the same data, so only a blamed device makes it worth one.
     ("diverged-diagnosed-first", crash(code=3, cause="diverged"), None, 0, [], slots(), None, Diagnose()),
     ("diverged-healthy", crash(code=3, cause="diverged"), None, 0, [], slots(1), {}, GiveUp(DIVERGED)),

@@ -1,0 +1,57 @@
+"""A full disk, said once and nothing lost (issue 59): the run's checkpoints on a small tmpfs the
+test mounts in a mount namespace of its own (`unshare -rm`: no root needed, nothing outside it
+sees the mount; skipped where the kernel refuses one). What a user types, from a scratch
+directory: one line before the first step when the kept checkpoints cannot fit; one warning
+line per failed save (orbax's threads' tracebacks not printed), training going on; a final save
+that fails ends with exit 5 and one line naming the newest good checkpoint."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = ["train.steps=6", "checkpoint.every=2", "checkpoint.dir=small/ckpt", "model.layers=1", "model.d_model=32",
+        "train.eval_batches=0", "data.val_fraction=0", "train.compile_cache=false"]
+
+
+def on_small_disk(tmp_path, size: str, *overrides: str) -> subprocess.CompletedProcess:
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to mount a small filesystem")
+    (tmp_path / "small").mkdir()
+    train = " ".join([sys.executable, "-m", "megascale_jax.train", "--run-dir", "run", *TINY, *overrides])
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    env.pop("XLA_FLAGS", None)
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs small || exit 97; "
+                           f"exec {train}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode == 97 or "unshare: " in done.stderr:
+        pytest.skip(f"this kernel refuses a mount namespace: {done.stderr.strip()[:200]}")
+    return done
+
+
+def lines(done) -> list[str]:
+    return [line for line in done.stderr.splitlines() if not line.startswith("step ")]
+
+
+def test_a_final_save_on_a_full_disk_exits_5_naming_the_newest_good_checkpoint(tmp_path):
+    # 900 KiB: the check passes (2 kept x ~0.3 MiB of state), the step-2 checkpoint (~0.55 MiB with
+    # orbax's files) is written, and the next ones find the disk full.
+    done = on_small_disk(tmp_path, "900k", "checkpoint.keep=1")
+    assert done.returncode == 5, done.stderr[-2000:]
+    said = lines(done)
+    assert "Traceback" not in done.stderr and len(said) == 3, said
+    assert said[0].startswith("warning: checkpoint at step 4 failed in the background: no space left on the disk of")
+    assert said[0].endswith("training continues, last good checkpoint: step 2")
+    assert said[2].startswith("error: the final checkpoint (step 6) was not saved: no space left on the disk of")
+    assert "the newest saved state is the checkpoint of step 2 in" in said[2] and "run the same command again" in said[2]
+
+
+def test_kept_checkpoints_that_cannot_fit_are_refused_before_the_first_step(tmp_path):
+    done = on_small_disk(tmp_path, "300k")
+    assert done.returncode == 2
+    assert lines(done) == [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    (line,) = lines(done)
+    assert "checkpoint.keep=3 checkpoints of" in line and "lower checkpoint.keep, or set checkpoint.dir" in line
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
