@@ -4,17 +4,23 @@ layouts from one GPU to two hosts: tp, pp, dp, ZeRO-1, remat policies, the loss 
 sequence, LAMB and AdamW. Each layout is compiled without a GPU (`plan --compile`'s own path,
 `aot.environment.compile_report`).
 
-    python -m bench.aot.memory_estimate [--out FILE] [--overwrite]
+    python -m bench.aot.memory_estimate [--out FILE] [--overwrite] [--only NAME ...]
 
-Needs the compile-only environment (configs/aot/setup_env.sh). ~20 s a layout on 2 cores.
-Writes bench/results/memory_estimate_aot.json.
+Needs the compile-only environment (configs/aot/setup_env.sh). ~20 s a layout on 2 cores (an
+unrolled layer scan ~30 s, several GPUs longer). Writes bench/results/memory_estimate_aot.json;
+`--only NAME` (repeatable) compiles those layouts and replaces their rows in the existing file,
+keeping the others as they were measured.
+
+Since configs/gpt_1b.yaml unrolls its layer scan (2026-11-28) the layouts name the scan: the
+rolled ones as measured before that (`model.scan_unroll=1`), and the unrolled rows beside them.
 """
 
 import dataclasses
+import json
 import os
 import sys
 
-from bench.common import REPO, Bench
+from bench.common import REPO, Bench, result_path
 from megascale_jax.aot import environment, targets
 from megascale_jax.config import load_config
 from megascale_jax.model import flops
@@ -22,29 +28,36 @@ from megascale_jax.planner.search import WORKSPACE_BYTES
 
 CONFIG = os.path.join(REPO, "configs", "gpt_1b.yaml")
 SAME_WORK = ["model.window=512", "parallel.microbatches=1", "optim.name=adamw", "train.global_batch=8"]
+ROLLED = ["model.scan_unroll=1"]
 # name: (GPU, GPUs, overrides of configs/gpt_1b.yaml)
 LAYOUTS = {
-    "gpt_1b as shipped (LAMB, 2 x 4 sequences)": ("h100-sxm", 1, []),
-    "same-work row (AdamW, window 512, 8 sequences)": ("h200", 1, SAME_WORK),
+    "gpt_1b as shipped (LAMB, 2 x 4 sequences)": ("h100-sxm", 1, ROLLED),
+    "same-work row (AdamW, window 512, 8 sequences)": ("h200", 1, [*SAME_WORK, *ROLLED]),
     "same-work row, remat elementwise, 19 sequences": ("h200", 1, [*SAME_WORK[:-1], "train.global_batch=19",
-                                                                   "model.remat=elementwise"]),
-    "same-work row, the loss in 8 slices": ("h200", 1, [*SAME_WORK, "model.loss_chunks=8"]),
+                                                                   "model.remat=elementwise", *ROLLED]),
+    "same-work row, the loss in 8 slices": ("h200", 1, [*SAME_WORK, "model.loss_chunks=8", *ROLLED]),
     "remat full, 16 sequences": ("h100-sxm", 1, ["model.remat=full", "train.global_batch=16",
-                                                 "parallel.microbatches=1"]),
-    "remat dots, 8 sequences": ("h100-sxm", 1, ["model.remat=dots", "parallel.microbatches=1"]),
+                                                 "parallel.microbatches=1", *ROLLED]),
+    "remat dots, 8 sequences": ("h100-sxm", 1, ["model.remat=dots", "parallel.microbatches=1", *ROLLED]),
     "long sequence: 16k tokens, window 512": ("h200", 1, ["model.seq_len=16384", "model.window=512",
-                                                          "train.global_batch=1", "parallel.microbatches=1"]),
+                                                          "train.global_batch=1", "parallel.microbatches=1", *ROLLED]),
     "tp 8, SP + collective matmul": ("h100-sxm", 8, ["mesh.tp=8", "parallel.sequence_parallel=true",
-                                                     "parallel.tp_overlap=collective_matmul"]),
-    "dp 8, ZeRO-1, 32 sequences": ("h100-sxm", 8, ["parallel.zero1=true", "train.global_batch=32"]),
-    "dp 2 x tp 4, ZeRO-1": ("h100-sxm", 8, ["mesh.tp=4", "parallel.zero1=true"]),
+                                                     "parallel.tp_overlap=collective_matmul", *ROLLED]),
+    "dp 8, ZeRO-1, 32 sequences": ("h100-sxm", 8, ["parallel.zero1=true", "train.global_batch=32", *ROLLED]),
+    "dp 2 x tp 4, ZeRO-1": ("h100-sxm", 8, ["mesh.tp=4", "parallel.zero1=true", *ROLLED]),
     "pp 2 x tp 4, 1F1B, 4 microbatches": ("h100-sxm", 8, ["mesh.pp=2", "mesh.tp=4", "parallel.microbatches=4",
-                                                         "train.global_batch=8"]),
+                                                         "train.global_batch=8", *ROLLED]),
     "pp 4 x tp 2, interleaved v2, 8 microbatches": ("h100-sxm", 8, [
         "mesh.pp=4", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2",
-        "parallel.microbatches=8", "train.global_batch=8"]),
+        "parallel.microbatches=8", "train.global_batch=8", *ROLLED]),
     "dp 2 x tp 8 over two hosts, ZeRO-1": ("h100-sxm", 16, ["mesh.tp=8", "parallel.zero1=true",
-                                                            "train.global_batch=16"]),
+                                                            "train.global_batch=16", *ROLLED]),
+    # configs/gpt_1b.yaml's own scan since 2026-11-28: unrolled
+    "unrolled: gpt_1b as shipped": ("h100-sxm", 1, []),
+    "unrolled: same-work row": ("h200", 1, SAME_WORK),
+    "unrolled: remat full, 16 sequences": ("h100-sxm", 1, ["model.remat=full", "train.global_batch=16",
+                                                           "parallel.microbatches=1"]),
+    "unrolled: remat dots, 8 sequences": ("h100-sxm", 1, ["model.remat=dots", "parallel.microbatches=1"]),
 }
 
 
@@ -62,14 +75,24 @@ def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
 
 def main(argv=None) -> int:
     bench = Bench(__doc__, "memory_estimate_aot")
-    bench.parse_args(argv)
-    bench.refuse_existing()
+    bench.add_argument("--only", action="append", default=None, choices=list(LAYOUTS), metavar="NAME",
+                       help="compile this layout only (repeatable) and replace its row in the existing file")
+    args = bench.parse_args(argv)
     rows = {}
+    if args.only:
+        with open(result_path("memory_estimate_aot", args.out, overwrite=True)) as f:
+            rows = json.load(f)["rows"]
+    else:
+        bench.refuse_existing()
     print(f"{'layout':<52}{'GPUs':>5}{'estimate GiB':>14}{'compiled GiB':>14}{'ratio':>8}")
     for name, (gpu, gpus, overrides) in LAYOUTS.items():
+        if args.only and name not in args.only:
+            continue
         r = rows[name] = measure(gpu, gpus, overrides)
         print(f"{name:<52}{gpus:>5}{r['estimate_bytes'] / 2**30:>14.2f}{r['compiled_bytes'] / 2**30:>14.2f}"
               f"{r['estimate_over_compiled']:>8.2f}", flush=True)
+    rows = {name: rows[name] for name in LAYOUTS if name in rows}  # in LAYOUTS' order
+    bench.args.overwrite = bench.args.overwrite or bool(args.only)
     bench.write({"device": "compiled without a GPU (jax 0.11.2, the compile-only environment)", "rows": rows})
     return 0
 
