@@ -354,6 +354,11 @@ def test_dry_run_rates_time_every_gemm_on_the_device_and_the_planner_fits_them(f
     assert all(r["seconds"] > 0 and r["tb_per_s"] == pytest.approx(2 * r["bytes"] / r["seconds"] / 1e12)
                for r in rates["stream"])
     assert rates["concurrency"] == {"skipped": "skipped: needs a GPU (PyTorch's CUDA streams)"}
+    # the model's layer GEMMs in FP8: on the CPU no cuBLASLt, so every row says its time is bf16's
+    assert [r["which"] for r in rates["fp8_gemms"]] == ["forward", "input gradient", "weight gradient"]
+    assert [r["formats"] for r in rates["fp8_gemms"]][1] == ["float8_e5m2", "float8_e4m3fn"]
+    assert all(r["seconds"] > 0 and r["fp8_gemm"] is False and "did not make this an FP8 GEMM" in r["note"]
+               for r in rates["fp8_gemms"])
     fit = measured.gemm_fit(str(full[1]), "h200")
     assert len(fit["rows"]) == 3 and all(math.isfinite(r["fitted_us"]) for r in fit["rows"])
     assert "GEMMs, bf16, device time per call" in full[0].stdout

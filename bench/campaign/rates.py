@@ -88,6 +88,47 @@ def gemm_row(m: int, k: int, n: int, repeats: int) -> dict:
     return {"m": m, "k": k, "n": n, "seconds": seconds, "tflops": 2 * m * k * n / seconds / 1e12}
 
 
+def model_layer_gemms(dry_run: bool) -> list[tuple[str, int, int, int]]:
+    """(which, m, k, n) of gpt_1b's six layer GEMMs at 8 x 2048 tokens (`gemm_shapes`' model rows)
+    and which FP8 formats each multiplies: forward e4m3 x e4m3, input gradient e5m2 x e4m3, weight
+    gradient e4m3 x e5m2 (model/fp8.py)."""
+    if dry_run:
+        return [("forward", 32, 32, 32), ("input gradient", 32, 32, 32), ("weight gradient", 32, 32, 32)]
+    shapes = [*linear_gemms(16384, 2048, 3 * 2048 + 8192), *linear_gemms(16384, 2048 + 8192, 2048)]
+    return [(which, *shape) for which, shape in zip(("forward", "input gradient", "weight gradient") * 2, shapes)]
+
+
+FP8_FORMATS = {"forward": ("float8_e4m3fn", "float8_e4m3fn"), "input gradient": ("float8_e5m2", "float8_e4m3fn"),
+               "weight gradient": ("float8_e4m3fn", "float8_e5m2")}
+
+
+def fp8_gemm_row(which: str, m: int, k: int, n: int, repeats: int, on_gpu: bool) -> dict:
+    """One of the model's layer GEMMs as `model.fp8` runs it: FP8 operands scaled back to bf16 and
+    multiplied, which XLA's GEMM rewriter must turn into cuBLASLt's FP8 GEMM. Compiled with Triton
+    GEMMs off (as the campaign's fp8 lever runs: a Triton fusion would multiply upcast bf16), its
+    rate is set beside the bf16 GEMM of the same shape; `fp8_gemm` says whether the compiled
+    program holds `__cublas$lt$matmul$f8`: a row without it timed a bf16 product, and says so."""
+    import jax
+    import jax.numpy as jnp
+
+    def gemm(a, b, sa, sb):
+        return jnp.dot(a.astype(jnp.bfloat16) * sa, b.astype(jnp.bfloat16) * sb)
+
+    gemm.__name__ = f"fp8_gemm_{m}x{k}x{n}"
+    fa, fb = (getattr(jnp, f) for f in FP8_FORMATS[which])
+    a = jax.random.normal(jax.random.PRNGKey(0), (m, k), jnp.float32).astype(fa)
+    b = jax.random.normal(jax.random.PRNGKey(1), (k, n), jnp.float32).astype(fb)
+    sa, sb = jnp.bfloat16(0.5), jnp.bfloat16(0.25)
+    options = {"xla_gpu_enable_triton_gemm": False} if on_gpu else None
+    compiled = jax.jit(gemm).lower(a, b, sa, sb).compile(compiler_options=options)
+    seconds = device_seconds(compiled, (a, b, sa, sb), repeats)
+    row = {"which": which, "m": m, "k": k, "n": n, "formats": list(FP8_FORMATS[which]), "seconds": seconds,
+           "tflops": 2 * m * k * n / seconds / 1e12, "fp8_gemm": "__cublas$lt$matmul$f8" in compiled.as_text()}
+    if not row["fp8_gemm"]:
+        row["note"] = "XLA did not make this an FP8 GEMM: the time is a bf16 product's"
+    return row
+
+
 def stream_row(nbytes: int, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
@@ -182,6 +223,17 @@ def run(settings: dict) -> dict:
             row = {"m": m, "k": k, "n": n, "error": process.one_line(e)}
             print(f"{m:>7}{k:>7}{n:>7}  {row['error']}", flush=True)
         result["gemms"].append(row)
+    on_gpu = settings.get("device", {}).get("backend") == "gpu"
+    result["fp8_gemms"] = []
+    for which, m, k, n in model_layer_gemms(dry_run):
+        try:
+            row = fp8_gemm_row(which, m, k, n, repeats, on_gpu)
+            print(f"fp8 {which:<16}{m:>7}{k:>7}{n:>7}{row['seconds'] * 1e6:>10.1f}{row['tflops']:>9.1f}"
+                  f"  {'cuBLASLt FP8' if row['fp8_gemm'] else row['note']}", flush=True)
+        except Exception as e:  # noqa: BLE001 — a shape that cannot run is a row with its error
+            row = {"which": which, "m": m, "k": k, "n": n, "error": process.one_line(e)}
+            print(f"fp8 {which:<16}{m:>7}{k:>7}{n:>7}  {row['error']}", flush=True)
+        result["fp8_gemms"].append(row)
     for nbytes in STREAM_BYTES[dry_run]:
         try:
             row = stream_row(nbytes, repeats)
@@ -189,7 +241,6 @@ def run(settings: dict) -> dict:
         except Exception as e:  # noqa: BLE001
             row = {"bytes": nbytes, "error": process.one_line(e)}
         result["stream"].append(row)
-    on_gpu = settings.get("device", {}).get("backend") == "gpu"
     result["concurrency"] = concurrency_in_process(on_gpu and not dry_run)
     print(f"concurrency: {result['concurrency']}", flush=True)
     return result

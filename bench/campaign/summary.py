@@ -131,6 +131,15 @@ def rates(section: dict) -> None:
     for r in section["gemms"]:
         timing = f"{r['seconds'] * 1e6:>11.1f}{r['tflops']:>9.1f}" if "seconds" in r else f"  {r['error']}"
         print(f"{r['m']:>7}{r['k']:>7}{r['n']:>7}{timing}")
+    bf16 = {(r["m"], r["k"], r["n"]): r for r in section["gemms"] if "seconds" in r}
+    for r in section.get("fp8_gemms", []):  # results before 2026-11-28 have none
+        if "seconds" not in r:
+            print(f"fp8 {r['which']:<16}{r['m']:>7}{r['k']:>7}{r['n']:>7}  {r['error']}")
+            continue
+        same = bf16.get((r["m"], r["k"], r["n"]))
+        print(f"fp8 {r['which']:<16}{r['m']:>7}{r['k']:>7}{r['n']:>7}{r['seconds'] * 1e6:>11.1f}{r['tflops']:>9.1f}"
+              + (f"  {r['tflops'] / same['tflops']:.2f}x bf16" if same else "")
+              + ("" if r["fp8_gemm"] else f"  ({r['note']})"))
     print("stream (2x + 1, float32): " + "; ".join(
         f"{r['bytes'] / 2**20:.0f} MiB " + (f"{r['tb_per_s']:.2f} TB/s" if "seconds" in r else r["error"])
         for r in section["stream"]))

@@ -120,3 +120,34 @@ def test_fp8_layer_gemms_become_cublaslt_fp8_gemms_for_the_h200(capsys):
     assert kernels["custom_calls"]["__cublas$lt$matmul$f8"] == 6 * layers
     assert kernels["gemms"] == {"cublas-fp8": 6 * layers, "cublas": 3, "cudnn": 2 * layers}
     assert report["kernels"]["gemm_flops_per_step"]["cublas-fp8"] > 0  # FP8 GEMMs count their FLOPs
+
+
+def test_the_campaigns_fp8_rate_rows_compile_to_cublaslt_fp8_gemms_for_the_h200():
+    """bench/campaign/rates.py's FP8 rows (gpt_1b's six layer GEMMs, each with its formats), as the
+    campaign compiles them on a GPU (Triton GEMMs off), hold `__cublas$lt$matmul$f8` when compiled
+    for an H200 here: the rates the next GPU run records are FP8's."""
+    script = """
+import jax, jax.numpy as jnp
+from jax.experimental import topologies
+from jax.sharding import SingleDeviceSharding
+from bench.campaign.rates import FP8_FORMATS, model_layer_gemms
+from megascale_jax.aot.targets import target
+device = topologies.get_topology_desc(platform="cuda", target_config=target("h200").proto(), topology="1x1x1").devices[0]
+on = SingleDeviceSharding(device)
+for which, m, k, n in model_layer_gemms(False):
+    fa, fb = (getattr(jnp, f) for f in FP8_FORMATS[which])
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=on)
+            for shape, dtype in (((m, k), fa), ((k, n), fb), ((), jnp.bfloat16), ((), jnp.bfloat16))]
+    gemm = lambda a, b, sa, sb: jnp.dot(a.astype(jnp.bfloat16) * sa, b.astype(jnp.bfloat16) * sb)
+    text = jax.jit(gemm).lower(*args).compile(compiler_options={"xla_gpu_enable_triton_gemm": False}).as_text()
+    print(which, m, k, n, "__cublas$lt$matmul$f8" in text)
+"""
+    import os
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(REPO)}
+    env.pop("XLA_FLAGS", None)  # the CPU mesh's simulated-device flags mean nothing to this compile
+    done = subprocess.run([environment.python(), "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert len(rows) == 6 and all(row[-1] == "True" for row in rows), done.stdout

@@ -35,6 +35,7 @@ def lines(done) -> list[str]:
     return [line for line in done.stderr.splitlines() if not line.startswith("step ")]
 
 
+@pytest.mark.slow
 def test_a_final_save_on_a_full_disk_exits_5_naming_the_newest_good_checkpoint(tmp_path):
     # 900 KiB: the check passes (2 kept x ~0.3 MiB of state), the step-2 checkpoint (~0.55 MiB with
     # orbax's files) is written, and the next ones find the disk full.
