@@ -55,27 +55,35 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
         tokenizer = tokenizers_.run_tokenizer(run_dir, cfg)
     except tokenizers_.TokenizerError as e:
         raise ExportError(str(e)) from None
+    end = tokenizers_.run_end_of_text(run_dir, cfg)
     run = trained.load(run_dir, step, warn=lambda line: print(line, file=sys.stderr))
-    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes)}
+    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes, end)}
 
 
 def write(model: ModelConfig, params, out_dir: str, tokenizer=None,
-          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, end: int | None = None) -> dict:
     """config.json, the safetensors and (given a `tokenizers.Tokenizer`) the tokenizer files of
-    canonical-order `params` in `out_dir`; returns {architecture, files, parameters}."""
+    canonical-order `params` in `out_dir`; returns {architecture, files, parameters}. `end`: the
+    token that ends a document (a model's own tokenizer's EOS, e.g. Llama's `</s>`), else this
+    project's BPE's `<|endoftext|>` where the vocabulary has it."""
     try:
         mapping = hf_models.mapping_for(model)
     except hf_models.Unsupported as e:
         raise ExportError(str(e)) from None
-    end = tokenizer.token_to_id(tokenizers_.END_OF_TEXT) if tokenizer is not None else None
+    if end is None and tokenizer is not None:
+        end = tokenizer.token_to_id(tokenizers_.END_OF_TEXT)
+    # this project's BPE begins and ends documents with one token; a model's own tokenizer adds its
+    # BOS itself (its post-processor, saved in tokenizer.json): only its EOS is named
+    own = tokenizer.id_to_token(end) if tokenizer is not None and end is not None else None
+    bpe = own == tokenizers_.END_OF_TEXT
     tensors = hf_weights.to_hf(model, mapping, params)
     os.makedirs(out_dir, exist_ok=True)
     files = hf_weights.write_safetensors(tensors, out_dir, max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_models.hf_config(model, bos_id=end, eos_id=end), f, indent=2)
+        json.dump(hf_models.hf_config(model, bos_id=end if bpe else None, eos_id=end), f, indent=2)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-        special = {"bos_token": tokenizers_.END_OF_TEXT, "eos_token": tokenizers_.END_OF_TEXT} if end is not None else {}
+        special = {"bos_token": own, "eos_token": own} if bpe else {"eos_token": own} if own is not None else {}
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.seq_len,
                        "clean_up_tokenization_spaces": False, **special}, f, indent=2)

@@ -164,6 +164,19 @@ def run_tokenizer(run_dir: str, cfg):
     return Tokenizer.from_file(path)
 
 
+def run_end_of_text(run_dir: str, cfg) -> int | None:
+    """The end-of-document token id a run's tokens.json records (the tokenize command's and the
+    jsonl/parquet sources' meta: a model's own EOS, e.g. Llama's `</s>`), None where it has none."""
+    if cfg.data.source in BYTE_LEVEL_SOURCES:
+        return None
+    path = os.path.join(run_dirs.tokenizer_dir(run_dir), META_FILE)
+    try:
+        with open(path) as f:
+            return json.load(f).get("end_of_text")
+    except (OSError, ValueError):
+        return None
+
+
 def record_in_run_dir(token_file: str, run_dir: str) -> None:
     """Copy the tokenizer that wrote `token_file` (tokenizer.json and tokens.json beside it) into
     `run_dir`/tokenizer/, so the run says which tokenizer its token ids mean. A token file with

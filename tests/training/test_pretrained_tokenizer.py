@@ -237,3 +237,54 @@ def test_a_run_trains_on_jsonl_shards_and_records_their_tokenizer(corpus):
 
     eos = AutoTokenizer.from_pretrained(str(work / "model"), local_files_only=True).convert_tokens_to_ids("</s>")
     assert yaml.safe_load((work / "runs" / "j" / "config.yaml").read_text())["model"]["document_eos"] == eos
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_continued_on_jsonl_shards_generates_in_transformers_what_sample_prints(corpus, run_main):
+    """Issue 58, item 5, as a user types it from the corpus's directory: a Llama-shaped Hugging Face
+    directory (a small random LlamaForCausalLM saved with the tokenizer trained above) continued
+    on the JSONL shards with its own tokenizer (`model.init_from`, `data.source=jsonl`,
+    `data.tokenizer`), exported (`export_hf`), loaded by transformers with the exported tokenizer:
+    its greedy continuation of a prompt is the text `sample` prints, and the tokenizer's `</s>`
+    is the export's EOS."""
+    import torch
+    import transformers
+
+    from megascale_jax import export_hf, sample
+
+    work, _ = corpus
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(work / "model"), local_files_only=True)
+    vocab = len(hf_tok)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rms_norm_eps=1e-6, tie_word_embeddings=False,
+                                      bos_token_id=hf_tok.convert_tokens_to_ids("<s>"), eos_token_id=hf_tok.eos_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(work / "llama")
+    hf_tok.save_pretrained(work / "llama")
+    model = [f"model.vocab={vocab}", "model.d_model=64", "model.layers=2", "model.heads=4", "model.kv_heads=2",
+             "model.block=serial", "model.norm=rmsnorm", "model.activation=swiglu", "model.bias=false",
+             "model.mlp_hidden=128", "model.seq_len=32", "model.window=null"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", "runs/llama", *model,
+                           "model.init_from=llama", "data.source=jsonl", "data.path=shards/*.jsonl*",
+                           "data.tokenizer=llama", "data.cache_dir=cache4", "train.steps=3", "train.global_batch=4",
+                           "mesh.dp=2", "mesh.tp=1", "data.val_fraction=0", "train.eval_batches=0", "checkpoint.every=3",
+                           "optim.warmup=1"], cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "initialised from the Hugging Face model in llama" in done.stdout + done.stderr
+    code, _, err = run_main(export_hf.main, ["runs/llama", "hf_llama"], work)
+    assert code == 0, err
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(work / "hf_llama"))
+    assert tok.eos_token == "</s>" and json.loads((work / "hf_llama" / "config.json").read_text())["eos_token_id"] == \
+        tok.eos_token_id
+    prompt = "the model attention"
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    assert ids[0, 0].item() == tok.convert_tokens_to_ids("<s>")  # its post-processor's BOS, as in training
+    lm = transformers.AutoModelForCausalLM.from_pretrained(str(work / "hf_llama"))
+    with torch.no_grad():
+        theirs = lm.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, ids.shape[1]:].tolist()
+    code, out, err = run_main(sample.main, ["runs/llama", "--prompt", prompt, "--max-new-tokens", "12"], work)
+    assert code == 0, err
+    assert tok.decode(theirs) in out, (tok.decode(theirs), out)
