@@ -41,6 +41,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from typing import Any, Callable
 
 import jax
@@ -135,7 +136,9 @@ class OrbaxErrors(logging.Filter):
         self.last: str | None = None
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR or "orbax" not in record.pathname:
+        # orbax's own logs, and asyncio's "Task exception was never retrieved" for orbax's write
+        # tasks that a full disk failed (logged when they are collected, even after the run's last line)
+        if record.levelno < logging.ERROR or ("orbax" not in record.pathname and "orbax" not in record.getMessage()):
             return True
         cause = record.exc_info[1] if record.exc_info else None
         text = str(cause) if cause is not None else record.getMessage()
@@ -149,9 +152,11 @@ _ORBAX_ERRORS = OrbaxErrors()
 
 
 def _quiet_orbax_errors() -> OrbaxErrors:
-    absl_logger = logging.getLogger("absl")
-    if _ORBAX_ERRORS not in absl_logger.filters:
-        absl_logger.addFilter(_ORBAX_ERRORS)
+    # and the write coroutines such a failure leaves unawaited, which Python names at exit
+    warnings.filterwarnings("ignore", message="coroutine 'async_serialize_from_host", category=RuntimeWarning)
+    for name in ("absl", "asyncio"):
+        if _ORBAX_ERRORS not in logging.getLogger(name).filters:
+            logging.getLogger(name).addFilter(_ORBAX_ERRORS)
     return _ORBAX_ERRORS
 
 
@@ -249,8 +254,8 @@ class Checkpointer:
         try:
             self._orbax_save(step, state, meta, data_state)
         except Exception as e:  # e.g. the directory cannot be written
-            self._warn_not_saved(step, cli.one_line(e))
-            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": cli.one_line(e)}]
+            self._warn_not_saved(step, self.save_error(e))
+            return finished + [{"step": step, "block_s": time.perf_counter() - start, "error": self.save_error(e)}]
         end = time.perf_counter()
         # Where the blocking went: the previous save's write, the checksums (which also wait for
         # the step that produced `state`), orbax's own part (host copy, directories, barriers).
@@ -293,17 +298,25 @@ class Checkpointer:
                                              "device_to_host": round(landed - copied, 4),
                                              "orbax_save": round(time.perf_counter() - landed, 4)}
         except Exception as e:  # noqa: BLE001 — reported by poll(), like a failed background write
-            pending["error"] = cli.one_line(e)
+            pending["error"] = self.save_error(e)
 
     def _warn_not_saved(self, step: int, error: str) -> None:
         self.warn(f"warning: checkpoint at step {step} not saved: {self.brief(error)}; training continues, "
                   f"last good checkpoint: step {self._last_committed()}")
+
+    def save_error(self, e: BaseException) -> str:
+        """A failed save's exception as one line: a full disk or a file-size limit said plainly
+        (read from the whole message: its own words can come after 300 characters of paths)."""
+        short = self.brief(str(e))
+        return short if short != str(e) else cli.one_line(e)
 
     def brief(self, error: str) -> str:
         """A save's error as the user needs it: a full disk said plainly (orbax's and tensorstore's
         own wording of it runs to hundreds of characters)."""
         if "No space left on device" in error or "ENOSPC" in error:
             return f"no space left on the disk of {self.directory}"
+        if "File too large" in error or "EFBIG" in error:
+            return f"a file too large for the disk of {self.directory} or this process's file-size limit (EFBIG)"
         return error
 
     def _on_commit(self) -> None:
@@ -346,7 +359,7 @@ class Checkpointer:
         try:
             self.manager.check_for_errors()
         except Exception as e:
-            error = cli.one_line(e)
+            error = self.save_error(e)
         with self._lock:
             done = self._commit_times.pop(step, None)
         if step not in committed_steps(self.directory):

@@ -33,7 +33,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from megascale_jax import run_dir as run_dirs
+from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.training import checkpoint, checkpoint_damage, data
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
@@ -615,7 +615,10 @@ def test_dp8_checkpoint_resumes_on_other_meshes(reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.xdist_group("checkpoint-reference")
 def test_failing_saves_keep_training_and_the_last_good_checkpoint(reference, tmp_path):
-    """RLIMIT_FSIZE makes every checkpoint data file too large to write (EFBIG, as on a full disk)."""
+    """RLIMIT_FSIZE makes every checkpoint data file too large to write (EFBIG, as on a full disk):
+    training goes on to its last step, and since that step's checkpoint failed too the run ends
+    with exit 5 and one line naming the newest good checkpoint (tests/training/test_full_disk.py:
+    a real full disk)."""
     run_dir = tmp_path / "full"
     (run_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(reference / "checkpoints" / "10", run_dir / "checkpoints" / "10")
@@ -626,7 +629,10 @@ def test_failing_saves_keep_training_and_the_last_good_checkpoint(reference, tmp
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
 
     result = run_cli(run_dir, [*TINY, *DP8], preexec_fn=small_files)
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == cli.EXIT_NOT_SAVED, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the final checkpoint (step 20) was not saved: a file too large") and \
+        "the newest saved state is the checkpoint of step 10 in" in last, last
     assert [r["step"] for r in records(run_dir)] == list(range(1, 21))
     warnings = warnings_in(result.stderr + result.stdout)
     assert warnings and all("last good checkpoint: step 10" in w for w in warnings), warnings

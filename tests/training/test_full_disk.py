@@ -6,6 +6,7 @@ line per failed save (orbax's threads' tracebacks not printed), training going o
 that fails ends with exit 5 and one line naming the newest good checkpoint."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,16 +38,24 @@ def lines(done) -> list[str]:
 
 @pytest.mark.slow
 def test_a_final_save_on_a_full_disk_exits_5_naming_the_newest_good_checkpoint(tmp_path):
-    # 900 KiB: the check passes (2 kept x ~0.3 MiB of state), the step-2 checkpoint (~0.55 MiB with
-    # orbax's files) is written, and the next ones find the disk full.
-    done = on_small_disk(tmp_path, "900k", "checkpoint.keep=1")
+    # 1,050 KiB with checkpoint.keep=2 (orbax deletes nothing while fewer are kept): the check passes
+    # (3 x ~0.33 MiB of state), step 2's checkpoint (~0.55 MiB with orbax's files) fits, step 4's
+    # fits or not by a few KiB (orbax's metadata varies), step 6's cannot.
+    done = on_small_disk(tmp_path, "1050k", "checkpoint.keep=2")
     assert done.returncode == 5, done.stderr[-2000:]
-    said = lines(done)
-    assert "Traceback" not in done.stderr and len(said) == 3, said
-    assert said[0].startswith("warning: checkpoint at step 4 failed in the background: no space left on the disk of")
-    assert said[0].endswith("training continues, last good checkpoint: step 2")
-    assert said[2].startswith("error: the final checkpoint (step 6) was not saved: no space left on the disk of")
-    assert "the newest saved state is the checkpoint of step 2 in" in said[2] and "run the same command again" in said[2]
+    assert "Traceback" not in done.stderr and "never awaited" not in done.stderr, done.stderr[-3000:]
+    *warned, error = lines(done)
+    # failed in orbax's background write, or in its save() itself ("not saved"): either way one line
+    said = re.compile(r"warning: checkpoint at step (\d+) (failed in the background|not saved): no space left on the "
+                      r"disk of ")
+    assert all(said.match(line) for line in warned), warned
+    failed = [int(said.match(line).group(1)) for line in warned]
+    assert failed in ([6], [4, 6]), warned
+    good = 2 if 4 in failed else 4
+    assert all(line.endswith(f"training continues, last good checkpoint: step {min(good, step - 2)}")
+               for line, step in zip(warned, failed)), warned
+    assert error.startswith("error: the final checkpoint (step 6) was not saved: no space left on the disk of")
+    assert f"the newest saved state is the checkpoint of step {good} in" in error and "run the same command again" in error
 
 
 def test_kept_checkpoints_that_cannot_fit_are_refused_before_the_first_step(tmp_path):
