@@ -141,10 +141,8 @@ class OrbaxErrors(logging.Filter):
         if record.levelno < logging.ERROR or ("orbax" not in record.pathname and "orbax" not in record.getMessage()):
             return True
         cause = record.exc_info[1] if record.exc_info else None
-        text = str(cause) if cause is not None else record.getMessage()
-        # a full disk's own words kept whole (they can come after 300 characters of paths)
-        self.last = ("No space left on device" if "No space left on device" in text
-                     else cli.one_line(cause) if cause is not None else text.splitlines()[0][:300])
+        # kept whole: a full disk's own words can come after 300 characters of paths (Checkpointer.brief)
+        self.last = f"{type(cause).__name__}: {cause}" if cause is not None else record.getMessage()
         return False
 
 
@@ -355,7 +353,8 @@ class Checkpointer:
             record["background_parts_s"] = pending["background_parts_s"]
         # orbax logs a background write error but does not always re-raise it, so success is
         # judged by the commit itself: the rename to <dir>/<step>.
-        error = f"not committed ({self._orbax_errors.last or 'orbax gave no cause'})"
+        cause = self._orbax_errors.last or "orbax gave no cause"
+        error = self.brief(cause) if self.brief(cause) != cause else f"not committed ({cause.splitlines()[0][:300]})"
         try:
             self.manager.check_for_errors()
         except Exception as e:
