@@ -379,12 +379,14 @@ def test_embedded_redis_restarted_and_heartbeats_resume(drilled):
 @pytest.fixture(scope="module")
 def spared(tmp_path_factory):
     """One spare; rank 1 corrupts step 3's batch once, then rank 1's host is lost at step 9 (killed,
-    its RAM wiped). Memory snapshots every 3 steps and no checkpoint before step 10: the restart
-    resumes from a snapshot, rank 1's from the copy the other host holds."""
+    its RAM wiped). Memory snapshots every 3 steps and no checkpoint before the last step (20): the
+    restart resumes from a snapshot, rank 1's from the copy the other host holds. (The driver kills
+    when it sees step 9 in the heartbeats, which under load can be a few steps late: with a
+    checkpoint at step 10, a late kill once resumed from that checkpoint instead.)"""
     run_dir = tmp_path_factory.mktemp("spared")
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
                                                "--drill", "nan:1@3", "--drill", "host:1@9", *JOB,
-                                               "checkpoint.every=10", "checkpoint.memory_every=3"])
+                                               "checkpoint.every=20", "checkpoint.memory_every=3"])
     assert done.returncode == 0, done.stdout + done.stderr
     return run_dir, events(run_dir)
 
@@ -418,7 +420,7 @@ def test_a_faulty_rank_is_excluded_and_a_spare_takes_its_place(spared, reference
     # The spare, on a fresh host, as rank 1: the snapshot the lost rank 1 wrote, from the copy its
     # peer (rank 0's host) holds — no disk read; both processes agree on it.
     restart, rest = after(rest, "restart")
-    assert restart["resume_from"] == "memory snapshot" and restart["resume_step"] in (6, 9), restart
+    assert restart["resume_from"] == "memory snapshot" and restart["resume_step"] in (6, 9, 12), restart
     resumed, _ = after(rest, "resumed")
     with open(os.path.join(run_dir, "logs", "worker0.log")) as f:  # rank 0 logs for every rank
         restored = f.read().split("===== attempt")[-1]  # the last attempt's lines
