@@ -99,14 +99,14 @@ class ModelConfig:
     # (transformer.head_logits). Only matters at dtype=bfloat16; on an H200 the float32 weight-
     # gradient GEMM alone took 15.5 ms of a 340 ms step (2026-11-27)
     head_grad_float32: bool = False
-    # Packed documents kept apart (model/documents.py): the token that ends each document. Set, no
-    # query attends to a key of another document of its sequence, and the target after this token
-    # (the next document's first) is not trained on. data.source=jsonl|parquet set it to the
-    # tokenizer's end-of-document token (data.keep_documents_apart). None: plain causal packing
     # The layers' four GEMMs as FP8 GEMMs (model/fp8.py: e4m3 values and weights, e5m2 gradients,
     # each scaled by its own amax in the step). The embedding, attention and the LM head stay in
     # `dtype`. Compiled for a GPU it must become cuBLASLt's FP8 GEMM (`plan --compile` counts them)
     fp8: bool = False
+    # Packed documents kept apart (model/documents.py): the token that ends each document. Set, no
+    # query attends to a key of another document of its sequence, and the target after this token
+    # (the next document's first) is not trained on. data.source=jsonl|parquet set it to the
+    # tokenizer's end-of-document token (data.keep_documents_apart). None: plain causal packing
     document_eos: Optional[int] = None
     rope_restart: bool = True  # with document_eos: rotary positions count from each document's start
 

@@ -38,6 +38,7 @@ def validate(cfg, planning: bool = False) -> None:
     check_tensor_parallel(cfg.model, cfg.mesh, cfg.parallel)
     check_pipeline(cfg.model, cfg.mesh, cfg.parallel)
     check_fp8(cfg.model, cfg.mesh, cfg.parallel)
+    check_documents(cfg.model, cfg.mesh)
     check_optim(cfg.optim)
     check_train(cfg.train, cfg.mesh, cfg.parallel)
     if planning:
@@ -50,13 +51,30 @@ def validate(cfg, planning: bool = False) -> None:
     check_documents_apart(cfg.data, cfg.model, cfg.mesh)
 
 
+def documents_unsupported(mo, m) -> str | None:
+    """Why this layout cannot keep packed documents apart yet (model.document_eos), None if it can."""
+    if m.pp > 1:
+        return f"documents are not kept apart through the pipeline yet (mesh.pp={m.pp})"
+    if mo.attention == "pallas":
+        return "the Pallas attention kernel does not keep documents apart yet"
+    return None
+
+
+def check_documents(mo, m) -> None:
+    if mo.document_eos is not None:
+        require(0 <= mo.document_eos < mo.vocab,
+                f"model.document_eos={mo.document_eos} must be a token id below model.vocab={mo.vocab}")
+        why = documents_unsupported(mo, m)
+        require(why is None, f"model.document_eos: {why}; use mesh.pp=1 and model.attention=xla|cudnn, "
+                             "or data.keep_documents_apart=false")
+
+
 def check_documents_apart(d, mo, m) -> None:
     """What data.keep_documents_apart will ask of the model (model.document_eos, set once the
-    tokenizer is known) refused before the corpus is tokenized."""
+    tokenizer is known: `data.with_documents_apart`) refused before the corpus is tokenized."""
     if d.source not in ("jsonl", "parquet") or not d.keep_documents_apart:
         return
-    why = ("documents are not kept apart through the pipeline yet (mesh.pp=%d)" % m.pp if m.pp > 1 else
-           "the Pallas attention kernel does not keep documents apart yet" if mo.attention == "pallas" else None)
+    why = documents_unsupported(mo, m)
     require(why is None, f"data.source={d.source} keeps documents apart (data.keep_documents_apart=true), but {why}; "
                          "set data.keep_documents_apart=false to train across document boundaries")
 
@@ -98,11 +116,6 @@ def check_model(mo) -> None:
             f"model.loss_chunks={mo.loss_chunks} must be >= 1 and divide model.seq_len={mo.seq_len}")
     require(mo.heads % mo.kv_heads == 0,
             f"model.heads={mo.heads} must be divisible by model.kv_heads={mo.kv_heads} (grouped-query attention)")
-    if mo.document_eos is not None:
-        require(0 <= mo.document_eos < mo.vocab,
-                f"model.document_eos={mo.document_eos} must be a token id below model.vocab={mo.vocab}")
-        require(mo.attention != "pallas", "model.document_eos: the Pallas attention kernel does not keep documents "
-                                          "apart yet; use model.attention=xla|cudnn, or data.keep_documents_apart=false")
 
 
 def check_tensor_parallel(mo, m, p) -> None:
@@ -143,8 +156,6 @@ def check_pipeline(mo, m, p) -> None:
     require(mo.layers % (m.pp * p.pp_virtual) == 0,
             f"model.layers={mo.layers} must be divisible by mesh.pp={m.pp} x parallel.pp_virtual={p.pp_virtual}")
     if m.pp > 1:
-        require(mo.document_eos is None, f"model.document_eos: documents are not kept apart through the pipeline yet "
-                                         f"(mesh.pp={m.pp}); use mesh.pp=1, or data.keep_documents_apart=false")
         try:
             pipeline_schedule.check(p.pp_schedule, m.pp, p.pp_virtual, p.microbatches)
         except ValueError as e:

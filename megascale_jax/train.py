@@ -24,7 +24,7 @@ from megascale_jax import cli, run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.cluster.self_test import device_self_test
 from megascale_jax.config import (Config, ConfigError, check_runtime, load_config, save_config,
-                                  validate, with_device_defaults)
+                                  with_device_defaults)
 from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
@@ -359,8 +359,9 @@ def _main(argv) -> int:
             hf_import.check(cfg)
         check_memory(cfg)
         corpus = data.load_corpus(cfg)
-        cfg = data.with_documents_apart(cfg, corpus)  # jsonl/parquet: attention inside each document
-        validate(cfg)  # what that adds (the pipeline and the Pallas kernel do not keep documents apart yet)
+        # jsonl/parquet: attention inside each document (the layouts that cannot were refused with
+        # the config, config_checks.check_documents_apart, before the corpus was tokenized)
+        cfg = data.with_documents_apart(cfg, corpus)
         # Built here so that too little data is a one-line error before anything compiles.
         train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
         val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")

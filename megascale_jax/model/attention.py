@@ -3,7 +3,7 @@
 `attend(q, k, v, window=w, implementation=...)` with q: (batch, seq, heads, head_dim) and k, v:
 (batch, seq, kv_heads, head_dim), kv_heads dividing heads (grouped-query attention). A query at
 position i sees keys j with i - w < j <= i: itself and the previous w-1 tokens (window=None:
-every earlier token); with `documents` (batch, seq) document ids (`model.documents`), only keys
+every earlier token); with `documents` (batch, seq) document ids (`model.document_eos`), only keys
 of its own document as well.
 
 * `xla`   — the reference: explicit scores, mask and float32 softmax; runs everywhere.

@@ -147,13 +147,13 @@ def column_matmul(x, weights, parallel: ParallelConfig, fp8: bool = False):
     over tp (k and v with fewer kv heads than tp ranks, see `sharding.rules_for`) enters sliced to
     this device's columns, so every n_i divides by tp (config validation checks kv_heads·head_dim)."""
     tp = _tp_size()
-    if fp8 and (tp == 1 or parallel.tp_overlap == "xla"):
+    if fp8 and tp == 1:
         # one FP8 GEMM over the weights side by side, one scale for all: XLA merges dots that share
-        # their input, and a merged product of separately scaled weights is no FP8 pattern (it stays bf16)
-        y = fp8_matmul(x, jnp.concatenate(weights, axis=1))
-        return _split(y, [w.shape[1] for w in weights])
+        # their input, and a merged product of separately scaled weights is no FP8 pattern (it stays
+        # bf16). Only at tp = 1: under GSPMD, concatenating column-split weights would move them.
+        return _split(fp8_matmul(x, jnp.concatenate(weights, axis=1)), [w.shape[1] for w in weights])
     if tp == 1 or parallel.tp_overlap == "xla":  # local, or GSPMD's collectives for XLA to overlap
-        return [x @ w.astype(x.dtype) for w in weights]
+        return [fp8_matmul(x, w) if fp8 else x @ w.astype(x.dtype) for w in weights]
     sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
 
     def local(x, *ws):
@@ -176,10 +176,10 @@ def row_matmul(inputs, weights, parallel: ParallelConfig, fp8: bool = False):
 
     Returns (b, s, d): sequence split over tp with sequence parallelism, else replicated."""
     tp = _tp_size()
-    if fp8 and (tp == 1 or parallel.tp_overlap == "xla"):  # one FP8 GEMM (as in column_matmul)
+    if fp8 and tp == 1:  # one FP8 GEMM (as in column_matmul)
         return fp8_matmul(jnp.concatenate(inputs, axis=-1), jnp.concatenate(weights, axis=0))
     if tp == 1 or parallel.tp_overlap == "xla":
-        return sum(h @ w.astype(h.dtype) for h, w in zip(inputs, weights))
+        return sum(fp8_matmul(h, w) if fp8 else h @ w.astype(h.dtype) for h, w in zip(inputs, weights))
     sp, overlap = parallel.sequence_parallel, parallel.tp_overlap == "collective_matmul"
 
     def local(*args):

@@ -141,7 +141,7 @@ class OrbaxErrors(logging.Filter):
         if record.levelno < logging.ERROR or ("orbax" not in record.pathname and "orbax" not in record.getMessage()):
             return True
         cause = record.exc_info[1] if record.exc_info else None
-        # kept whole: a full disk's own words can come after 300 characters of paths (Checkpointer.brief)
+        # kept whole: a full disk's own words can come after 300 characters of paths (Checkpointer.plain_words)
         self.last = f"{type(cause).__name__}: {cause}" if cause is not None else record.getMessage()
         return False
 
@@ -299,23 +299,22 @@ class Checkpointer:
             pending["error"] = self.save_error(e)
 
     def _warn_not_saved(self, step: int, error: str) -> None:
-        self.warn(f"warning: checkpoint at step {step} not saved: {self.brief(error)}; training continues, "
+        self.warn(f"warning: checkpoint at step {step} not saved: {error}; training continues, "
                   f"last good checkpoint: step {self._last_committed()}")
 
     def save_error(self, e: BaseException) -> str:
-        """A failed save's exception as one line: a full disk or a file-size limit said plainly
-        (read from the whole message: its own words can come after 300 characters of paths)."""
-        short = self.brief(str(e))
-        return short if short != str(e) else cli.one_line(e)
+        """A failed save's exception as one line (`plain_words` where it has them)."""
+        return self.plain_words(str(e)) or cli.one_line(e)
 
-    def brief(self, error: str) -> str:
-        """A save's error as the user needs it: a full disk said plainly (orbax's and tensorstore's
-        own wording of it runs to hundreds of characters)."""
+    def plain_words(self, error: str) -> str | None:
+        """A full disk or a file-size limit said as the user needs it, None for any other error.
+        Read from the whole message: orbax's and tensorstore's own wording of it can come after
+        300 characters of paths."""
         if "No space left on device" in error or "ENOSPC" in error:
             return f"no space left on the disk of {self.directory}"
         if "File too large" in error or "EFBIG" in error:
             return f"a file too large for the disk of {self.directory} or this process's file-size limit (EFBIG)"
-        return error
+        return None
 
     def _on_commit(self) -> None:
         # Runs on orbax's background thread once the write is finalised (just before the rename).
@@ -354,7 +353,7 @@ class Checkpointer:
         # orbax logs a background write error but does not always re-raise it, so success is
         # judged by the commit itself: the rename to <dir>/<step>.
         cause = self._orbax_errors.last or "orbax gave no cause"
-        error = self.brief(cause) if self.brief(cause) != cause else f"not committed ({cause.splitlines()[0][:300]})"
+        error = self.plain_words(cause) or f"not committed ({cause.splitlines()[0][:300]})"
         try:
             self.manager.check_for_errors()
         except Exception as e:
@@ -362,7 +361,7 @@ class Checkpointer:
         with self._lock:
             done = self._commit_times.pop(step, None)
         if step not in committed_steps(self.directory):
-            self.warn(f"warning: checkpoint at step {step} failed in the background: {self.brief(error)}; "
+            self.warn(f"warning: checkpoint at step {step} failed in the background: {error}; "
                       f"training continues, last good checkpoint: step {self._last_committed()}")
             return [{**record, "error": error}]
         return [{**record, "total_s": (done or time.perf_counter()) - pending["start"]}]
@@ -372,7 +371,7 @@ class Checkpointer:
         try:
             self.manager.close()  # waits for orbax's own metadata writes, which a full disk fails too
         except OSError as e:  # a full disk was said with the save that met it
-            if self.brief(str(e)) == str(e):
+            if self.plain_words(str(e)) is None:
                 self.warn(f"warning: closing the checkpoints in {self.directory}: {cli.one_line(e)}")
         return records
 

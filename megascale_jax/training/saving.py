@@ -180,7 +180,7 @@ class Saves:
             where = (f"the newest saved state is the checkpoint of step {good[-1]} in {self.ckpt.directory}" if good
                      else "no checkpoint of this run was saved")
             raise FinalSaveFailed(f"the final checkpoint (step {self.last}) was not saved: "
-                                  f"{self.ckpt.brief(self.final_error)}; {where}; "
+                                  f"{self.final_error}; {where}; "
                                   "free space there and run the same command again to resume")
         if self.snapshots:
             self.snapshots.remove_all()

@@ -95,8 +95,30 @@ def test_rotary_positions_kept_or_restarted_give_one_loss_inside_documents():
     restarted = float(loss_fn(Transformer(cfg), params, batch))
     kept = float(loss_fn(Transformer(dataclasses.replace(cfg, rope_restart=False)), params, batch))
     np.testing.assert_allclose(kept, restarted, rtol=1e-6)
-    layout = documents.layout(batch[:, :-1], EOS)
-    assert int(layout.positions.max()) < cfg.seq_len - 1 and int((layout.positions == 0).sum()) > 2 * batch.shape[0]
+
+
+def test_restarted_positions_are_what_the_rotary_embedding_rotates_by(monkeypatch):
+    """The wiring the loss cannot see (above): with model.rope_restart q and k rotate by each
+    document's own positions, without it by the row's."""
+    from megascale_jax.model import transformer
+
+    seen = []
+    rotary = transformer.rotary
+    monkeypatch.setattr(transformer, "rotary", lambda x, positions, *a: seen.append(positions) or rotary(x, positions, *a))
+    cfg = ModelConfig(**{**SHAPE, "layers": 1}, document_eos=EOS)
+    params = perturbed_params(Transformer(cfg), seed=4)
+    tokens = jnp.asarray(packed_batch(seed=9, rows=2, seq_len=cfg.seq_len))[:, :-1]
+    layout = documents.layout(tokens, EOS)
+    assert int(layout.positions.max()) < cfg.seq_len - 1 and int((layout.positions == 0).sum()) > 2 * tokens.shape[0]
+    for restart in (True, False):
+        seen.clear()
+        Transformer(dataclasses.replace(cfg, rope_restart=restart)).apply({"params": params}, tokens)
+        assert len(seen) >= 2  # q and k (the scan may trace its body more than once)
+        for positions in seen:
+            if restart:  # the layout's, handed to every layer as it is
+                np.testing.assert_array_equal(positions, layout.positions)
+            else:  # the row's own: one position a column (an arange traced inside the layer)
+                assert positions.shape == (cfg.seq_len,)
 
 
 @pytest.mark.parametrize("overrides, says", [
