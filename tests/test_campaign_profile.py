@@ -150,8 +150,13 @@ def test_every_model_part_takes_time_in_a_real_step(traced):
     for part in ("attention", "QKV + MLP-up GEMM", "output + MLP-down GEMM", "MLP", "LM head/loss", "norms",
                  "embedding", "optimizer"):
         assert table["by_part"].get(part, 0) > 0, (part, table["by_part"])
-    # The rules leave little unnamed: the layer scan's plumbing and metadata-less reductions.
-    assert table["by_part"].get("other", 0) < 0.25 * table["by_part"]["total"], table["by_part"]
+    # The rules leave little unnamed: the layer scan's plumbing and metadata-less reductions. Counted
+    # in executed ops, not seconds: on a loaded CPU one op's time swings (CI once put "other" at 30%
+    # of the time with 11% of the ops).
+    ops, hlo, _ = traced
+    executed = {o.name: o.is_collective for o in ops if o.is_compute or o.is_collective}
+    unnamed = [n for n, collective in executed.items() if part_of(hlo.get(n, Instruction("")), collective) == "other"]
+    assert len(unnamed) < 0.2 * len(executed), sorted(unnamed)
 
 
 def test_the_parts_add_up_to_the_steps_device_op_time(traced):
