@@ -4,12 +4,14 @@ layouts from one GPU to two hosts: tp, pp, dp, ZeRO-1, remat policies, the loss 
 sequence, LAMB and AdamW. Each layout is compiled without a GPU (`plan --compile`'s own path,
 `aot.environment.compile_report`).
 
-    python -m bench.aot.memory_estimate [--out FILE] [--overwrite] [--only NAME ...]
+    python -m bench.aot.memory_estimate [--out FILE] [--overwrite] [--only NAME ...] [--reestimate]
 
 Needs the compile-only environment (configs/aot/setup_env.sh). ~20 s a layout on 2 cores (an
 unrolled layer scan ~30 s, several GPUs longer). Writes bench/results/memory_estimate_aot.json;
 `--only NAME` (repeatable) compiles those layouts and replaces their rows in the existing file,
-keeping the others as they were measured.
+keeping the others as they were measured. `--reestimate` compiles nothing: it keeps every row's
+compile and recomputes the estimate (a change to the estimate changes no compiled program; needs
+no compile-only environment).
 
 Since configs/gpt_1b.yaml unrolls its layer scan (2026-11-28) the layouts name the scan: the
 rolled ones as measured before that (`model.scan_unroll=1`), and the unrolled rows beside them.
@@ -61,10 +63,27 @@ LAYOUTS = {
 }
 
 
-def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
+def layout_config(gpus: int, overrides: list[str]):
+    """configs/gpt_1b.yaml with `overrides`, its dp filling `gpus`."""
     cfg = load_config(CONFIG, overrides, planning=True)
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=gpus // (cfg.mesh.tp * cfg.mesh.pp)))
-    estimate = flops.memory_estimate(cfg)["total"]  # the compile has no cuBLAS/NCCL workspace either
+    return dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=gpus // (cfg.mesh.tp * cfg.mesh.pp)))
+
+
+def estimate_bytes(gpus: int, overrides: list[str]) -> float:
+    return flops.memory_estimate(layout_config(gpus, overrides))["total"]  # the compile has no cuBLAS/NCCL workspace either
+
+
+def reestimate(row: dict, gpus: int, overrides: list[str]) -> dict:
+    """A row with its estimate recomputed by today's `memory_estimate` for the layout's overrides
+    (rows compiled before configs/gpt_1b.yaml unrolled its scan recorded none for the rolled scan),
+    its compile kept."""
+    estimate = estimate_bytes(gpus, overrides)
+    return {**row, "overrides": overrides, "estimate_bytes": estimate, "estimate_over_compiled": estimate / row["compiled_bytes"]}
+
+
+def measure(gpu: str, gpus: int, overrides: list[str]) -> dict:
+    cfg = layout_config(gpus, overrides)
+    estimate = flops.memory_estimate(cfg)["total"]
     report = environment.compile_report(gpu, targets.topology(gpus), CONFIG, [*overrides, f"mesh.dp={cfg.mesh.dp}"])
     peak = report["memory"]["peak"]
     return {"gpu": gpu, "gpus": gpus, "overrides": overrides, "estimate_bytes": estimate,
@@ -77,9 +96,11 @@ def main(argv=None) -> int:
     bench = Bench(__doc__, "memory_estimate_aot")
     bench.add_argument("--only", action="append", default=None, choices=list(LAYOUTS), metavar="NAME",
                        help="compile this layout only (repeatable) and replace its row in the existing file")
+    bench.add_argument("--reestimate", action="store_true",
+                       help="compile nothing: recompute every row's estimate against its recorded compile")
     args = bench.parse_args(argv)
     rows = {}
-    if args.only:
+    if args.only or args.reestimate:
         with open(result_path("memory_estimate_aot", args.out, overwrite=True)) as f:
             rows = json.load(f)["rows"]
     else:
@@ -88,11 +109,11 @@ def main(argv=None) -> int:
     for name, (gpu, gpus, overrides) in LAYOUTS.items():
         if args.only and name not in args.only:
             continue
-        r = rows[name] = measure(gpu, gpus, overrides)
+        r = rows[name] = reestimate(rows[name], gpus, overrides) if args.reestimate else measure(gpu, gpus, overrides)
         print(f"{name:<52}{gpus:>5}{r['estimate_bytes'] / 2**30:>14.2f}{r['compiled_bytes'] / 2**30:>14.2f}"
               f"{r['estimate_over_compiled']:>8.2f}", flush=True)
     rows = {name: rows[name] for name in LAYOUTS if name in rows}  # in LAYOUTS' order
-    bench.args.overwrite = bench.args.overwrite or bool(args.only)
+    bench.args.overwrite = bench.args.overwrite or bool(args.only) or args.reestimate
     bench.write({"device": "compiled without a GPU (jax 0.11.2, the compile-only environment)", "rows": rows})
     return 0
 

@@ -114,10 +114,11 @@ def mfu(tokens_per_s: float, model_cfg: ModelConfig, devices: Iterable) -> Optio
 ACT_VALUES_REPLICATED, ACT_VALUES_TP_SHARDED = 5, 12
 # What this project's compiled step keeps instead (the memory estimate's values; the planner's time
 # model keeps Korthikanti's above): read off the buffers the gpt_1b step compiled for an H200 keeps
-# for its backward (jax 0.11.2; docs/compile.md): ~16 bf16 values per token and layer at tp 1 (q, k,
-# v, the attention output, two MLP-wide arrays of 4, the norm's input, the layer's input), ~6.25 at
-# tp 4. The lean GeLU/norm backward keeps fewer replicated values than Megatron's 5.
-KEPT_VALUES_REPLICATED, KEPT_VALUES_TP_SHARDED = 3, 13
+# for its backward (jax 0.11.2; docs/compile.md): 15 bf16 values per token and layer at tp 1 — the
+# layer's input and its norm's output whole on every tp rank; q, k, v, the attention output and
+# one more attention-wide value, the MLP-up's four and the activation's four split over tp. The
+# lean GeLU/norm backward keeps fewer replicated values than Megatron's 5.
+KEPT_VALUES_REPLICATED, KEPT_VALUES_TP_SHARDED = 2, 13
 # Sequence parallelism: the replicated values split over tp, but the column-parallel GEMMs keep
 # their all-gathered input (one whole value) for the weight gradient.
 KEPT_SP_GATHERED = 1
@@ -142,7 +143,10 @@ def memory_estimate(cfg: Config) -> dict:
     `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy.
     Gradient accumulation (several microbatches, dp > 1, or a pipeline) holds a float32
     accumulator beside the gradients; sequence parallelism splits the values
-    tensor parallelism would replicate. Against the step compiled for a GPU: docs/compile.md."""
+    tensor parallelism would replicate. The weight copies the compiled step holds besides (a rolled
+    bf16 scan's converted weights, an unrolled remat's f32 slices, an interleaved stage's chunk) are
+    parts of their own. Against the step compiled for a GPU (17 layouts, all within 5%):
+    docs/compile.md."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     final_norm = 2 * m.d_model if m.norm == "layernorm" else m.d_model
     embed, head = m.vocab * m.d_model, (0 if m.tied_embeddings else m.d_model * m.vocab) + final_norm
@@ -170,15 +174,23 @@ def memory_estimate(cfg: Config) -> dict:
         parts["gradient accumulator"] = params * 4
     if not cfg.train.donate:  # the step's new state beside the one it was given
         parts["undonated state"] = params * 4 + optimizer
-    if m.dtype == "bfloat16" and m.scan_unroll >= m.layers // (mesh.pp * par.pp_virtual) and m.remat in ("none", "elementwise"):
-        # (with remat=dots|full the unrolled program keeps more than the rolled one instead: 36.4
-        # against 31.5 GiB at remat=full, 39.2 against 35.6 at dots; not modelled, the estimate is
-        # the rolled scan's)
-        # KEPT_VALUES_* were fitted to rolled layer scans. Compiled for an H200/H100, unrolling the
-        # whole scan of gpt_1b (1.41e9 parameters) took 2.63 GiB off the same-work row's peak (48.30
-        # -> 45.67 GiB, measured 45.67 on the H200, 2026-11-28) and 2.8 off the shipped config's
-        # (40.7 -> 37.9): a bf16 copy of every parameter the rolled program holds and this does not.
-        parts["unrolled layer scan"] = -2 * params
+    # Weights the compiled step holds beside the parameters (read off the compiles' buffers, jax
+    # 0.11.2, bench/results/memory_estimate_aot.json):
+    layer_weights = m.layers // mesh.pp * layer_params_per_device(m, mesh.tp)
+    unrolled = m.scan_unroll >= m.layers // (mesh.pp * par.pp_virtual)
+    if m.dtype == "bfloat16" and m.remat in ("none", "elementwise") and not unrolled:
+        # a rolled layer scan stacks each layer's bf16 weights for the backward's GEMMs (unrolled,
+        # the backward converts them again: 48.30 -> 45.67 GiB on the same-work row, measured 45.67)
+        parts["bf16 weights kept for the backward"] = 2 * layer_weights
+    if unrolled and m.remat in ("dots", "full"):
+        # unrolled and rematerialised, XLA merges the forward's and the backward's slices of the
+        # stacked parameters: an f32 copy of every layer's weights lives from one to the other
+        # (5.1 GiB at remat=full on gpt_1b; rolled, the backward slices them again)
+        parts["f32 layer weights sliced for the backward"] = 4 * layer_weights
+    if mesh.pp > 1 and par.pp_virtual > 1:
+        # an interleaved stage picks its chunk's parameters by a dynamic slice (an f32 copy) and
+        # writes the chunk's gradient before adding it into the stage's
+        parts["one chunk's weights and gradient"] = 2 * 4 * layer_weights / par.pp_virtual
     parts["total"] = sum(parts.values())
     return parts
 

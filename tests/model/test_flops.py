@@ -294,12 +294,12 @@ def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
 def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
     """model.remat=full: each layer keeps only its (tokens, d_model) input, and one layer's full
     activations are live while its backward recomputes it. By hand for SMALL (8 sequences of 4
-    tokens, d 8, 2 layers, float32, xla attention with 2 heads): one layer stores (3 + 13) values
+    tokens, d 8, 2 layers, float32, xla attention with 2 heads): one layer stores (2 + 13) values
     per token and element of d (what the compiled step keeps, docs/compile.md) plus 2 score values
     per (head, query, key)."""
     cfg = Config(model=dataclasses.replace(SMALL, remat="full"), train=TrainConfig(global_batch=8))
     tokens, d, layers = 8 * 4, 8, 2
-    one_layer = tokens * d * (3 + 13) + 8 * 2 * 4 * 4 * 2
+    one_layer = tokens * d * (2 + 13) + 8 * 2 * 4 * 4 * 2
     logits = tokens * 16 * 4  # fp32 logits of the vocab of 16
     expected = (layers * tokens * d + one_layer) * 4 + logits
     assert flops.memory_estimate(cfg)["activations"] == expected
@@ -310,14 +310,14 @@ def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():
 def test_stash_slot_bytes_by_hand_and_the_activations_they_add_up_to():
     """SMALL with 8 layers on pp=4, 2 sequences of 4 tokens per microbatch, float32, xla attention.
     A slot holds one microbatch's chunk input (8 tokens x d 8) with pp_stash=inputs, and also the
-    chunk's residuals (2 layers x (8 x 8 x 16 values + 2 seqs x 2 heads x 4 x 4 scores x 2)) with
+    chunk's residuals (2 layers x (8 x 8 x 15 values + 2 seqs x 2 heads x 4 x 4 scores x 2)) with
     pp_stash=residuals."""
     def cfg(stash):
         return Config(model=dataclasses.replace(SMALL, layers=8), mesh=MeshConfig(pp=4), train=TrainConfig(global_batch=8),
                       parallel=ParallelConfig(pp_schedule="1f1b", microbatches=4, pp_stash=stash))
 
     chunk_input = 8 * 8
-    chunk = 2 * (8 * 8 * (3 + 13) + 2 * 2 * 4 * 4 * 2)
+    chunk = 2 * (8 * 8 * (2 + 13) + 2 * 2 * 4 * 4 * 2)
     assert flops.stash_slot_bytes(cfg("inputs")) == chunk_input * 4
     assert flops.stash_slot_bytes(cfg("residuals")) == (chunk + chunk_input) * 4
     slots = flops.pipeline_schedule.build("1f1b", 4, 1, 4).slots
@@ -342,3 +342,27 @@ def test_memory_estimate_counts_the_gradient_accumulator_and_sequence_parallel_s
     saved = flops.memory_estimate(tp)["activations"] - flops.memory_estimate(sp)["activations"]
     kept = flops.KEPT_VALUES_REPLICATED / 2 - flops.KEPT_SP_GATHERED
     assert saved == pytest.approx(tokens_layers * kept * 4)  # fp32 SMALL
+
+
+def test_memory_estimate_counts_the_weight_copies_the_compiled_step_holds():
+    """By hand for SMALL (2 parallel-block layers of d 8, mlp 32, bias; no kv sharing): one layer's
+    weights are 4·8·8 + 2·8·32 matrices + 4·8 + 32 + 8 biases + one layernorm's 2·8. A bf16 rolled scan keeps them in
+    bf16 (2 B each); unrolled it keeps none, unless rematerialised (an f32 slice, 4 B); an
+    interleaved stage also holds one chunk's f32 weights and gradient (8 B over pp_virtual)."""
+    per_layer = 4 * 8 * 8 + 2 * 8 * 32 + 4 * 8 + 32 + 8 + 2 * 8
+    assert flops.layer_params(SMALL) == per_layer  # the count this test stands on
+    bf16 = dataclasses.replace(SMALL, dtype="bfloat16")
+
+    def parts(model, **parallel):
+        mesh = MeshConfig(pp=2) if parallel else MeshConfig()
+        cfg = Config(model=model, mesh=mesh, train=TrainConfig(global_batch=8), parallel=ParallelConfig(**parallel))
+        return {k: v for k, v in flops.memory_estimate(cfg).items() if "weight" in k}
+
+    assert parts(bf16) == {"bf16 weights kept for the backward": 2 * 2 * per_layer}
+    assert parts(SMALL) == {}  # float32: nothing converted
+    assert parts(dataclasses.replace(bf16, scan_unroll=2)) == {}
+    assert parts(dataclasses.replace(bf16, scan_unroll=2, remat="full")) == {
+        "f32 layer weights sliced for the backward": 4 * 2 * per_layer}
+    interleaved = parts(dataclasses.replace(SMALL, layers=4), pp_schedule="interleaved_1f1b", pp_virtual=2,
+                        microbatches=4)
+    assert interleaved == {"one chunk's weights and gradient": 2 * 4 * (4 // 2 * per_layer) / 2}
