@@ -239,6 +239,11 @@ class CheckpointConfig:
     # 3.26 s of 15.4 s without it, 0.016 s of 9.9 s with it (host copy 51 GB/s). null (the
     # default): on where the devices are GPUs, off elsewhere (`with_device_defaults`).
     background_host_copy: Optional[bool] = None
+    # At most this much of the state (GiB per device) copied on the device by a background save;
+    # the rest goes to host memory while the step waits (a blocking copy at the host link's rate).
+    # null: all of it where it fits beside the compiled step (on a GPU: jax's limit less the step's
+    # peak), so a save never takes a run past the device's memory; 0: none on the device.
+    device_copy_gib: Optional[float] = None
     # Every N steps each process copies its shards to a file in RAM (training/snapshot.py): a
     # restart resumes from the newest snapshot every process holds, if newer than the newest
     # checkpoint. Survives the process; with `peer_copy`, the machine too. Costs 3x this process's state in RAM.

@@ -206,6 +206,8 @@ def check_checkpoint(c) -> None:
     require(c.every >= 0, f"checkpoint.every={c.every} must be >= 0 (0 = never save)")
     require(c.keep >= 1, f"checkpoint.keep={c.keep} must be >= 1")
     require(c.memory_every >= 0, f"checkpoint.memory_every={c.memory_every} must be >= 0 (0 = no memory snapshots)")
+    require(c.device_copy_gib is None or c.device_copy_gib >= 0,
+            f"checkpoint.device_copy_gib={c.device_copy_gib} must be >= 0 (0 = no copy on the device; null = what fits)")
 
 
 def check_supervisor(sv, ob) -> None:

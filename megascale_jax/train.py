@@ -38,7 +38,7 @@ from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import learning_rate_schedule
 from megascale_jax.training.resume import choose_start
 from megascale_jax.training.saving import FinalSaveFailed, Saves
-from megascale_jax.training.trainer import build_trainer, compile_steps
+from megascale_jax.training.trainer import build_trainer, compile_steps, device_copy_cap
 from megascale_jax.training.triage import NonFiniteTriage, release
 
 logger = cli.get_logger("train")
@@ -98,6 +98,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     clock.lap("first_batch")
     watch.state("compiling", start.step)
     train_step, eval_loss = compile_steps(cfg, trainer, state, feed.first, clock)
+    saves.cap_device_copy(device_copy_cap(cfg, train_step, state), abstract_state)
     log_start(cfg, mesh, start, time.perf_counter() - t0, clock)
 
     # ---- what runs around the step, each part on its cadence (training/hooks.py)

@@ -67,12 +67,16 @@ def compile_report(cfg, target, topology: str, xla_options: dict | None = None, 
     memory = {"argument": analysis.argument_size_in_bytes, "output": analysis.output_size_in_bytes,
               "alias": analysis.alias_size_in_bytes, "temp": analysis.temp_size_in_bytes,
               "code": analysis.generated_code_size_in_bytes, "peak": flops.compiled_bytes(analysis)}
-    # What a run holds outside the step: the checkpoint's background copy of the state (one copy of
-    # this device's shards of it), the input batch (its next one prefetched beside it).
+    # What a run holds outside the step: the input batch (its next one prefetched beside it) and
+    # the checkpoint's background copy of the state (this device's shards of it), capped as the
+    # train command caps it to what fits beside the step (the rest goes to host memory while the
+    # step waits: `checkpoint_to_host`).
     state_bytes = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
-    outside = {"checkpoint_copy": state_bytes if (cfg.checkpoint.background_host_copy and
-                                                  trainer_module.saves_state(cfg)) else 0,
-               "input_batches": 2 * _shard_bytes(batch)}
+    batches = 2 * _shard_bytes(batch)
+    copies = cfg.checkpoint.background_host_copy and trainer_module.saves_state(cfg)
+    on_device = flops.device_copy_bytes(state_bytes, memory["peak"] + batches, target.limit_bytes(),
+                                        cfg.checkpoint.device_copy_gib) if copies else 0
+    outside = {"checkpoint_copy": on_device, "input_batches": batches}
     buffers = compiled_hlo.peak_buffers(live_range, assignment, hlo)
     runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
@@ -81,6 +85,7 @@ def compile_report(cfg, target, topology: str, xla_options: dict | None = None, 
         "target": target.key, "device": target.description, "topology": topology, "gpus": len(devices),
         "mesh": dict(zip(names, shape)), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
         "compile_s": compile_s, "memory": memory, "state_bytes": state_bytes, "outside_step": outside,
+        "checkpoint_to_host": state_bytes - on_device if copies else 0,
         "limit_bytes": target.limit_bytes(), "live_peak_bytes": sum(b["bytes"] for b in buffers),
         "peak_buffers": buffers[:TOP_BUFFERS], "peak_bytes_by_part": compiled_hlo.bytes_by_part(buffers),
         "heap_chunks": compiled_hlo.heap_chunks(usage, assignment, hlo),

@@ -1,9 +1,9 @@
 """`plan --compile`'s report as a person reads it, and its verdict on memory. jax-free.
 
 Fits means: the compiled step's peak (XLA's buffer assignment: arguments + outputs − aliased +
-temporaries) plus what a run holds outside the step (a background checkpoint's device copy of the
-state, the input batch and the next one) within what jax's allocator lets a program use on the GPU
-(`targets.Target.limit_bytes`). cuDNN's workspace shows as u8[0] in a compile without a device:
+temporaries) plus what a run holds outside the step (the input batch and the next one, a
+background checkpoint's device copy of the state, which the run caps to what fits beside the step)
+within what jax's allocator lets a program use on the GPU (`targets.Target.limit_bytes`). cuDNN's workspace shows as u8[0] in a compile without a device:
 tens of MiB on the H200, inside the margin this leaves.
 """
 
@@ -25,11 +25,8 @@ def fits(report: dict) -> bool:
 
 
 def shrink_options(report: dict) -> str:
-    """What lowers a step's memory, the checkpoint copy first where it alone tips the balance."""
-    options = []
-    if report["outside_step"]["checkpoint_copy"] and report["memory"]["peak"] <= report["limit_bytes"]:
-        options.append("checkpoint.background_host_copy=false (the save's device copy of the state)")
-    options += ["a smaller train.global_batch or more parallel.microbatches", "model.remat=dots or full",
+    """What lowers a step's memory (the checkpoint's copy never tips it: the run caps it)."""
+    options = ["a smaller train.global_batch or more parallel.microbatches", "model.remat=dots or full",
                 "model.loss_chunks=8 (the logits in slices)", "parallel.zero1=true with mesh.dp > 1",
                 "more mesh.tp or mesh.pp"]
     return "; ".join(options)
@@ -54,8 +51,10 @@ def text(report: dict, estimate_bytes: float | None) -> str:
              + f") with jax {report['jax']} in {report['compile_s']:.0f} s, no GPU",
              f"memory per GPU: peak {format_bytes(m['peak'])} = arguments {format_bytes(m['argument'])} + outputs "
              f"{format_bytes(m['output'])} - aliased {format_bytes(m['alias'])} + temporaries {format_bytes(m['temp'])}",
-             f"  outside the step: checkpoint copy of the state {format_bytes(out['checkpoint_copy'])}, input batches "
-             f"{format_bytes(out['input_batches'])}",
+             f"  outside the step: checkpoint copy of the state {format_bytes(out['checkpoint_copy'])}"
+             + (f" on the device, capped to what fits (the other {format_bytes(report['checkpoint_to_host'])} go to host "
+                "memory while the step waits)" if report.get("checkpoint_to_host") else "")
+             + f", input batches {format_bytes(out['input_batches'])}",
              f"  fits: {'yes' if fits(report) else 'NO'} ({format_bytes(needed_bytes(report))} of the "
              f"{format_bytes(report['limit_bytes'])} jax may use on this GPU)",
              f"  live at once at the peak: {format_bytes(report['live_peak_bytes'])}; XLA's packing of the "

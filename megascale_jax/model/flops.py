@@ -230,19 +230,29 @@ def compiled_bytes(analysis) -> int:
             + analysis.temp_size_in_bytes + analysis.generated_code_size_in_bytes)
 
 
-def check_compiled_fits(analysis, limit_bytes: Optional[float], where: str, checkpoint_copy_bytes: int = 0) -> None:
-    """Refuse (ConfigError, one line) a compiled step that needs more than `limit_bytes`, with
-    `checkpoint_copy_bytes` held beside it (checkpoint.background_host_copy's copy of the state)."""
+def device_copy_bytes(state_bytes: int, step_bytes: int, limit_bytes: Optional[float], cap_gib: Optional[float]) -> int:
+    """How much of the state a save with checkpoint.background_host_copy copies on the device (per
+    device): all of it where it fits beside the step (`step_bytes`: the compiled peak and the input
+    batches) within `limit_bytes` (None: no limit known, a CPU), at most `checkpoint.device_copy_gib`
+    (`cap_gib`; None: no cap of the user's). The rest goes to host memory while the step waits, so
+    a save never takes a run past the device's memory."""
+    on_device = state_bytes if cap_gib is None else min(state_bytes, int(cap_gib * 2**30))
+    if limit_bytes is not None:
+        on_device = min(on_device, max(0, int(limit_bytes - step_bytes)))
+    return on_device
+
+
+def check_compiled_fits(analysis, limit_bytes: Optional[float], where: str) -> None:
+    """Refuse (ConfigError, one line) a compiled step that needs more than `limit_bytes`. (A
+    background save's copy of the state is capped to what fits beside it: `device_copy_bytes`.)"""
     if analysis is None or limit_bytes is None:
         return
-    needed = compiled_bytes(analysis) + checkpoint_copy_bytes
+    needed = compiled_bytes(analysis)
     if needed <= limit_bytes:
         return
-    copy = (f" and {format_bytes(checkpoint_copy_bytes)} for the checkpoint's copy of the state "
-            "(checkpoint.background_host_copy=false frees it)") if checkpoint_copy_bytes else ""
     raise ConfigError(
         f"the compiled train step needs {format_bytes(needed)} per device (XLA's buffer assignment: "
-        f"{format_bytes(analysis.temp_size_in_bytes)} of temporaries{copy}), more than the {format_bytes(limit_bytes)} "
+        f"{format_bytes(analysis.temp_size_in_bytes)} of temporaries), more than the {format_bytes(limit_bytes)} "
         f"of {where}; lower train.global_batch, raise parallel.microbatches, use model.attention=cudnn, or "
         "shard over more devices")
 

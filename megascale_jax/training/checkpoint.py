@@ -53,6 +53,7 @@ from absl import flags as absl_flags
 from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.training import compile_cache
+from megascale_jax.training.save_copy import SaveCopy, to_pinned_host
 from megascale_jax.training.checkpoint_damage import (CorruptCheckpoint, damage_is_corruption, describe_read_error,
                                                       quiet_late_tensorstore_callbacks)
 from megascale_jax.run_dir import committed_steps
@@ -73,28 +74,6 @@ def checksums(tree):
         weights = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) * 2 + 1
         return jnp.sum(bits * weights, dtype=jnp.uint32)
     return jax.tree.map(one, tree)
-
-
-@jax.jit
-def device_copy(tree):
-    """The state in fresh device buffers (no donation: the inputs stay valid)."""
-    return jax.tree.map(jnp.copy, tree)
-
-
-def to_pinned_host(tree):
-    """Each array of `tree` copied into pinned host memory, where its devices have it (GPUs and
-    the CPU; not every platform), else as it is; blocks until the copies landed. Page-locked
-    memory is what a GPU's copy engines write at PCIe rate. Orbax would make this same copy on a
-    GPU inside its save(), then copy again into NumPy arrays; done here first, the device-to-host
-    rate is measured apart from orbax's host-side work (the H200 measured ~4 GB/s for the whole).
-    The copy runs on the device's transfer stream, beside the training step's compute."""
-    def move(x):
-        device = next(iter(x.sharding.device_set))
-        if not any(m.kind == "pinned_host" for m in device.addressable_memories()):
-            return x
-        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
-
-    return jax.block_until_ready(jax.tree.map(move, tree))
 
 
 def _write_arrays_whole() -> None:
@@ -174,8 +153,9 @@ class Checkpointer:
         self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
         self._saver: threading.Thread | None = None  # with background_host_copy: runs orbax's save()
         self._copy = None  # with background_host_copy: the last save's device copy, until taken
-        # With background_host_copy: the blocking copy, compiled in compile(); memory snapshots use it too.
-        self._checksums, self.device_copy = checksums, device_copy
+        # With background_host_copy: the blocking copy (save_copy.SaveCopy), compiled in compile();
+        # memory snapshots use it too.
+        self._checksums, self.device_copy = checksums, SaveCopy(cfg.to_dict())
         c = cfg.checkpoint
         try:
             os.makedirs(directory, exist_ok=True)
@@ -219,8 +199,7 @@ class Checkpointer:
         self._checksums = compile_cache.load_or_compile(
             "checkpoint_checksums", lambda: checksums.lower(abstract_state), config, (abstract_state,))
         if self.cfg.checkpoint.background_host_copy:
-            self.device_copy = compile_cache.load_or_compile(
-                "checkpoint_device_copy", lambda: device_copy.lower(abstract_state), config, (abstract_state,))
+            self.device_copy.compile(abstract_state)
 
     def save(self, step: int, state, data_state: dict, commit_when: Callable[[], bool] | None = None) -> list[dict]:
         """Stage 1: blocks for the device->host copy (and for the previous save, if still writing);

@@ -29,8 +29,9 @@ import jax
 
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.config import Config
+from megascale_jax.model import flops
 from megascale_jax.parallel import layout
-from megascale_jax.training import checkpoint, compile_cache, snapshot
+from megascale_jax.training import checkpoint, compile_cache, save_copy, snapshot
 from megascale_jax.training.hooks import Hooks
 
 
@@ -44,7 +45,7 @@ class Saves:
                  warn: Callable[[str], None], clock):
         """Opens the checkpointer and the snapshot store `cfg` asks for, compiled for
         `abstract_state` before anything is restored (the restore's verification runs it)."""
-        self.run_dir, self.is_main = run_dir, jax.process_index() == 0
+        self.run_dir, self.is_main, self.warn = run_dir, jax.process_index() == 0, warn
         self.ckpt = checkpoint.Checkpointer(cfg, run_dirs.checkpoint_dir(cfg, run_dir), warn=warn) \
             if cfg.checkpoint.every else None
         self.to_canonical, self.permutes = to_canonical, layout.permutes(cfg)
@@ -59,7 +60,7 @@ class Saves:
         # program (without checkpoints, the first snapshot compiles it).
         self.snapshots = snapshot.Snapshots(
             cfg, run_dirs.snapshot_dir(cfg, run_dir), warn=warn,
-            device_copy=self.ckpt.device_copy if self.ckpt else checkpoint.device_copy) \
+            device_copy=self.ckpt.device_copy if self.ckpt else save_copy.SaveCopy(cfg.to_dict())) \
             if cfg.checkpoint.memory_every else None
         if self.snapshots:
             self.snapshot_bytes = self.snapshots.check_room(abstract_state)
@@ -69,6 +70,20 @@ class Saves:
         self.final_error: str | None = None  # why the last step's checkpoint was not written
         self.start = self.data_position = 0  # the step and data index this run started from
         self.last: int | None = None
+
+    def cap_device_copy(self, cap_bytes: int | None, abstract_state: Any) -> None:
+        """With checkpoint.background_host_copy: copy at most `cap_bytes` of the state per device
+        on the device at each save (`trainer.device_copy_cap`; None: all of it), the rest into
+        host memory while the step waits; said in one line when it caps."""
+        copier = self.ckpt.device_copy if self.ckpt else self.snapshots._device_copy if self.snapshots else None
+        if cap_bytes is None or copier is None:
+            return
+        copier.compile(abstract_state, cap_bytes)
+        size = flops.format_bytes
+        self.warn(f"note: a save copies {size(copier.on_device_bytes)} of the state's "
+                  f"{size(copier.on_device_bytes + copier.to_host_bytes)} per device on the device (what fits beside "
+                  f"the compiled step, or checkpoint.device_copy_gib); the other {size(copier.to_host_bytes)} go to "
+                  "host memory while the step waits")
 
     # ---- the start
     def restore(self, abstract_state: Any, clock) -> tuple[Any, int, int, str] | None:

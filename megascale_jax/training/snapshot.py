@@ -8,7 +8,7 @@ A snapshot costs one device->host copy of this process's shards: every `checkpoi
 steps each process copies its own shards of the state (each distinct index once, replicas on its
 devices skipped) and a background thread writes them to one file in RAM (`/dev/shm`, a tmpfs),
 written to `.tmp` and renamed. With `checkpoint.background_host_copy` the blocking copy is one on
-the device (checkpoint.device_copy) and the host copy runs on the writer thread too. The file outlives the process (kill -9, a hang the supervisor
+the device (save_copy.SaveCopy) and the host copy runs on the writer thread too. The file outlives the process (kill -9, a hang the supervisor
 killed, a crash) but not the machine; so with `checkpoint.peer_copy` the writer also sends it to
 a process on another host, which holds it in its RAM (training/peer_copy.py): a lost machine's
 processes, restarted on a spare, restore from that peer, not from disk.
@@ -58,7 +58,7 @@ from megascale_jax import cli
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.run_dir import snapshot_steps
-from megascale_jax.training import checkpoint, compile_cache, peer_copy
+from megascale_jax.training import compile_cache, peer_copy, save_copy
 
 logger = cli.get_logger("snapshot")
 KEEP = 3
@@ -70,7 +70,7 @@ class Snapshots:
     """One process's memory snapshots of a run: `save` on the loop's cadence, `restore` at start."""
 
     def __init__(self, cfg: Config, root: str, warn: Callable[[str], None],
-                 device_copy: Callable = checkpoint.device_copy):
+                 device_copy: Callable = save_copy.device_copy):
         """`device_copy`: with background_host_copy, the blocking copy on the device; the run
         passes the checkpointer's, compiled once for both."""
         self.cfg, self.warn, self._device_copy = cfg, warn, device_copy

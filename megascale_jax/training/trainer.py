@@ -24,7 +24,7 @@ from megascale_jax.config import Config
 from megascale_jax.model import flops
 from megascale_jax.model.transformer import Transformer, loss_fn
 from megascale_jax.parallel import layout, microbatches, pipeline, sharding
-from megascale_jax.training import compile_cache
+from megascale_jax.training import compile_cache, save_copy
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
 from megascale_jax.training.state import TrainState
 
@@ -226,11 +226,31 @@ def check_compiled_memory(cfg: Config, compiled, state) -> None:
     """XLA's own buffer assignment for the compiled step against the accelerator's memory: the
     pre-flight check that is exact where `check_memory`'s estimate is not (on an H200 the step
     peaked at 1.3-1.7x the estimate, and steps the estimate passed died of RESOURCE_EXHAUSTED).
-    Refuses before the first step; CPU devices share the host's RAM and keep the estimate alone."""
+    Refuses before the first step; CPU devices share the host's RAM and keep the estimate alone.
+    A background save's copy of the state is not counted: it is capped to what fits beside the
+    step (`device_copy_cap`)."""
+    limit = _device_limit(cfg)
+    if limit is not None:
+        flops.check_compiled_fits(compiled.memory_analysis(), limit, f"one {jax.local_devices()[0].device_kind}")
+
+
+def device_copy_cap(cfg: Config, compiled, state) -> int | None:
+    """The bytes per device a background save may copy on the device (`flops.device_copy_bytes`:
+    what fits beside the compiled step, at most checkpoint.device_copy_gib); None where the whole
+    state may be, or where no copy is made on the device at all."""
+    if not (cfg.checkpoint.background_host_copy and saves_state(cfg)):
+        return None
+    state_bytes = sum(save_copy.bytes_per_device(x) for x in jax.tree.leaves(state))
+    limit = _device_limit(cfg)
+    step_bytes = flops.compiled_bytes(compiled.memory_analysis()) if limit is not None else 0
+    on_device = flops.device_copy_bytes(state_bytes, step_bytes, limit, cfg.checkpoint.device_copy_gib)
+    return None if on_device >= state_bytes else on_device
+
+
+def _device_limit(cfg: Config) -> int | None:
+    """The bytes jax may use on this process's first accelerator (None on CPUs, or with
+    train.memory_check=false)."""
     device = jax.local_devices()[0]
     if device.platform == "cpu" or not cfg.train.memory_check:
-        return
-    limit = (device.memory_stats() or {}).get("bytes_limit")
-    copy = sum(s.data.nbytes for leaf in jax.tree.leaves(state) for s in leaf.addressable_shards
-               if s.device == device) if cfg.checkpoint.background_host_copy and saves_state(cfg) else 0
-    flops.check_compiled_fits(compiled.memory_analysis(), limit, f"one {device.device_kind}", copy)
+        return None
+    return (device.memory_stats() or {}).get("bytes_limit")

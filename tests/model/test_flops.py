@@ -283,12 +283,19 @@ def test_compiled_step_that_exceeds_the_device_is_refused_in_one_line():
     message = str(e.value)
     assert "\n" not in message and flops.format_bytes(needed) in message and "a test device" in message
     assert "train.global_batch" in message
-    # The checkpoint's copy of the state (checkpoint.background_host_copy) is held beside the step.
-    flops.check_compiled_fits(analysis, needed + x.nbytes, "a test device", checkpoint_copy_bytes=x.nbytes)
-    with pytest.raises(ConfigError) as e:
-        flops.check_compiled_fits(analysis, needed + x.nbytes - 1, "a test device", checkpoint_copy_bytes=x.nbytes)
-    assert "\n" not in str(e.value) and "checkpoint.background_host_copy=false" in str(e.value)
-    assert flops.format_bytes(needed + x.nbytes) in str(e.value)
+
+
+def test_a_background_saves_device_copy_is_capped_to_what_fits_beside_the_step():
+    """flops.device_copy_bytes by hand: a 10 GiB state beside a 60 GiB step in a 64 GiB limit
+    copies 4 GiB on the device; with room, all of it; a user's cap bounds it; no limit known (a
+    CPU), only the user's cap; a step that fills the limit leaves none."""
+    gib = 2**30
+    assert flops.device_copy_bytes(10 * gib, 60 * gib, 64 * gib, None) == 4 * gib
+    assert flops.device_copy_bytes(10 * gib, 50 * gib, 64 * gib, None) == 10 * gib
+    assert flops.device_copy_bytes(10 * gib, 50 * gib, 64 * gib, 2.5) == int(2.5 * gib)
+    assert flops.device_copy_bytes(10 * gib, 0, None, None) == 10 * gib
+    assert flops.device_copy_bytes(10 * gib, 0, None, 0) == 0
+    assert flops.device_copy_bytes(10 * gib, 70 * gib, 64 * gib, None) == 0
 
 
 def test_memory_estimate_with_full_remat_keeps_layer_inputs_and_one_layer():

@@ -393,11 +393,15 @@ def test_the_background_copy_lands_in_pinned_host_memory_sharded_as_on_the_devic
         np.testing.assert_array_equal(np.asarray(on_host[key]), np.asarray(x))
 
 
-def test_background_host_copy_saves_the_state_as_it_was_while_training_donates_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cap", [None, 32 * 4 + 4], ids=["whole", "capped"])
+def test_background_host_copy_saves_the_state_as_it_was_while_training_donates_it(tmp_path, monkeypatch, cap):
     """checkpoint.background_host_copy: save() returns after a copy on the device; orbax's save()
     (the host copy) runs on our thread while the caller keeps updating the state with donated
     buffers. The checkpoint holds the state as it was at save(), bitwise, with NumPy's checksums.
-    (Without the device copy orbax would read buffers the updates deleted.)"""
+    (Without the device copy orbax would read buffers the updates deleted.) Capped to 132 bytes a
+    device (save_copy.SaveCopy, what trainer.device_copy_cap gives where the copy would not fit
+    beside the step), "b" and "step" are copied on the device and "w" into pinned host memory
+    before save() returns: the same checkpoint."""
     cfg = tiny_cfg("checkpoint.background_host_copy=true")
     mesh = make_mesh(cfg.mesh)
     state = tiny_state(mesh, 7)
@@ -413,7 +417,15 @@ def test_background_host_copy_saves_the_state_as_it_was_while_training_donates_i
     monkeypatch.setattr(ocp.CheckpointManager, "save", save_slowly)
     ckpt = checkpoint.Checkpointer(cfg, str(tmp_path), warn=print)
     ckpt.compile(abstract(state))
+    if cap is not None:
+        ckpt.device_copy.compile(abstract(state), cap)
+        assert (ckpt.device_copy.on_device_bytes, ckpt.device_copy.to_host_bytes) == (cap, 64 * 32 * 4 // cfg.mesh.dp)
     assert ckpt.save(7, state, {"next_index": 7}) == []
+    copy = ckpt.take_copy()
+    kinds = {k: v.sharding.memory_kind for k, v in copy.items()}
+    on_device = state["w"].sharding.memory_kind
+    assert kinds == ({"b": on_device, "step": on_device, "w": "pinned_host"} if cap else dict.fromkeys(copy, on_device))
+    del copy
     update = jax.jit(lambda t: jax.tree.map(lambda x: x * 3 + 1, t), donate_argnums=0)
     saved = state["w"]
     for _ in range(3):
@@ -531,10 +543,15 @@ def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
 @pytest.mark.xdist_group("checkpoint-reference")
 def test_a_run_with_background_host_copies_trains_and_saves_what_the_reference_does(reference, tmp_path):
     """The CLI with checkpoint.background_host_copy=true: the same losses as the reference, bitwise,
-    and checkpoints with the same checksums (so the same arrays); the host copy ran on the thread."""
+    and checkpoints with the same checksums (so the same arrays); the host copy ran on the thread.
+    The device copy capped at 10 KiB a device (checkpoint.device_copy_gib; on a GPU the cap is what
+    fits beside the step): the rest of the state goes to host memory before the step, said once."""
     run_dir = tmp_path / "background"
-    result = run_cli(run_dir, [*TINY, *DP8, "checkpoint.background_host_copy=true", "checkpoint.memory_every=3"])
+    result = run_cli(run_dir, [*TINY, *DP8, "checkpoint.background_host_copy=true", "checkpoint.memory_every=3",
+                               f"checkpoint.device_copy_gib={10 * 2**10 / 2**30}"])
     assert result.returncode == 0, result.stderr[-3000:]
+    capped = [line for line in (result.stdout + result.stderr).splitlines() if "note: a save copies" in line]
+    assert len(capped) == 1 and "per device on the device" in capped[0], result.stderr[-3000:]
     # Memory snapshots take the same path (a device copy, the host copy on their writer thread):
     # every 3rd step, the checkpoints' (15) included.
     snapshots = run_dirs.read_jsonl(run_dirs.snapshots_path(str(run_dir)))
