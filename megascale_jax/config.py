@@ -218,6 +218,11 @@ class DataConfig:
     # jsonl/parquet: attention stays inside each packed document (model.document_eos set to the
     # tokenizer's end-of-document token); false: documents attend across their boundaries
     keep_documents_apart: bool = True
+    # Several sources mixed by weight (training/mixture.py): a mapping of each source's path (what
+    # data.path would be, for this data.source) to its weight, e.g. {'web/*.jsonl': 0.7,
+    # 'code/*.jsonl': 0.3}; weights are normalised. Each source is packed, split and shuffled on
+    # its own; every batch draws from them in the weights' proportions. Replaces data.path.
+    mix: Optional[dict[str, float]] = None
     val_fraction: float = 0.05  # share of sequences held out for validation (0: none, with train.eval_batches=0)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
 
@@ -401,6 +406,11 @@ def _coerce(name: str, hint, value):
         if value not in choices:
             raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
         return value
+    if origin is dict:
+        key_type, value_type = typing.get_args(hint)
+        if not isinstance(value, dict) or not value:
+            raise ConfigError(f"{name} must be a mapping (e.g. {{'a/*.jsonl': 0.7, 'b/*.jsonl': 0.3}}), got {value!r}")
+        return {_coerce(f"{name} key", key_type, k): _coerce(f"{name}[{k!r}]", value_type, v) for k, v in value.items()}
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -14,6 +14,7 @@ checks take a `config.Config`, or the sections they read, without naming their t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 
@@ -235,7 +236,16 @@ def check_observe(ob) -> None:
 
 
 def check_data_source(d, mo) -> None:
-    """The tokens exist and are readable; byte-level sources need a vocabulary of 256 or more."""
+    """The tokens exist and are readable; byte-level sources need a vocabulary of 256 or more. A
+    mixture (data.mix) checks each of its sources as data.path."""
+    if d.mix is not None:
+        require(d.source != "stdlib", "data.mix mixes sources of data.source=files|tokens|jsonl|parquet, not stdlib; "
+                                      "set data.source")
+        require(d.path is None, "data.mix replaces data.path (each mix key is a source's path); give one of them")
+        for path, weight in d.mix.items():
+            require(weight > 0, f"data.mix[{path!r}]={weight} must be > 0 (a source's weight)")
+            check_data_source(dataclasses.replace(d, path=path, mix=None), mo)
+        return
     if d.source == "stdlib":
         require(mo.vocab >= 256, f"data.source=stdlib is byte-level: model.vocab={mo.vocab} must be >= 256")
     elif d.source == "files":

@@ -30,7 +30,7 @@ from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel.mesh import check_forced_cpu_devices, make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.training import checkpoint, compile_cache, data, progress, sample_at_end, tokenizer
+from megascale_jax.training import checkpoint, compile_cache, data, mixture, progress, sample_at_end, tokenizer
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged
@@ -54,8 +54,8 @@ def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | 
                      + heartbeat.observers(cfg, mesh, redis, job))
 
 
-def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches,
-          val_batches: data.SequenceBatches, redis: str | None = None, job: str | None = None) -> list[dict]:
+def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixture.MixedBatches,
+          val_batches: data.SequenceBatches | mixture.MixedBatches, redis: str | None = None, job: str | None = None) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl.
     Under a supervisor, `redis` and `job` say where this process sends its heartbeats."""
     mesh = make_mesh(cfg.mesh)
@@ -109,7 +109,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
         cfg.train.global_batch * cfg.model.seq_len,
         flops.mfu(1.0, cfg.model, mesh.devices.flat),  # MFU is linear in tokens/s: look peaks up once
         f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch,
-        validation_loss(cfg, eval_loss, val_batches, trainer.batch_sharding), hooks.on_record)
+        validation_loss(cfg, eval_loss, val_batches, trainer.batch_sharding), hooks.on_record,
+        describe_data=train_batches.record_fields)  # a mixture's realised proportions
     # With train.eval_batches=0 (eval_loss None) the same steps are recorded, without a validation loss.
     hooks.add("evaluate", cfg.train.eval_every,
               lambda step, state: recorder.flush(params=None if eval_loss is None else state.params))
@@ -359,17 +360,22 @@ def _main(argv) -> int:
         if cfg.model.init_from and not resuming:  # a resumed run's weights are in its checkpoint
             hf_import.check(cfg)
         check_memory(cfg)
-        corpus = data.load_corpus(cfg)
+        # Built here so that too little data is a one-line error before anything compiles.
+        if cfg.data.mix:  # several sources, each batch drawn from them by weight
+            mixed = mixture.load(cfg)
+            corpus, train_batches, val_batches = mixed.corpus, mixed.train, mixed.val
+            logger.info(f"data: a mixture of {len(cfg.data.mix)} sources: {mixed.description}")
+        else:
+            corpus = data.load_corpus(cfg)
+            train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
+            val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")
+            epochs = cfg.train.steps * cfg.train.global_batch / train_batches.n_train
+            logger.info(f"data: {corpus.description}; {train_batches.n_train:,} training sequences of "
+                        f"{cfg.model.seq_len} tokens; {cfg.train.steps:,} steps of {cfg.train.global_batch} "
+                        f"sequences are {epochs:.3g} epochs")
         # jsonl/parquet: attention inside each document (the layouts that cannot were refused with
         # the config, config_checks.check_documents_apart, before the corpus was tokenized)
         cfg = data.with_documents_apart(cfg, corpus)
-        # Built here so that too little data is a one-line error before anything compiles.
-        train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
-        val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")
-        epochs = cfg.train.steps * cfg.train.global_batch / train_batches.n_train
-        logger.info(f"data: {corpus.description}; {train_batches.n_train:,} training sequences of "
-                    f"{cfg.model.seq_len} tokens; {cfg.train.steps:,} steps of {cfg.train.global_batch} "
-                    f"sequences are {epochs:.3g} epochs")
         run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)

@@ -1,13 +1,15 @@
 """The roofline of the compiled program (`megascale_jax.aot.roofline`) against the H200's
-measured steps: each MFU-ladder row of the 2026-11-23 and 2026-11-27 campaigns compiled, without a
-GPU, from the code that ran it (a worktree of its commit), its kernels' FLOPs and bytes priced at
-the H200's calibration, the predicted step set beside the measured one. Nothing is fitted to these
-rows. Then this checkout's same-work row (cuDNN, window 512, AdamW, 8 sequences), its kernels
+measured steps: each MFU-ladder row of the 2026-11-23 and 2026-11-27 campaigns and each lever row
+of 2026-11-28's (measured after the roofline was written) compiled, without a GPU, from the code
+that ran it (a worktree of its commit), its kernels' FLOPs and bytes priced at the H200's
+calibration, the predicted step set beside the measured one. Nothing is fitted to these rows. Then this checkout's same-work row (cuDNN, window 512, AdamW, 8 sequences), its kernels
 ranked by predicted time: the lever list for the next GPU run. Beside each row, the planner's own
 prediction (`planner.predict`, its formulas for this checkout's model; its H200 elementwise
 passes were fitted to the 2026-11-23 xla_flags row).
 
-    python -m bench.aot.roofline_rows [--out FILE] [--overwrite] [--only NAME ...]
+    python -m bench.aot.roofline_rows [--out FILE] [--overwrite] [--only NAME ...] [--date DATE ...]
+
+`--date` runs that campaign's rows only and replaces them in the existing file, keeping the others.
 
 Needs the compile-only environment (configs/aot/setup_env.sh) and git. ~15 s a row on 2 cores.
 Writes bench/results/roofline_h200.json.
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 
-from bench.common import REPO, Bench
+from bench.common import REPO, Bench, result_path
 from megascale_jax.aot import environment, roofline, targets
 from megascale_jax.observe.hlo_parts import instructions
 from megascale_jax.config import load_config
@@ -28,17 +30,18 @@ from megascale_jax.planner import calibration
 from megascale_jax.planner.predict import predict as planner_predict
 from megascale_jax.planner.workload import from_config
 
-# The code each campaign ran: the commit its results were measured at.
-RUNS = {"2026-11-23": ("85dcec4", "bench/results/gpu_nvidia_h200_2026-11-23.json"),
-        "2026-11-27": ("5d710b0", "bench/results/gpu_nvidia_h200_2026-11-27.json")}
+# The code each campaign ran (the commit its results were measured at), and the section whose rows it times.
+RUNS = {"2026-11-23": ("85dcec4", "bench/results/gpu_nvidia_h200_2026-11-23.json", "mfu_ladder"),
+        "2026-11-27": ("5d710b0", "bench/results/gpu_nvidia_h200_2026-11-27.json", "mfu_ladder"),
+        "2026-11-28": ("4ee3002", "bench/results/gpu_nvidia_h200_2026-11-28.json", "levers")}
 HEAD_ROW = {"model.block": "parallel", "model.window": 512, "model.attention": "cudnn", "optim.name": "adamw",
             "model.fused_norm": "false", "model.fused_mlp": "false"}
 
 
-def measured_rows(path: str) -> list[dict]:
-    """The ladder's rows with a measured step: name, config changes, microbatches, batch, flags."""
+def measured_rows(path: str, section: str) -> list[dict]:
+    """The section's rows with a measured step: name, config changes, microbatches, batch, flags."""
     with open(os.path.join(REPO, path)) as f:
-        rows = json.load(f)["sections"]["mfu_ladder"]["rows"]
+        rows = json.load(f)["sections"][section]["rows"]
     return [r for r in rows if r.get("step_time_s")]
 
 
@@ -84,14 +87,23 @@ def worktree(commit: str, into: str) -> str:
 def main(argv=None) -> int:
     bench = Bench(__doc__, "roofline_h200")
     bench.add_argument("--only", nargs="*", default=None, help="row names to run (default: all)")
+    bench.add_argument("--date", nargs="*", default=None, choices=list(RUNS),
+                       help="these campaigns' rows only, replacing theirs in the existing file")
     args = bench.parse_args(argv)
-    bench.refuse_existing()
     rows = []
+    if args.date:
+        with open(result_path("roofline_h200", args.out, overwrite=True)) as f:
+            rows = [r for r in json.load(f)["rows"] if r["date"] not in args.date]
+        bench.args.overwrite = True
+    else:
+        bench.refuse_existing()
     with tempfile.TemporaryDirectory(prefix="roofline-trees-") as trees:
         try:
-            for date, (commit, path) in RUNS.items():
+            for date, (commit, path, section) in RUNS.items():
+                if args.date and date not in args.date:
+                    continue
                 tree = worktree(commit, trees)
-                for row in measured_rows(path):
+                for row in measured_rows(path, section):
                     if args.only and row["name"] not in args.only:
                         continue
                     window = None if row["config"].get("model.window") in (None, "null") else int(row["config"]["model.window"])
@@ -109,6 +121,7 @@ def main(argv=None) -> int:
             subprocess.run(["git", "-C", REPO, "worktree", "prune"], capture_output=True)
     head = predict(REPO, overrides({"config": HEAD_ROW, "microbatches": 1, "batch": 8}), [], 512)
     print(f"this checkout's same-work row: predicted {head['step_s'] * 1e3:.1f} ms", flush=True)
+    rows.sort(key=lambda r: r["date"])
     bench.write({"device": "NVIDIA H200 (compiled without a GPU; measured rows from the campaigns)",
                  "rows": rows, "head_same_work_row": head})
     return 0

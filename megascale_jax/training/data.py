@@ -218,18 +218,33 @@ class SequenceBatches:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_train)
         return self._orders[epoch]
 
-    def global_indices(self, step: int) -> np.ndarray:
-        """Sequence indices (into the whole packed corpus) of step `step`'s global batch."""
-        positions = np.arange(step * self.global_batch, (step + 1) * self.global_batch)
+    def indices_at(self, positions: np.ndarray) -> np.ndarray:
+        """Sequence indices (into the whole packed corpus) at these positions of the split's
+        stream (ascending: a stream position's epoch order is built once)."""
         if self.split == "val":
             return self.n_train + positions % self.n_val
         epochs, offsets = np.divmod(positions, self.n_train)
-        return np.concatenate([self._epoch_order(int(e))[offsets[epochs == e]] for e in np.unique(epochs)])
+        out = np.empty(len(positions), dtype=np.int64)
+        for e in np.unique(epochs):
+            out[epochs == e] = self._epoch_order(int(e))[offsets[epochs == e]]
+        return out
+
+    def global_indices(self, step: int) -> np.ndarray:
+        """Sequence indices (into the whole packed corpus) of step `step`'s global batch."""
+        return self.indices_at(np.arange(step * self.global_batch, (step + 1) * self.global_batch))
+
+    def rows_at(self, positions: np.ndarray) -> np.ndarray:
+        """The sequences at these stream positions: int32, shape (len(positions), seq_len+1)."""
+        first = self.indices_at(positions) * self.seq_len
+        return np.asarray(self.tokens[first[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
 
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of step `step`'s global batch: int32, shape (stop-start, seq_len+1)."""
-        first = self.global_indices(step)[start:stop] * self.seq_len
-        return np.asarray(self.tokens[first[:, None] + np.arange(self.seq_len + 1)], dtype=np.int32)
+        return self.rows_at(np.arange(step * self.global_batch + start, step * self.global_batch + stop))
+
+    def record_fields(self, steps: int) -> dict:
+        """What a metrics record says of the data after `steps` steps (a mixture's proportions)."""
+        return {}
 
 
 def _tokens_needed(seq_len: int, global_batch: int, val_fraction: float) -> int:

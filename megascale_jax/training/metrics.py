@@ -99,11 +99,14 @@ def itstime(step: int, every: int, last: int) -> bool:
 
 class MetricsRecorder:
     def __init__(self, tokens_per_step: int, mfu_per_token_s: float | None, lr_hint: str, watch,
-                 evaluate: Callable, on_record: Callable[[dict], None]):
+                 evaluate: Callable, on_record: Callable[[dict], None],
+                 describe_data: Callable[[int], dict] | None = None):
         """evaluate(params) -> validation loss; on_record(record) is called once per step, in order.
-        lr_hint names the settings to change when training diverges."""
+        lr_hint names the settings to change when training diverges. describe_data(step): fields
+        the data adds to the step's record (a mixture's realised proportions)."""
         self.tokens_per_step, self.mfu_per_token_s, self.lr_hint = tokens_per_step, mfu_per_token_s, lr_hint
         self.watch, self.evaluate, self.on_record = watch, evaluate, on_record
+        self.describe_data = describe_data or (lambda step: {})
         self.held: tuple | None = None  # (step, metrics, data_wait) not fetched yet
         self.finite = FiniteSteps()
         self.last_finish = time.perf_counter()
@@ -136,7 +139,7 @@ class MetricsRecorder:
         tokens_per_s = self.tokens_per_step * len(self.recent_step_times) / sum(self.recent_step_times)
         record = {"step": step, **values, "step_time_s": step_time, "tokens_per_s": tokens_per_s,
                   "mfu": None if self.mfu_per_token_s is None else self.mfu_per_token_s * tokens_per_s,
-                  "data_wait_s": data_wait}
+                  "data_wait_s": data_wait, **self.describe_data(step)}
         # The next step's clock starts when this one was seen finished, not once its record is
         # written: the next step is already running on the devices meanwhile (it was dispatched
         # before this fetch), so writing the record is inside it, not between steps.
