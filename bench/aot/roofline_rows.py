@@ -9,7 +9,8 @@ passes were fitted to the 2026-11-23 xla_flags row).
 
     python -m bench.aot.roofline_rows [--out FILE] [--overwrite] [--only NAME ...] [--date DATE ...]
 
-`--date` runs that campaign's rows only and replaces them in the existing file, keeping the others.
+`--date` runs that campaign's rows only (with `--only`, those of them) and replaces them in the
+existing file, keeping the others.
 
 Needs the compile-only environment (configs/aot/setup_env.sh) and git. ~15 s a row on 2 cores.
 Writes bench/results/roofline_h200.json.
@@ -41,7 +42,8 @@ HEAD_ROW = {"model.block": "parallel", "model.window": 512, "model.attention": "
 def measured_rows(path: str, section: str) -> list[dict]:
     """The section's rows with a measured step: name, config changes, microbatches, batch, flags."""
     with open(os.path.join(REPO, path)) as f:
-        rows = json.load(f)["sections"][section]["rows"]
+        found = json.load(f)["sections"][section]
+    rows = [found["base"], *found["rows"]] if "base" in found else found["rows"]  # levers: the base row too
     return [r for r in rows if r.get("step_time_s")]
 
 
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     rows = []
     if args.date:
         with open(result_path("roofline_h200", args.out, overwrite=True)) as f:
-            rows = [r for r in json.load(f)["rows"] if r["date"] not in args.date]
+            rows = [r for r in json.load(f)["rows"] if r["date"] not in args.date or (args.only and r["row"] not in args.only)]
         bench.args.overwrite = True
     else:
         bench.refuse_existing()
