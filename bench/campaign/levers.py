@@ -41,6 +41,7 @@ memory estimate, a row that does not fit or fails is that row's one-line error. 
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 
@@ -70,14 +71,17 @@ def run(settings: dict) -> dict:
 
 def measure(runner: ladder.Ladder) -> dict:
     base, flags = ladder.strongest_fixed(runner.settings)
-    first = runner.row("base", base, xla_flags=flags)
+    gpu = runner.settings["device"]["backend"] == "gpu"
+    # On a GPU the base row also dumps XLA's GEMM autotuning choices, for `plan --compile --xla-option
+    # xla_gpu_load_autotune_results_from=FILE` to compile the program the GPU ran (docs/compile.md).
+    autotune = os.path.join(runner.work_dir, "autotune_base.txt")
+    dump = (f"--xla_gpu_dump_autotune_results_to={autotune}",) if gpu else ()
+    first = runner.row("base", base, xla_flags=(*flags, *dump))
     batch = first.get("batch") or 1
 
     def lever(name: str, changes: dict, dry_run_skip: str = "", **how) -> dict:
         skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else dry_run_skip
         return runner.row(name, changes, xla_flags=flags, dry_run_skip=skip, **how)
-
-    gpu = runner.settings["device"]["backend"] == "gpu"
 
     def flag_lever(name: str) -> dict:  # an XLA:GPU flag added to the base's own
         row_flags, changes = (*flags, *GPU_FLAGS[name]), {**base, **FLAG_LEVER_CHANGES.get(name, {})}
@@ -111,4 +115,8 @@ def measure(runner: ladder.Ladder) -> dict:
         if ladder.measured(row) and ladder.measured(first):
             row["delta_tokens_per_s"] = row["tokens_per_s"] - first["tokens_per_s"]
             row["delta_pct"] = 100 * row["delta_tokens_per_s"] / first["tokens_per_s"]
-    return {"config": base, "xla_flags": list(flags), "base": first, "rows": rows}
+    tuned = None
+    if os.path.exists(autotune):
+        with open(autotune) as f:
+            tuned = f.read()
+    return {"config": base, "xla_flags": list(flags), "base": first, "rows": rows, "autotune_results": tuned}
