@@ -358,7 +358,11 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
             node = node.setdefault(s, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {s!r} is not a section")
-        node[leaf] = yaml.safe_load(value) if value != "" else None
+        try:
+            node[leaf] = yaml.safe_load(value) if value != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({_yaml_problem(e)}); "
+                              "write it as YAML, quoted for the shell (a mapping: data.mix='{\"a/*.jsonl\": 0.7}')") from None
     cfg = from_dict(raw)
     validate(cfg, planning=planning)
     return cfg

@@ -58,7 +58,7 @@ def readme_commands(text: str, marked: str | None = None) -> list[str]:
             continue
         for line in "\n".join(lines).replace("\\\n", " ").splitlines():
             for part in line.split("&&"):  # the first README line installs, then trains
-                command = " ".join(shlex.split(part, comments=True))
+                command = shlex.join(shlex.split(part, comments=True))  # quoting kept: a value with spaces stays one argument
                 if command.startswith("python -m megascale_jax."):
                     commands.append(command)
     return commands

@@ -80,6 +80,7 @@ def test_a_weight_as_small_as_one_sequence_a_block_still_gets_its_share():
     (["data.mix={a.bin: 1}"], "not stdlib"),
     (["data.source=tokens", "data.mix=[a.bin]"], "data.mix must be a mapping"),
     (["data.source=tokens", "data.mix={nowhere.bin: 1}"], "'nowhere.bin' is not a readable file"),
+    (["data.source=tokens", "data.mix={a.bin: 0.7, b: [}"], "the value is not valid YAML (line 1, column 18"),
 ])
 def test_bad_mixtures_are_one_line(overrides, message):
     with pytest.raises(ConfigError) as e:
