@@ -26,7 +26,9 @@ def losses(run_dir) -> np.ndarray:
 
 
 def launch(args, **kwargs):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # the job's key (cluster/job_key.py), as a user of a bare multi-process job sets it: without it
+    # process 0 hands no executables to the others
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_JOB_KEY": "the job's secret"}
     return subprocess.Popen([sys.executable, "-m", "megascale_jax.train", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 

@@ -87,6 +87,7 @@ from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from megascale_jax import cli, run_dir as run_dirs
+from megascale_jax.cluster import job_key
 
 logger = cli.get_logger("compile_cache")
 
@@ -197,7 +198,18 @@ def use(run_dir: str, enabled: bool = True) -> Iterator[CacheCounts | None]:
         logger.warning(f"warning: compilation cache {own} cannot be made ({e.strerror or e}); "
                        "this process keeps no executables of its own")
     if _store and not readable_by_every_process(jax.default_backend(), jax.process_count()):
-        _share.update(client=coordination_client())
+        # Handed over only when signed with the job's key: the coordination service lets anyone who
+        # reaches it write a key, and an executable is native code every process would run.
+        try:
+            key = job_key.job_key()
+        except job_key.JobKeyError as e:
+            key = None
+            logger.warning(f"warning: compilation cache: {e}")
+        if key is None:
+            logger.warning("warning: compilation cache: each process compiles its own executables (handing "
+                           f"process 0's to the others needs the job's key: {job_key.HOW})")
+        else:
+            _share.update(client=coordination_client(), key=key)
     try:
         yield counts
     finally:
@@ -343,8 +355,10 @@ def _publish(slot: str, key: str, entry: bytes | None) -> None:
     """Process 0: the entry for `slot` (empty when there is none to give: the others compile)."""
     if entry is not None and len(entry) > SHARE_MAX_BYTES:
         entry = None
+    message = key.encode() + b"\n" + (entry or b"")
+    signature = job_key.sign(_share["key"], slot.encode() + b"\n" + message).encode()
     try:
-        _share["client"].key_value_set_bytes(slot, key.encode() + b"\n" + (entry or b""), allow_overwrite=True)
+        _share["client"].key_value_set_bytes(slot, signature + b"\n" + message, allow_overwrite=True)
     except Exception as e:  # noqa: BLE001 — the others then compile on their own, after the wait
         logger.warning(f"warning: compilation cache cannot hand {slot} to the other processes: {cli.one_line(e)}")
 
@@ -358,7 +372,12 @@ def _from_process_0(slot: str, key: str, devices, path: str, name: str) -> jax.s
         logger.warning(f"warning: compilation cache got no {name} from process 0, compiling it here: "
                        f"{cli.one_line(e)}")
         return None
-    theirs, _, entry = payload.partition(b"\n")
+    signature, _, message = payload.partition(b"\n")
+    if not job_key.verify(_share["key"], slot.encode() + b"\n" + message, signature.decode(errors="replace")):
+        logger.warning(f"warning: compilation cache: {name} under {slot} is not signed with the job's key (forged?); "
+                       "compiling it here")
+        return None
+    theirs, _, entry = message.partition(b"\n")
     if theirs.decode() != key or not entry:
         return None
     if (compiled := _deserialize(entry, devices, f"{slot} from process 0")) is not None:

@@ -19,6 +19,14 @@ and keeps the newest `snapshot.KEEP` steps of each owner.
 A copy is refused (the caller warns once and uses the next source: a local snapshot, then disk)
 when it is partial (fewer bytes than announced), fails its checksum, or is stale (another step,
 another config, another owner than asked for: `check_meta`).
+
+Only the job's processes are served (cluster/job_key.py): every request carries an HMAC under the
+job's key over its fields, a time and a random nonce; the server refuses, with one log line and
+nothing written, a request without a valid MAC, one more than `REPLAY_WINDOW_S` off its clock, a
+nonce it has seen (a replay), a header that is not JSON or longer than `MAX_HEADER`. A put's
+signed header (owner, step, size, SHA-256) is what the holder keeps beside the copy, and what it
+hands a restore: the checksum a restore checks is the one the owner signed, never one a server
+makes up. The server listens on the address the others reach it at, not on every interface.
 """
 
 from __future__ import annotations
@@ -26,13 +34,23 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import socket
 import socketserver
 import threading
+import time
 
+from megascale_jax import cli
+from megascale_jax.cluster import job_key
 from megascale_jax.run_dir import HOST_ENV, SNAPSHOT_FILE, committed_steps
 
+logger = cli.get_logger("peer_copy")
+
 TIMEOUT_S = 60.0  # one transfer; a holder that does not answer in this long is no source
+REPLAY_WINDOW_S = 120.0  # a request this far off the server's clock is refused (hosts' clocks differ a little)
+MAX_HEADER = 64 << 10  # a request's JSON header, bytes
+MAX_LOGGED = 100  # refusals a server logs, one line each; after that one line says it stops
+DRAIN_S, DRAIN_BYTES = 2.0, 16 << 20  # what a refused client may still send before its connection closes
 
 
 class Refused(Exception):
@@ -74,6 +92,9 @@ def copy_name(owner: int, processes: int) -> str:
     return f"peer_process_{owner}-of-{processes}.npz"
 
 
+RECORD = ".record"  # beside a copy: the owner's signed put header (its SHA-256 among its fields)
+
+
 def check_meta(meta: dict, step: int, config: dict) -> None:
     """A copy's own record against what was asked for: the step and the exact config."""
     if meta.get("step") != step:
@@ -85,14 +106,21 @@ def check_meta(meta: dict, step: int, config: dict) -> None:
 class PeerLink:
     """This process's end of the peer copies: the server for its host's directory, the sender."""
 
-    def __init__(self, directory: str, process: int, processes: int, keep: int, host: str | None = None):
-        self.directory, self.process, self.processes, self.keep = directory, process, processes, keep
-        self.server = _Server(("0.0.0.0", 0), _Handler)
+    def __init__(self, directory: str, process: int, processes: int, keep: int, key: bytes, host: str | None = None):
+        """`key`: the job's (cluster/job_key.py), which every request and copy is signed with."""
+        self.directory, self.process, self.processes, self.keep, self.key = directory, process, processes, keep, key
+        address = _reachable_address()
+        self.server = _Server((address, 0), _Handler)  # not 0.0.0.0: only where the others reach it
         self.server.link = self
+        self._nonces: dict[str, float] = {}  # seen in the replay window: nonce -> when
+        self._lock = threading.Lock()
+        self.refusals = 0
         threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True,
                          name="peer-copy-server").start()
         # what the others need to know of this process: its host, and where its server listens
-        self.record = json.dumps([host or host_name(), f"{_reachable_address()}:{self.server.server_address[1]}"])
+        self.record = json.dumps([host or host_name(), f"{address}:{self.server.server_address[1]}"])
+        logger.info(f"process {process}: peer-copy server at {address}:{self.server.server_address[1]} "
+                    "(requests signed with the job's key)")
         self._peers: list[tuple[str, str]] = []  # (host, address) by process
 
     # ------------------------------------------------------------------ who is where
@@ -121,8 +149,8 @@ class PeerLink:
         holder = self.holder()
         if holder is None:
             return None
-        header = {"op": "put", "owner": self.process, "step": step, "size": os.path.getsize(path),
-                  "sha256": sha256_file(path)}
+        header = self.request({"op": "put", "owner": self.process, "step": step, "processes": self.processes,
+                               "size": os.path.getsize(path), "sha256": sha256_file(path)})
         with _connect(self.peers()[holder][1]) as conn, open(path, "rb") as f:
             conn.sendall(json.dumps(header).encode() + b"\n")
             while block := f.read(1 << 20):
@@ -136,34 +164,77 @@ class PeerLink:
         """Copy `owner`'s snapshot of `step`, as held by process `source`, to `target` (written to
         `.tmp`, renamed only once whole and its checksum matches); Refused or OSError if not."""
         with _connect(self.peers()[source][1]) as conn:
-            conn.sendall(json.dumps({"op": "get", "owner": owner, "step": step,
-                                     "processes": self.processes}).encode() + b"\n")
+            conn.sendall(json.dumps(self.request({"op": "get", "owner": owner, "step": step,
+                                                  "processes": self.processes})).encode() + b"\n")
             stream = conn.makefile("rb")
-            header = json.loads(stream.readline() or b"{}")
-            if "size" not in header:
+            header = json.loads(stream.readline(MAX_HEADER + 1) or b"{}")
+            record = header.get("record")
+            if not isinstance(record, dict):
                 raise Refused(f"process {source} has no copy of step {step}: {header.get('error', 'no answer')}")
-            arrived, digest = _receive(stream, header["size"], target + ".tmp")
-        if arrived != header["size"]:
+            if not job_key.authentic(self.key, record):
+                raise Refused(f"process {source}'s record of it is not signed with the job's key")
+            if (record.get("owner"), record.get("step"), record.get("processes")) != (owner, step, self.processes):
+                raise Refused(f"process {source} sent the record of another file: {record.get('owner')}, "
+                              f"step {record.get('step')}")
+            arrived, digest = _receive(stream, record["size"], target + ".tmp")
+        if arrived != record["size"]:
             os.remove(target + ".tmp")
-            raise Refused(f"partial: {arrived} of {header['size']} bytes arrived")
-        if digest != header["sha256"]:
+            raise Refused(f"partial: {arrived} of {record['size']} bytes arrived")
+        if digest != record["sha256"]:
             os.remove(target + ".tmp")
-            raise Refused("its SHA-256 does not match the one recorded when it was sent")
+            raise Refused("its SHA-256 does not match the one its owner signed when it was sent")
         os.replace(target + ".tmp", target)
+
+    def request(self, fields: dict) -> dict:
+        """A request's header: `fields`, a time and a nonce, signed with the job's key."""
+        return job_key.signed(self.key, {**fields, "time": time.time(), "nonce": secrets.token_hex(16)})
+
+    # ------------------------------------------------------------------ who may ask
+
+    def admit(self, header) -> str | None:
+        """Why a request must be refused, or None: its MAC, its time, its nonce (a replay)."""
+        if not isinstance(header, dict) or header.get("op") not in ("put", "get"):
+            return "not a request of this protocol"
+        if not job_key.authentic(self.key, header):
+            return "not signed with the job's key"
+        now = time.time()
+        sent = header.get("time")
+        if not isinstance(sent, (int, float)) or abs(now - sent) > REPLAY_WINDOW_S:
+            return f"sent {now - sent if isinstance(sent, (int, float)) else '?'} s off this host's clock (a replay?)"
+        with self._lock:
+            self._nonces = {n: t for n, t in self._nonces.items() if now - t <= 2 * REPLAY_WINDOW_S}
+            if header.get("nonce") in self._nonces:
+                return "a replay of a request already served"
+            self._nonces[header.get("nonce")] = now
+        return None
+
+    def refuse(self, reason: str, client: str) -> None:
+        """One log line a refused request (the first `MAX_LOGGED`, then one that says it stops)."""
+        with self._lock:
+            self.refusals += 1
+            count = self.refusals
+        if count <= MAX_LOGGED:
+            logger.warning(f"warning: peer-copy server of process {self.process} refused a request from {client}: "
+                           f"{reason}; nothing written")
+        elif count == MAX_LOGGED + 1:
+            logger.warning(f"warning: peer-copy server of process {self.process}: more refused requests, no longer logged")
 
     # ------------------------------------------------------------------ the holder's side
 
     def store(self, header: dict, stream) -> None:
-        """A peer's file arriving: written whole to `.tmp`, then renamed, with its checksum."""
+        """A peer's file arriving (its signed header admitted): written whole to `.tmp`, then
+        renamed, with the owner's signed header beside it."""
         owner, step, size = int(header["owner"]), int(header["step"]), int(header["size"])
+        if not (0 <= owner < self.processes and header.get("processes") == self.processes and step >= 0 and size >= 0):
+            raise ValueError(f"no process {owner} of {header.get('processes')} in this job of {self.processes}")
         path = os.path.join(self.directory, str(step), copy_name(owner, self.processes))
         os.makedirs(os.path.dirname(path), exist_ok=True)
         arrived, digest = _receive(stream, size, path + ".tmp")
         if arrived != size or digest != header["sha256"]:
             os.remove(path + ".tmp")
             raise OSError(f"partial or damaged in transit ({arrived} of {size} bytes)")
-        with open(path + ".sha256", "w") as f:
-            f.write(header["sha256"])
+        with open(path + RECORD, "w") as f:
+            json.dump(header, f)
         os.replace(path + ".tmp", path)
         self._prune(owner)
 
@@ -171,7 +242,7 @@ class PeerLink:
         """Keep the newest `keep` steps of `owner`'s copies."""
         steps = sorted(inventory(self.directory, self.processes).get(owner, []))
         for step in steps[:-self.keep]:
-            for suffix in ("", ".sha256"):
+            for suffix in ("", RECORD):
                 try:
                     os.remove(os.path.join(self.directory, str(step), copy_name(owner, self.processes)) + suffix)
                 except FileNotFoundError:
@@ -185,18 +256,20 @@ class PeerLink:
             path = os.path.join(folder, name)
             if not os.path.exists(path):
                 continue
-            # the checksum recorded when it arrived (a copy), else the file's own (an own file)
-            recorded = path + ".sha256"
-            if os.path.exists(recorded):
-                with open(recorded) as f:
-                    digest = f.read().strip()
+            # a copy: the owner's signed header, kept when it arrived; an own file: signed here
+            kept = path + RECORD
+            if os.path.exists(kept):
+                with open(kept) as f:
+                    record = json.load(f)
             else:
-                digest = sha256_file(path)
-            conn.sendall(json.dumps({"size": os.path.getsize(path), "sha256": digest}).encode() + b"\n")
+                record = job_key.signed(self.key, {"owner": owner, "step": step, "processes": processes,
+                                                   "size": os.path.getsize(path), "sha256": sha256_file(path)})
+            conn.sendall(json.dumps({"record": record}).encode() + b"\n")
             with open(path, "rb") as f:  # streamed: a snapshot can be GBs
                 while block := f.read(1 << 20):
                     conn.sendall(block)
             return
+        self.refuse(f"asked for process {owner}'s file of step {step}, which this host does not hold", "a job process")
         conn.sendall(json.dumps({"error": f"no file of process {owner} at step {step}"}).encode() + b"\n")
 
     def close(self) -> None:
@@ -213,18 +286,48 @@ class _Server(socketserver.ThreadingTCPServer):
 class _Handler(socketserver.StreamRequestHandler):
     def handle(self) -> None:
         self.connection.settimeout(TIMEOUT_S)
+        link, client = self.server.link, f"{self.client_address[0]}:{self.client_address[1]}"
         try:
-            header = json.loads(self.rfile.readline() or b"{}")
-            if header.get("op") == "put":
-                self.server.link.store(header, self.rfile)
+            line = self.rfile.readline(MAX_HEADER + 1)
+            if len(line) > MAX_HEADER:
+                reason = f"a header over {MAX_HEADER} bytes"
+            else:
+                try:
+                    header = json.loads(line or b"{}")
+                    reason = link.admit(header)
+                except ValueError:
+                    reason = "a header that is not JSON"
+            if reason is not None:
+                link.refuse(reason, client)
+                self.wfile.write(json.dumps({"error": f"refused: {reason}"}).encode() + b"\n")
+                self._drain()
+                return
+            if header["op"] == "put":
+                link.store(header, self.rfile)
                 self.wfile.write(b'{"ok": true}\n')
-            elif header.get("op") == "get":
-                self.server.link.serve(header, self.connection)
-        except (OSError, ValueError, KeyError) as e:
+            else:
+                link.serve(header, self.connection)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            link.refuse(f"{type(e).__name__}: {str(e)[:200]}", client)
             try:
                 self.wfile.write(json.dumps({"error": str(e)[:300]}).encode() + b"\n")
+                self._drain()
             except OSError:
                 pass
+
+    def _drain(self) -> None:
+        """After a refusal: the reply sent, read (and drop) what the client is still sending, a
+        little of it, so that it reads the reply rather than a reset of a connection whose unread
+        bytes the kernel would answer with RST."""
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_WR)
+        self.connection.settimeout(DRAIN_S)
+        try:
+            left = DRAIN_BYTES
+            while left > 0 and (block := self.rfile.read1(min(left, 1 << 16))):
+                left -= len(block)
+        except OSError:
+            pass
 
 
 def _receive(stream, size: int, path: str) -> tuple[int, str]:

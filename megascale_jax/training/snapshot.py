@@ -56,6 +56,7 @@ import numpy as np
 
 from megascale_jax import cli
 from megascale_jax import run_dir as run_dirs
+from megascale_jax.cluster import job_key
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.run_dir import snapshot_steps
 from megascale_jax.training import compile_cache, peer_copy, save_copy
@@ -79,9 +80,21 @@ class Snapshots:
         self._writer: threading.Thread | None = None
         self._error: str | None = None
         self.link = None
+        try:  # what the processes agree on through jax.distributed's store is signed with it
+            self.key = job_key.job_key() if self.processes > 1 else None
+        except job_key.JobKeyError as e:
+            raise ConfigError(str(e)) from None
         if cfg.checkpoint.peer_copy and self.processes > 1:
-            self.link = peer_copy.PeerLink(self.root, self.process, self.processes, KEEP)
-            self.link.join(self._agree(self.link.record))
+            if self.key is None:  # nothing to prove the job's processes to each other with
+                warn(f"warning: no peer copies of memory snapshots: they need the job's key; {job_key.HOW}")
+            else:
+                self.link = peer_copy.PeerLink(self.root, self.process, self.processes, KEEP, self.key)
+                try:
+                    self.link.join(self._agree(self.link.record))
+                except peer_copy.Refused as e:  # where the others' servers are, forged: send them nothing
+                    warn(f"warning: no peer copies of memory snapshots: {e}")
+                    self.link.close()
+                    self.link = None
 
     def check_room(self, abstract_state) -> int:
         """The RAM this host's snapshots take, checked against what its snapshot filesystem has
@@ -225,7 +238,11 @@ class Snapshots:
         while True:
             mine = {p: [s for s in steps if s > newer_than]
                     for p, steps in peer_copy.inventory(self.root, self.processes).items()}
-            reports = [{int(p): steps for p, steps in json.loads(r).items()} for r in self._agree(json.dumps(mine))]
+            try:
+                reports = [{int(p): steps for p, steps in json.loads(r).items()} for r in self._agree(json.dumps(mine))]
+            except peer_copy.Refused as e:  # every process reads the same forged record: all take the checkpoint
+                self.warn(f"warning: memory snapshots not used: {e}; the checkpoint is")
+                return None
             step = peer_copy.newest_recoverable(reports, self.processes, given_up)
             if step is None:
                 return None
@@ -237,7 +254,11 @@ class Snapshots:
                 state, meta = self._load(step, abstract_state)
             except (OSError, ValueError, KeyError, zipfile.BadZipFile, peer_copy.Refused) as e:
                 problem = f"memory snapshot at step {step} ({source}) unusable: {cli.one_line(e)}"
-            verdicts = [json.loads(v) for v in self._agree(json.dumps([problem, source]))]
+            try:
+                verdicts = [json.loads(v) for v in self._agree(json.dumps([problem, source]))]
+            except peer_copy.Refused as e:
+                self.warn(f"warning: memory snapshots not used: {e}; the checkpoint is")
+                return None
             if not any(problem for problem, _ in verdicts):
                 for process, (_, where) in enumerate(verdicts):  # said once, by the process that logs
                     if where != "its own file" and self.process == 0:
@@ -281,14 +302,32 @@ class Snapshots:
         return jax.tree_util.tree_map_with_path(place, abstract_state), meta
 
     def _agree(self, mine: str) -> list[str]:
-        """Every process's `mine`, in process order (the key-value store of jax.distributed)."""
+        """Every process's `mine`, in process order (the key-value store of jax.distributed). With
+        the job's key each value is signed with its slot: Refused when one is not (forged, or
+        replayed from another round)."""
         if self.processes == 1:
             return [mine]
         _rounds[0] += 1
         client = compile_cache.coordination_client()
         prefix = f"megascale_jax/snapshot/{_rounds[0]}"
-        client.key_value_set(f"{prefix}/{self.process}", mine)
-        return [client.blocking_key_value_get(f"{prefix}/{p}", AGREE_TIMEOUT_MS) for p in range(self.processes)]
+        slot = f"{prefix}/{self.process}"
+        client.key_value_set(slot, json.dumps(job_key.signed(self.key, {"slot": slot, "value": mine}))
+                             if self.key else mine)
+        values = [client.blocking_key_value_get(f"{prefix}/{p}", AGREE_TIMEOUT_MS) for p in range(self.processes)]
+        if not self.key:
+            return values
+        out = []
+        for p, value in enumerate(values):
+            try:
+                record = json.loads(value)
+            except ValueError:
+                record = None
+            if not (isinstance(record, dict) and job_key.authentic(self.key, record)
+                    and record.get("slot") == f"{prefix}/{p}"):
+                raise peer_copy.Refused(f"process {p}'s record in jax.distributed's key-value store is not signed "
+                                        "with the job's key")
+            out.append(record["value"])
+        return out
 
 
 def state_bytes(abstract_state) -> int:

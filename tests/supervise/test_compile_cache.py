@@ -317,6 +317,7 @@ def test_process_0_compiles_once_and_hands_every_program_to_the_others(tmp_path,
     store = KeyValueStore()
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    monkeypatch.setenv("MEGASCALE_JOB_KEY", "the job's secret")
     _, x = dp_input(5)
     traced, f = counted_program()
 
@@ -356,15 +357,68 @@ def test_an_empty_slot_makes_the_others_compile_their_own(tmp_path, monkeypatch)
     store = KeyValueStore()
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    monkeypatch.setenv("MEGASCALE_JOB_KEY", "the job's secret")
     x = jax.random.normal(jax.random.key(6), (5,))
     as_process(monkeypatch, 0)
     with compile_cache.use(str(tmp_path)):
         jax.jit(jnp.exp).lower(x).compile()  # JAX's cache serves the next one
         compile_cache.load_or_compile("e", lambda: jax.jit(jnp.exp).lower(x), {}, (x,))
     [(slot, payload)] = store.values.items()
-    assert payload.endswith(b"\n")  # the key, and no executable
+    assert payload.endswith(b"\n")  # its signature, the key, and no executable
     as_process(monkeypatch, 1)
     with compile_cache.use(str(tmp_path / "other")) as counts:  # process 1 without JAX's entry
         compiled = compile_cache.load_or_compile("e", lambda: jax.jit(jnp.exp).lower(x), {}, (x,))
         assert counts.from_process_0 == 0
     np.testing.assert_allclose(compiled(x), np.exp(np.asarray(x)), rtol=1e-6)
+
+
+@pytest.mark.parametrize("attack", ["forged", "unsigned", "other job"])
+def test_a_forged_entry_is_refused_with_one_warning_and_the_process_compiles_its_own(tmp_path, monkeypatch, attack):
+    """Anyone who reaches the coordination service can write process 0's slot: an executable there
+    signed with no key, with another job's, or not signed at all is never deserialized (it would
+    run as native code); process 1 compiles the program itself and says so once."""
+    store = KeyValueStore()
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
+    monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    monkeypatch.setenv("MEGASCALE_JOB_KEY", "the job's secret")
+    x = jax.random.normal(jax.random.key(7), (5,))
+    traced, f = counted_program()
+
+    def get():
+        return compile_cache.load_or_compile("f", lambda: jax.jit(lambda x: f(x)).lower(x), {"a": 1}, (x,))
+
+    as_process(monkeypatch, 0)
+    with compile_cache.use(str(tmp_path / "p0")):
+        get()
+    [(slot, payload)] = store.values.items()
+    signature, _, message = payload.partition(b"\n")
+    if attack == "forged":  # the attacker's own executable under the real slot and key, a made-up MAC
+        store.values[slot] = b"0" * len(signature) + b"\n" + message
+    elif attack == "unsigned":
+        store.values[slot] = message
+    else:
+        monkeypatch.setenv("MEGASCALE_JOB_KEY", "another job's secret")
+    warnings = []
+    monkeypatch.setattr(compile_cache.logger, "warning", warnings.append)
+    as_process(monkeypatch, 1)
+    with compile_cache.use(str(tmp_path / "p1")) as counts:
+        compiled = get()
+        assert counts.from_process_0 == 0 and len(traced) == 2  # compiled here
+    assert [w for w in warnings if "not signed with the job's key" in w] == [warnings[0]] and len(warnings) == 1
+    x64 = np.asarray(x, np.float64)
+    np.testing.assert_allclose(compiled(x), np.tanh(x64) @ x64.T, rtol=1e-5, atol=1e-6)
+
+
+def test_without_the_jobs_key_no_executable_is_handed_over(tmp_path, monkeypatch):
+    store = KeyValueStore()
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
+    monkeypatch.setattr(compile_cache, "readable_by_every_process", lambda *_: False)
+    for name in ("MEGASCALE_JOB_KEY", "MEGASCALE_JOB_KEY_FILE", "MEGASCALE_REDIS_PASSWORD", "MEGASCALE_REDIS_PASSWORD_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    warnings = []
+    monkeypatch.setattr(compile_cache.logger, "warning", warnings.append)
+    x = jax.random.normal(jax.random.key(8), (5,))
+    as_process(monkeypatch, 0)
+    with compile_cache.use(str(tmp_path)):
+        compile_cache.load_or_compile("s", lambda: jax.jit(jnp.sin).lower(x), {}, (x,))
+    assert store.values == {} and len(warnings) == 1 and "MEGASCALE_JOB_KEY_FILE" in warnings[0]

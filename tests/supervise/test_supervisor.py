@@ -6,9 +6,12 @@ that survives kill -9, SIGSTOP and the death of its Redis server in turn (one ru
 fault, so three faults cost one job start), then give-up and diagnostics.
 """
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -384,11 +387,44 @@ def spared(tmp_path_factory):
     when it sees step 9 in the heartbeats, which under load can be a few steps late: with a
     checkpoint at step 10, a late kill once resumed from that checkpoint instead.)"""
     run_dir = tmp_path_factory.mktemp("spared")
+    attack = threading.Thread(target=attack_peer_copy_server, args=(run_dir,), daemon=True)
+    attack.start()
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
                                                "--drill", "nan:1@3", "--drill", "host:1@9", *JOB,
                                                "checkpoint.every=20", "checkpoint.memory_every=3"])
     assert done.returncode == 0, done.stdout + done.stderr
+    attack.join(timeout=5)
     return run_dir, events(run_dir)
+
+
+ATTACKS = {}  # the outsider's requests and the live server's replies (`attack_peer_copy_server`)
+
+
+def attack_peer_copy_server(run_dir) -> None:
+    """An outsider on the same machine, without the job's key, at rank 0's live snapshot server
+    (which holds rank 1's copies: the one the lost host's restore reads): a bare get of rank 1's
+    copy, and a put of a forged file for rank 1 with a SHA-256 it computed itself — issue 63's
+    attack. The replies are kept for the test; the job must train on unaffected."""
+    log, found = os.path.join(run_dir, "logs", "worker0.log"), None
+    deadline = time.time() + 300
+    while found is None and time.time() < deadline:
+        time.sleep(0.2)
+        if os.path.exists(log):
+            with open(log) as f:
+                found = re.search(r"process 0: peer-copy server at ([\d.]+):(\d+)", f.read())
+    if found is None:
+        return
+    forged = b"forged state" * 1000
+
+    def ask(header, body=b""):
+        with socket.create_connection((found.group(1), int(found.group(2))), timeout=10) as conn:
+            conn.sendall(json.dumps(header).encode() + b"\n" + body)
+            conn.shutdown(socket.SHUT_WR)
+            return json.loads(conn.makefile("rb").readline() or b"{}")
+
+    ATTACKS["get"] = ask({"op": "get", "owner": 1, "step": 3, "processes": 2})
+    ATTACKS["put"] = ask({"op": "put", "owner": 1, "step": 6, "processes": 2, "size": len(forged),
+                          "sha256": hashlib.sha256(forged).hexdigest(), "time": time.time(), "nonce": "x"}, forged)
 
 
 @pytest.mark.slow
@@ -431,6 +467,21 @@ def test_a_faulty_rank_is_excluded_and_a_spare_takes_its_place(spared, reference
         assert f.read().splitlines() == [evict["host"]]
     recovered = final_record(run_dir)
     assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
+
+
+@pytest.mark.slow
+@DRILL_GROUP
+def test_an_outsider_at_the_live_snapshot_server_is_refused_and_training_is_unaffected(spared, reference):
+    """The attack of issue 63 on the live job of the drill above: refused both ways, logged by the
+    server, and the run that then lost a host restored rank 1 from the real copy and ended at the
+    fault-free loss, bitwise (the test above)."""
+    run_dir, _ = spared
+    assert ATTACKS == {"get": {"error": "refused: not signed with the job's key"},
+                       "put": {"error": "refused: not signed with the job's key"}}
+    with open(os.path.join(run_dir, "logs", "worker0.log")) as f:
+        refused = [line for line in f.read().splitlines() if "refused a request from" in line]
+    assert len([line for line in refused if "not signed with the job's key" in line]) == 2, refused
+    assert final_record(run_dir)["loss"] == reference["loss"]
 
 
 @pytest.mark.slow

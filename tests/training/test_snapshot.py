@@ -183,6 +183,42 @@ def test_processes_agree_on_the_newest_step_all_hold(tmp_path, monkeypatch, peer
     assert (tmp_path / "4" / "process_0-of-2.npz").exists()  # its own file was good: kept
 
 
+@pytest.mark.parametrize("record", ["signed", "unsigned", "another round's"])
+def test_with_the_jobs_key_only_signed_records_of_the_other_processes_are_believed(tmp_path, monkeypatch, capsys,
+                                                                                     record):
+    """What the processes agree on through jax.distributed's store (which anyone who reaches it can
+    write) is signed with the job's key and its slot: process 1's signed inventory is used; an
+    unsigned one, or a signed one replayed from another round, makes every process take the
+    checkpoint (one warning), not a forged step."""
+    from megascale_jax.cluster import job_key
+    snaps, mesh, states = saved(tmp_path, [3, 4])
+    for step in (3, 4):
+        os.replace(tmp_path / str(step) / "process_0-of-1.npz", tmp_path / str(step) / "process_0-of-2.npz")
+    snaps.processes, snaps.key = 2, b"k" * 32
+    rounds = snapshot._rounds[0]
+
+    def peer(round_, value):
+        slot = f"megascale_jax/snapshot/{round_}/1"
+        if record == "unsigned":
+            return value
+        signed_slot = slot if record == "signed" else f"megascale_jax/snapshot/{round_ + 7}/1"
+        return json.dumps(job_key.signed(snaps.key, {"slot": signed_slot, "value": value}))
+
+    store = KeyValueStore({f"megascale_jax/snapshot/{rounds + 1}/1": peer(rounds + 1, json.dumps({"1": [3, 4]})),
+                           f"megascale_jax/snapshot/{rounds + 2}/1": peer(rounds + 2, json.dumps(["", "its own file"]))})
+    monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
+    restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
+    mine = json.loads(store.values[f"megascale_jax/snapshot/{rounds + 1}/0"])
+    assert job_key.authentic(snaps.key, mine) and mine["value"] == json.dumps({"0": [3, 4]})  # its own, signed
+    if record == "signed":
+        assert restored[1]["step"] == 4
+        np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
+    else:
+        assert restored is None
+        warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and "not signed with the job's key" in warnings[0], warnings
+
+
 def test_memory_every_must_not_be_negative():
     from megascale_jax.config import ConfigError
     with pytest.raises(ConfigError, match="checkpoint.memory_every=-1 must be >= 0"):
