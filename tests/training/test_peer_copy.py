@@ -224,3 +224,16 @@ def test_the_server_listens_where_the_others_reach_it_not_on_every_interface(lin
     (a, _), _ = links
     assert a.server.server_address[0] != "0.0.0.0"
     assert json.loads(a.record)[1] == f"{a.server.server_address[0]}:{a.server.server_address[1]}"
+
+
+def test_a_truncated_put_stores_nothing(links, caplog):
+    """A signed put whose body stops short of the size it announced (a sender killed mid-copy):
+    nothing is kept, the server logs it, the sender reads why."""
+    (a, b), (host_a, host_b) = links
+    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
+    body = b"y" * 1000
+    header = a.request({"op": "put", "owner": 0, "step": 2, "processes": 2, "size": 2 * len(body),
+                        "sha256": hashlib.sha256(body * 2).hexdigest()})
+    assert "partial or damaged in transit (1000 of 2000 bytes)" in ask(b, header, body)["error"]
+    assert peer_copy.inventory(str(host_b), 2) == {} and not list(host_b.rglob("*.tmp"))
+    assert len(refusals(caplog)) == 1
