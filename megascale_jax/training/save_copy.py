@@ -7,7 +7,7 @@ to the host while training goes on), but it holds the state's size in device mem
 beyond `checkpoint.device_copy_gib`, the copy is capped: the leaves that fit are copied on the
 device, the rest straight to pinned host memory while the step waits (the host link's rate,
 ~4 GB/s measured on an H200 through orbax, more for a bare copy). The cap comes from
-`trainer.check_compiled_memory` (`flops.device_copy_bytes`); the checkpoint and a memory
+`trainer.device_copy_cap` (`flops.device_copy_bytes`); the checkpoint and a memory
 snapshot of the same step share one copy.
 """
 

@@ -382,7 +382,7 @@ def test_prefetch_hides_a_slow_source(monkeypatch):
 
 
 def test_the_background_copy_lands_in_pinned_host_memory_sharded_as_on_the_device():
-    """checkpoint.to_pinned_host: every array in the devices' pinned host memory (what the GPU's
+    """save_copy.to_pinned_host: every array in the devices' pinned host memory (what the GPU's
     copy engines write at full rate), same sharding otherwise, same values bitwise."""
     mesh = make_mesh(tiny_cfg().mesh)
     state = tiny_state(mesh, 3)
