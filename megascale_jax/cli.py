@@ -2,7 +2,8 @@
 user's mistake, and its logging.
 
 * `parse`: options and `section.key=value` overrides in any order (`parse_intermixed_args`:
-  argparse's plain `parse_args` rejects a positional after an option).
+  argparse's plain `parse_args` rejects a positional after an option); `ArgumentParser`, whose
+  errors are one line like the rest.
 * `user_error`: one line on stderr, `error: <what is wrong and how to fix it>`, exit code 2 —
   never a traceback for a user mistake.
 * `setup_logging`: progress and notices go through the `megascale_jax` logger: INFO to stdout,
@@ -28,6 +29,15 @@ EXIT_CONFIG_ERROR = 2  # bad input: every CLI's user_error
 EXIT_DIVERGED = 3  # a non-finite loss, again when the step was replayed
 EXIT_UNREADABLE_CHECKPOINT = 4  # one of several processes cannot read the newest checkpoint: a restart falls back
 EXIT_NOT_SAVED = 5  # the run's final checkpoint could not be written (a full disk): a person frees space
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, but a mistake on the command line is one line and exit 2, like every other
+    user error (argparse prints its usage first: up to a dozen lines before the one that matters)."""
+
+    def error(self, message: str):
+        print(error_line(f"{message} ({self.prog} --help lists the options)"), file=sys.stderr, flush=True)
+        sys.exit(EXIT_CONFIG_ERROR)
 
 
 def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:

@@ -346,6 +346,8 @@ def load_config(path: Optional[str] = None, overrides: typing.Sequence[str] = ()
         raise ConfigError(f"cannot read config file {path!r}: {e.strerror}; pass an existing --config")
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path!r} is not valid YAML: {_yaml_problem(e)}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path!r} is not text (not UTF-8): pass a YAML config") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path!r} must be a mapping of sections (mesh:, model:, ...)")
     for item in overrides:

@@ -8,7 +8,6 @@ with the option that blocks it; an OUT_DIR that holds a model is kept unless --o
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from typing import Optional, Sequence
@@ -18,7 +17,7 @@ from megascale_jax.config import ConfigError
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.export_hf",
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.export_hf",
                                      description="Export a run's checkpoint as a Hugging Face model directory.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a training run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory for config.json, safetensors and tokenizer")

@@ -34,7 +34,6 @@ both schedules take (m·v + p − 1)·(F + B)/v and the bubble is (p − 1)/(m·
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import sys
@@ -211,7 +210,7 @@ def timeline(s: Schedule) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.pipeline_schedule", description=timeline.__doc__)
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.pipeline_schedule", description=timeline.__doc__)
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)

@@ -23,8 +23,8 @@ A step that does not fit exits 2 with its peak, the limit and what shrinks it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import os
 import json
 import sys
 from typing import Optional, Sequence
@@ -147,7 +147,7 @@ def kernel_options(cfg) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.plan", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.plan", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
     parser.add_argument("--gpus", type=int, required=True, help="number of GPUs, e.g. 12288")
     parser.add_argument("--gpu", required=True, help="a100-80g, h100-sxm or h200 (configs/calibration.yaml)")
@@ -173,6 +173,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cli.user_error(e)
     if args.gpus < 1:
         return cli.user_error(f"--gpus={args.gpus} must be >= 1")
+    if args.plot and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        return cli.user_error(f"--plot {args.plot}: {os.path.dirname(args.plot) or '.'} is not a directory; "
+                              "pass a PNG path in one")
     try:
         cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("mesh.dp=")], planning=True)
     except ConfigError as e:

@@ -20,7 +20,6 @@ are one `error:` line on stderr and exit 2, before any parameter is read.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import sys
 from typing import Optional, Sequence
@@ -30,7 +29,7 @@ from megascale_jax.config import ConfigError
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.sample",
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.sample",
                                      description="Continue a prompt with a trained run's model.")
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a training run")
     parser.add_argument("--prompt", required=True, help="the text to continue")

@@ -11,7 +11,6 @@ train on the result: `data.source=tokens data.path=DIR/tokens.bin data.token_dty
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import sys
@@ -23,7 +22,7 @@ from megascale_jax.training import tokenizer as bpe
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.tokenize", description="Write the token file a corpus encodes to: with a byte-level BPE trained on it, or with a model's own tokenizer.")
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.tokenize", description="Write the token file a corpus encodes to: with a byte-level BPE trained on it, or with a model's own tokenizer.")
     parser.add_argument("--input", required=True, help="glob (quote it): text files, e.g. 'corpus/**/*.txt'; with "
                         "--tokenizer, JSONL or Parquet shards, e.g. 'shards/*.jsonl.gz'")
     parser.add_argument("--vocab", type=int, help=f"train a BPE of this many tokens (at least {bpe.MIN_VOCAB})")

@@ -9,7 +9,6 @@ Each part lives with its owner under `training/`; this module composes them and 
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -226,7 +225,7 @@ def check_memory(cfg: Config) -> None:
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(
+    parser = cli.ArgumentParser(
         prog="python -m megascale_jax.train", description=__doc__.splitlines()[0],
         epilog="Config keys: sections mesh, model, parallel, optim, train, data, checkpoint, supervisor, observe; "
                "every key is documented in megascale_jax/config.py (and docs/configuring.md). "

@@ -22,7 +22,7 @@ from megascale_jax.training import tokenizer as tokenizers_
 from megascale_jax.training import trained
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
-_WRITTEN = ("config.json", hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE, "tokenizer.json")
+_WRITTEN = ("config.json", hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE, "tokenizer.json", "tokenizer_config.json")
 
 
 class ExportError(ValueError):
@@ -30,11 +30,15 @@ class ExportError(ValueError):
 
 
 def check_target(out_dir: str, overwrite: bool) -> None:
-    """Refuse to write over a model unless `overwrite`; old shards are removed when overwriting."""
+    """Refuse to write over a model unless `overwrite`, and into a directory that holds anything
+    else (a run directory given twice); old shards are removed when overwriting."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"{out_dir} exists and is not a directory; pass another OUT_DIR")
-    held = [f for f in sorted(os.listdir(out_dir)) if f in _WRITTEN or f.endswith(".safetensors")] \
-        if os.path.isdir(out_dir) else []
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    held = [f for f in names if f in _WRITTEN or f.endswith(".safetensors")]
+    foreign = [f for f in names if f not in held]
+    if foreign:  # a run directory, or anything else of the user's: an export is never mixed into it
+        raise ExportError(f"{out_dir} holds files an export does not write ({foreign[0]}): pass an empty or new OUT_DIR")
     if held and not overwrite:
         raise ExportError(f"{out_dir} already holds a model ({held[0]}); pass --overwrite to replace it, or another OUT_DIR")
     for f in held:

@@ -18,7 +18,6 @@ prints these numbers for a config and a (possibly hypothetical) mesh, without JA
 
 from __future__ import annotations
 
-import argparse
 from typing import Iterable, Optional, Sequence
 
 
@@ -295,7 +294,7 @@ def format_count(n: float) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.flops", description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config, e.g. configs/gpt_175b.yaml")
     parser.add_argument("--target-mfu", type=float, default=0.5, help="MFU assumed for the step-time line")
     parser.add_argument("overrides", nargs="*", help="dotted key=value, e.g. mesh.dp=8 mesh.pp=8 mesh.tp=8")

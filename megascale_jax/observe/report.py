@@ -20,7 +20,6 @@ Flagged stragglers are appended to ``RUN_DIR/events.jsonl`` (kind "straggler") f
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -476,7 +475,7 @@ def write_report(run_dir: str, threshold: float | None = None, window: int | Non
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.report", description=__doc__.split("\n")[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.report", description=__doc__.split("\n")[0])
     parser.add_argument("run_dir")
     parser.add_argument("--threshold", type=float, help="straggler lateness, fraction of the step (default: observe.straggler_threshold)")
     parser.add_argument("--window", type=int, help="steps per window (default: observe.straggler_window)")

@@ -254,7 +254,7 @@ def faulty_hosts(report: Report, hosts: list[str] | None) -> list[str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.diagnose", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.diagnose", description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, default=1, help="processes sharing mesh.cpu_devices")
     parser.add_argument("--config", default=None, help="YAML config whose mesh is tested (default: tiny_cpu)")
     parser.add_argument("--redis", default=None, help="redis://[USER@]HOST:PORT or rediss://..., its password in "
@@ -283,6 +283,8 @@ def main(argv=None) -> int:
     try:
         if args.nprocs < 1:
             raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
+        if args.redis:  # before anything starts: a password in the URL, a scheme that is not Redis's
+            redis_auth.check_url(args.redis)
         hosts = args.hosts.split(",") if args.hosts else None
         if hosts is not None and len(hosts) != args.nprocs:
             raise ConfigError(f"--hosts names {len(hosts)} host(s) for --nprocs={args.nprocs}; give one per rank")

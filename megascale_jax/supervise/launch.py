@@ -23,7 +23,6 @@ metrics.jsonl.before-restart-<n>.
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import sys
@@ -42,7 +41,7 @@ from megascale_jax.supervise.workers import per_process_overrides, worker_env
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.launch", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.launch", description=__doc__.splitlines()[0])
     parser.add_argument("--nprocs", type=int, required=True, help="worker processes on this machine")
     parser.add_argument("--config", default=None, help="YAML config (default: configs/tiny_cpu.yaml)")
     parser.add_argument("--run-dir", default=None, help="output directory (default: runs/<config>-<time>)")
@@ -86,8 +85,10 @@ def main(argv=None) -> int:
     run_dir = args.run_dir or run_dirs.default_run_dir(args.config)
     try:  # one live run per directory; the workers run under this lock (run_dir.HOLDER_ENV)
         lock = run_dirs.RunDirLock(run_dir).acquire()
-    except (run_dirs.RunDirInUse, OSError) as e:
+    except run_dirs.RunDirInUse as e:
         return cli.user_error(e)
+    except OSError as e:
+        return cli.user_error(f"cannot use --run-dir {run_dir!r}: {e.strerror or e}; pass a writable directory")
     config_args = [] if args.config is None else ["--config", args.config]
     server = None
     try:

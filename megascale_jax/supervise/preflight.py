@@ -25,7 +25,6 @@ blamed for that. Exit 2 for bad input, a Redis password that is missing or refus
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import signal
@@ -99,7 +98,7 @@ def exclude(found: dict[str, str], args) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megascale_jax.preflight", description=__doc__.splitlines()[0])
+    parser = cli.ArgumentParser(prog="python -m megascale_jax.preflight", description=__doc__.splitlines()[0])
     parser.add_argument("--redis", required=True, help="redis://[USER@]HOST:PORT or rediss://..., its password in "
                                                        f"${redis_auth.PASSWORD_FILE_ENV} or ${redis_auth.PASSWORD_ENV}")
     parser.add_argument("--job", required=True, help="this check's job id, the same for all workers and new for "

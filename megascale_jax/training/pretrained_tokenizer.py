@@ -133,7 +133,19 @@ def tokenize_corpus(tokenizer_path: str, pattern: str, out_dir: str, field: str 
     tokenizer = load(tokenizer_path)
     eos = end_of_document(tokenizer_path, tokenizer, eos_token)
     shards = documents.shard_paths(pattern)
+    made = not os.path.exists(out_dir)
     targets = output_files(out_dir, overwrite)
+    try:
+        return _tokenize_shards(tokenizer, tokenizer_path, shards, pattern, targets, out_dir, field, workers, eos,
+                                stop_at_bad_line, log)
+    except BaseException:
+        if made:  # a refused corpus leaves no directory behind
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+
+
+def _tokenize_shards(tokenizer, tokenizer_path: str, shards: list[str], pattern: str, targets: list[str], out_dir: str,
+                     field: str, workers: int, eos: int, stop_at_bad_line: bool, log) -> dict:
     dtype = token_dtype(tokenizer.get_vocab_size())
     with tempfile.TemporaryDirectory(prefix=".parts-", dir=out_dir) as parts:
         jobs = [(tokenizer_path, shard, field, eos, dtype, os.path.join(parts, f"{i:06d}.bin"), stop_at_bad_line)

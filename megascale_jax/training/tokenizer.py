@@ -116,6 +116,8 @@ def write(out_dir: str, tokenizer, tokens: np.ndarray, paths: list[str], overwri
 def output_files(out_dir: str, overwrite: bool) -> list[str]:
     """out_dir's tokenizer.json, tokens.bin and tokens.json, the directory made; a TokenizerError
     where one exists and `overwrite` is off (nothing is replaced by mistake)."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise TokenizerError(f"--out {out_dir} is a file, not a directory; pass another --out")
     targets = [os.path.join(out_dir, name) for name in (TOKENIZER_FILE, TOKENS_FILE, META_FILE)]
     existing = [t for t in targets if os.path.exists(t)]
     if existing and not overwrite:
