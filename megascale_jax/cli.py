@@ -19,9 +19,13 @@ jax-free: the driver uses it too.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import logging
+import signal
 import sys
+import threading
+import time
 
 LOGGER = "megascale_jax"
 # Exit codes besides 0, read by the supervisor (supervise/detect.py).
@@ -38,6 +42,50 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         print(error_line(f"{message} ({self.prog} --help lists the options)"), file=sys.stderr, flush=True)
         sys.exit(EXIT_CONFIG_ERROR)
+
+
+class StartupInterrupt:
+    """Ctrl-C before a command's own handler is in place (its imports, JAX's start, compiling):
+    one line and exit 130, at once. During the imports the process ends there and then; once the
+    command's main() runs, the first SIGINT raises KeyboardInterrupt where Python can (the
+    command's `except KeyboardInterrupt` says `line` and calls `reported`); a watchdog ends the
+    process `GRACE_S` later if it is still starting: Python drops an exception raised inside a
+    garbage-collection callback (JAX's `_xla_gc_callback`: "Exception ignored in ...", and start-up
+    went on), and a compilation in XLA's C++ does not come back to Python for seconds. A second
+    Ctrl-C ends the process at once."""
+
+    GRACE_S = 2.0
+
+    def __init__(self, line: str):
+        self.line, self._reported, self._armed, self._raising = line, False, False, False
+
+    def install(self) -> None:
+        """From here a SIGINT ends the process at once (during imports no `except` could catch it)."""
+        signal.signal(signal.SIGINT, self._on_sigint)
+
+    def raise_from_here(self) -> None:
+        """From here a SIGINT raises KeyboardInterrupt, for the command to say and to return 130."""
+        self._raising = True
+
+    def reported(self) -> None:
+        """The command said the line itself: the watchdog, if armed, only ends the process."""
+        self._reported = True
+
+    def _on_sigint(self, signum, frame):
+        if self._armed or not self._raising:
+            self._end()
+        self._armed = True
+        threading.Thread(target=self._watch, daemon=True, name="startup-interrupt").start()
+        raise KeyboardInterrupt
+
+    def _watch(self) -> None:
+        time.sleep(self.GRACE_S)
+        self._end()
+
+    def _end(self) -> None:
+        if not self._reported:
+            print(self.line, file=sys.stderr, flush=True)
+        os._exit(128 + signal.SIGINT)
 
 
 def parse(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:

@@ -14,12 +14,21 @@ import signal
 import sys
 import time
 
+from megascale_jax import cli
+
+# Ctrl-C from here to the loop's own handler (training/interrupt.py): one line, exit 130, at once
+# (the imports below take seconds, and JAX and XLA can hold a KeyboardInterrupt back).
+STARTUP_LINE = "interrupted during start-up, before the first step; nothing new was saved"
+if __name__ == "__main__":
+    startup_interrupt = cli.StartupInterrupt(STARTUP_LINE)
+    startup_interrupt.install()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import yaml
 
-from megascale_jax import cli, run_dir as run_dirs
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.cluster.self_test import device_self_test
 from megascale_jax.config import (Config, ConfigError, check_runtime, load_config, save_config,
@@ -323,10 +332,14 @@ def warm_up() -> None:
 
 
 def main(argv=None) -> int:
+    if __name__ == "__main__":
+        startup_interrupt.raise_from_here()
     try:
         return _main(argv)
     except KeyboardInterrupt:  # Ctrl-C before the loop's own handler (training/interrupt.py) is in place
-        logger.warning("interrupted during start-up, before the first step; nothing new was saved")
+        logger.warning(STARTUP_LINE)
+        if __name__ == "__main__":
+            startup_interrupt.reported()
         return 128 + signal.SIGINT
 
 
