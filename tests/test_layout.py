@@ -74,7 +74,7 @@ def test_no_import_circles():
             visit(m, [m])
 
 
-LEVELS = {"config": 0, "config_checks": 0, "run_dir": 0, "cli": 0, "pipeline_schedule": 0, "parallel": 1, "model": 1,
+LEVELS = {"config": 0, "config_checks": 0, "run_dir": 0, "cli": 0, "job_key": 0, "pipeline_schedule": 0, "parallel": 1, "model": 1,
           "training": 2, "planner": 2, "observe": 3, "interop": 3, "cluster": 4, "supervise": 5}
 # train.py and the entry points sit on top of all of them (but pipeline_schedule: pure tables config checks with).
 

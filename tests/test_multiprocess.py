@@ -26,7 +26,7 @@ def losses(run_dir) -> np.ndarray:
 
 
 def launch(args, **kwargs):
-    # the job's key (cluster/job_key.py), as a user of a bare multi-process job sets it: without it
+    # the job's key (job_key.py), as a user of a bare multi-process job sets it: without it
     # process 0 hands no executables to the others
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_JOB_KEY": "the job's secret"}
     return subprocess.Popen([sys.executable, "-m", "megascale_jax.train", *args], env=env,

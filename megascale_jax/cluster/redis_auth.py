@@ -33,8 +33,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
-PASSWORD_FILE_ENV = "MEGASCALE_REDIS_PASSWORD_FILE"
+from megascale_jax.job_key import PASSWORD_ENV, PASSWORD_FILE_ENV, JobKeyError, read_secret
+
 SCHEMES = ("redis", "rediss")
 
 
@@ -56,18 +56,10 @@ def redact(url: str) -> str:
 def password() -> str:
     """The job's Redis password: the contents of $MEGASCALE_REDIS_PASSWORD_FILE (a trailing newline
     dropped), else $MEGASCALE_REDIS_PASSWORD."""
-    path = os.environ.get(PASSWORD_FILE_ENV)
-    if path:
-        try:
-            with open(path) as f:
-                secret = f.read().rstrip("\r\n")
-        except OSError as e:
-            raise RedisAuthError(f"cannot read {PASSWORD_FILE_ENV}={path} ({e.strerror}): point it at the file "
-                                 "holding the job's Redis password") from None
-        if not secret:
-            raise RedisAuthError(f"{PASSWORD_FILE_ENV}={path} is empty: write the job's Redis password into it")
-        return secret
-    secret = os.environ.get(PASSWORD_ENV)
+    try:
+        secret = read_secret(PASSWORD_FILE_ENV, PASSWORD_ENV, "the job's Redis password")
+    except JobKeyError as e:
+        raise RedisAuthError(str(e)) from None
     if not secret:
         raise RedisAuthError(f"the job's Redis needs a password: set {PASSWORD_FILE_ENV} to a file holding it "
                              f"(or {PASSWORD_ENV} to the password itself)")

@@ -87,7 +87,7 @@ from jax.experimental import serialize_executable
 from jax.experimental.compilation_cache import compilation_cache as jax_compilation_cache
 
 from megascale_jax import cli, run_dir as run_dirs
-from megascale_jax.cluster import job_key
+from megascale_jax import job_key
 
 logger = cli.get_logger("compile_cache")
 

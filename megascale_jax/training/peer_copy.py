@@ -20,7 +20,7 @@ A copy is refused (the caller warns once and uses the next source: a local snaps
 when it is partial (fewer bytes than announced), fails its checksum, or is stale (another step,
 another config, another owner than asked for: `check_meta`).
 
-Only the job's processes are served (cluster/job_key.py): every request carries an HMAC under the
+Only the job's processes are served (job_key.py): every request carries an HMAC under the
 job's key over its fields, a time and a random nonce; the server refuses, with one log line and
 nothing written, a request without a valid MAC, one more than `REPLAY_WINDOW_S` off its clock, a
 nonce it has seen (a replay), a header that is not JSON or longer than `MAX_HEADER`. A put's
@@ -41,7 +41,7 @@ import threading
 import time
 
 from megascale_jax import cli
-from megascale_jax.cluster import job_key
+from megascale_jax import job_key
 from megascale_jax.run_dir import HOST_ENV, SNAPSHOT_FILE, committed_steps
 
 logger = cli.get_logger("peer_copy")
@@ -107,7 +107,7 @@ class PeerLink:
     """This process's end of the peer copies: the server for its host's directory, the sender."""
 
     def __init__(self, directory: str, process: int, processes: int, keep: int, key: bytes, host: str | None = None):
-        """`key`: the job's (cluster/job_key.py), which every request and copy is signed with."""
+        """`key`: the job's (job_key.py), which every request and copy is signed with."""
         self.directory, self.process, self.processes, self.keep, self.key = directory, process, processes, keep, key
         address = _reachable_address()
         self.server = _Server((address, 0), _Handler)  # not 0.0.0.0: only where the others reach it

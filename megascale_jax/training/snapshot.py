@@ -56,7 +56,7 @@ import numpy as np
 
 from megascale_jax import cli
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.cluster import job_key
+from megascale_jax import job_key
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.run_dir import snapshot_steps
 from megascale_jax.training import compile_cache, peer_copy, save_copy

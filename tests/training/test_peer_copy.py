@@ -8,7 +8,6 @@ nothing written."""
 import hashlib
 import hmac
 import json
-import logging
 import os
 import socket
 import time
@@ -16,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from megascale_jax.cluster import job_key
+from megascale_jax import job_key
 from megascale_jax.training import peer_copy
 
 KEY = hmac.new(b"the job's secret", job_key.LABEL, hashlib.sha256).digest()
@@ -132,8 +131,17 @@ def ask(link, header, body: bytes = b"") -> dict:
         return json.loads(conn.makefile("rb").readline() or b"{}")
 
 
+@pytest.fixture
+def caplog(monkeypatch):
+    """The peer-copy server's warnings, as its logger is given them (pytest's caplog sees nothing
+    once another test's logging set-up stops the package logger's propagation)."""
+    lines = []
+    monkeypatch.setattr(peer_copy.logger, "warning", lambda message, *a, **k: lines.append(message))
+    return lines
+
+
 def refusals(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if "refused a request" in r.getMessage()]
+    return [line for line in caplog if "refused a request" in line]
 
 
 def test_a_client_without_the_key_can_neither_read_nor_write_a_snapshot(links, caplog):
@@ -142,7 +150,6 @@ def test_a_client_without_the_key_can_neither_read_nor_write_a_snapshot(links, c
     nothing stored; the job's own copy still goes and comes back."""
     (a, b), (host_a, host_b) = links
     own = snapshot_file(host_a, 5)
-    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
     reply = ask(a, {"op": "get", "owner": 0, "step": 5, "processes": 2})
     assert reply == {"error": "refused: not signed with the job's key"}
     forged = b"forged state" * 100
@@ -163,7 +170,6 @@ def test_a_replayed_or_stale_request_is_refused(links, caplog):
                         "sha256": peer_copy.sha256_file(str(own))})
     assert ask(b, header, own.read_bytes()) == {"ok": True}
     os.remove(host_b / "6" / "peer_process_0-of-2.npz")
-    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
     assert ask(b, header, own.read_bytes()) == {"error": "refused: a replay of a request already served"}
     old = job_key.signed(KEY, {**header, "time": time.time() - 10 * peer_copy.REPLAY_WINDOW_S, "nonce": "fresh"})
     assert ask(b, old, own.read_bytes())["error"].startswith("refused: sent ")
@@ -177,14 +183,12 @@ def test_a_replayed_or_stale_request_is_refused(links, caplog):
 ])
 def test_a_bad_header_is_one_line_and_the_connection_closed(links, caplog, request_bytes, reason):
     (a, _), _ = links
-    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
     assert ask(a, request_bytes)["error"].startswith(f"refused: {reason}")
     assert len(refusals(caplog)) == 1 and reason in refusals(caplog)[0]
 
 
 def test_a_signed_put_for_a_process_the_job_does_not_have_is_refused(links, caplog):
     (a, b), (host_a, host_b) = links
-    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
     body = b"x" * 10
     header = a.request({"op": "put", "owner": 7, "step": 1, "processes": 2, "size": len(body),
                         "sha256": hashlib.sha256(body).hexdigest()})
@@ -230,7 +234,6 @@ def test_a_truncated_put_stores_nothing(links, caplog):
     """A signed put whose body stops short of the size it announced (a sender killed mid-copy):
     nothing is kept, the server logs it, the sender reads why."""
     (a, b), (host_a, host_b) = links
-    caplog.set_level(logging.WARNING, logger="megascale_jax.peer_copy")
     body = b"y" * 1000
     header = a.request({"op": "put", "owner": 0, "step": 2, "processes": 2, "size": 2 * len(body),
                         "sha256": hashlib.sha256(body * 2).hexdigest()})

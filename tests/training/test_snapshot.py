@@ -190,7 +190,7 @@ def test_with_the_jobs_key_only_signed_records_of_the_other_processes_are_believ
     write) is signed with the job's key and its slot: process 1's signed inventory is used; an
     unsigned one, or a signed one replayed from another round, makes every process take the
     checkpoint (one warning), not a forged step."""
-    from megascale_jax.cluster import job_key
+    from megascale_jax import job_key
     snaps, mesh, states = saved(tmp_path, [3, 4])
     for step in (3, 4):
         os.replace(tmp_path / str(step) / "process_0-of-1.npz", tmp_path / str(step) / "process_0-of-2.npz")

@@ -21,38 +21,42 @@ import hmac
 import json
 import os
 
-from megascale_jax.cluster import redis_auth
-
 KEY_FILE_ENV = "MEGASCALE_JOB_KEY_FILE"
 KEY_ENV = "MEGASCALE_JOB_KEY"
+# The job's Redis password (cluster/redis_auth.py, which reads it through `read_secret` too).
+PASSWORD_FILE_ENV = "MEGASCALE_REDIS_PASSWORD_FILE"
+PASSWORD_ENV = "MEGASCALE_REDIS_PASSWORD"
 LABEL = b"megascale_jax job key v1"
 HOW = (f"set {KEY_FILE_ENV} to a file holding a secret every process of the job can read (or {KEY_ENV}), "
        "or run under python -m megascale_jax.launch")
 
 
 class JobKeyError(RuntimeError):
-    """The job's key is named but cannot be read: one line naming what to fix."""
+    """A secret is named but cannot be read: one line naming what to fix."""
+
+
+def read_secret(file_env: str, env: str, what: str) -> str | None:
+    """The contents of the file $`file_env` names (a trailing newline dropped), else $`env`; None
+    where neither is set. JobKeyError (one line) for a file that cannot be read or is empty."""
+    path = os.environ.get(file_env)
+    if path:
+        try:
+            with open(path) as f:
+                secret = f.read().rstrip("\r\n")
+        except OSError as e:
+            raise JobKeyError(f"cannot read {file_env}={path} ({e.strerror}): point it at the file holding "
+                              f"{what}") from None
+        if not secret:
+            raise JobKeyError(f"{file_env}={path} is empty: write {what} into it")
+        return secret
+    return os.environ.get(env) or None
 
 
 def job_key() -> bytes | None:
     """The job's key, or None where the environment names no secret."""
-    path = os.environ.get(KEY_FILE_ENV)
-    if path:
-        try:
-            with open(path, "rb") as f:
-                secret = f.read().strip()
-        except OSError as e:
-            raise JobKeyError(f"cannot read {KEY_FILE_ENV}={path} ({e.strerror}): point it at the file holding "
-                              "the job's secret") from None
-        if not secret:
-            raise JobKeyError(f"{KEY_FILE_ENV}={path} is empty: write the job's secret into it")
-    elif os.environ.get(KEY_ENV):
-        secret = os.environ[KEY_ENV].encode()
-    elif os.environ.get(redis_auth.PASSWORD_FILE_ENV) or os.environ.get(redis_auth.PASSWORD_ENV):
-        secret = redis_auth.password().encode()
-    else:
-        return None
-    return hmac.new(secret, LABEL, hashlib.sha256).digest()
+    secret = (read_secret(KEY_FILE_ENV, KEY_ENV, "the job's secret")
+              or read_secret(PASSWORD_FILE_ENV, PASSWORD_ENV, "the job's Redis password"))
+    return None if secret is None else hmac.new(secret.encode(), LABEL, hashlib.sha256).digest()
 
 
 def sign(key: bytes, message: bytes) -> str:
