@@ -25,30 +25,57 @@ def losses(run_dir) -> np.ndarray:
         return np.array([json.loads(line)["loss"] for line in f])
 
 
-def launch(args, **kwargs):
-    # the job's key (job_key.py), as a user of a bare multi-process job sets it: without it
-    # process 0 hands no executables to the others
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_JOB_KEY": "the job's secret"}
+def launch(args, env_extra=None, **kwargs):
+    # the job's key (megascale_jax/job_key.py), as a user of a bare multi-process job sets it:
+    # without it process 0 hands no executables to the others
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_JOB_KEY": "the job's secret", **(env_extra or {})}
     return subprocess.Popen([sys.executable, "-m", "megascale_jax.train", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path):
-    mesh = ["mesh.dp=4", "mesh.tp=2"]  # dp spans both processes, tp stays inside one
-    single = launch(["--run-dir", str(tmp_path / "single"), *COMMON, *mesh, "mesh.cpu_devices=8"])
-    out, _ = single.communicate(timeout=600)
-    assert single.returncode == 0, out
+MESH = ["mesh.dp=4", "mesh.tp=2"]  # dp spans both processes, tp stays inside one
 
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The losses of the same run in one process."""
+    run_dir = tmp_path_factory.mktemp("single")
+    p = launch(["--run-dir", str(run_dir), *COMMON, *MESH, "mesh.cpu_devices=8"])
+    out, _ = p.communicate(timeout=600)
+    assert p.returncode == 0, out
+    return losses(run_dir)
+
+
+def two_processes(run_dir, keys=("the job's secret", "the job's secret")) -> list[str]:
+    """The job on two processes, each with its MEGASCALE_JOB_KEY: their outputs."""
     address = f"127.0.0.1:{free_port()}"
-    procs = [launch(["--run-dir", str(tmp_path / "multi"), "--coordinator", address, "--num-processes", "2",
-                     "--process-id", str(i), *COMMON, *mesh, "mesh.cpu_devices=4"]) for i in range(2)]
+    procs = [launch(["--run-dir", str(run_dir), "--coordinator", address, "--num-processes", "2",
+                     "--process-id", str(i), *COMMON, *MESH, "mesh.cpu_devices=4"],
+                    env_extra={"MEGASCALE_JOB_KEY": keys[i]}) for i in range(2)]
     outputs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outputs
+    return outputs
 
-    np.testing.assert_allclose(losses(tmp_path / "multi"), losses(tmp_path / "single"), rtol=1e-5)
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, single):
+    outputs = two_processes(tmp_path / "multi")
+    np.testing.assert_allclose(losses(tmp_path / "multi"), single, rtol=1e-5)
     # ... running what process 0 compiled: process 1 compiled none of the executables it keeps
     # (initialisation, train step, evaluation, checkpoint checksums), it loaded them all from process 0.
     kept = os.listdir(tmp_path / "multi" / "compile_cache" / "process-1")
     loaded = re.search(r"compilation cache: \d+ hits, \d+ misses \((\d+) loaded from process 0\)", outputs[1])
     assert len(kept) >= 3 and int(loaded.group(1)) == len(kept), (kept, outputs[1][-2000:])
+
+
+@pytest.mark.slow
+def test_executables_in_the_store_not_signed_with_the_jobs_key_are_never_run(tmp_path, single):
+    """A live job whose process 1 finds every executable in jax.distributed's store signed with a
+    key that is not its job's — what an outsider who can write the store would put there: it runs
+    none of them (one warning each), compiles its own, and the job trains like the one-process run."""
+    outputs = two_processes(tmp_path / "multi", keys=("the job's secret", "an outsider's secret"))
+    np.testing.assert_allclose(losses(tmp_path / "multi"), single, rtol=1e-5)
+    loaded = re.search(r"compilation cache: \d+ hits, \d+ misses \((\d+) loaded from process 0\)", outputs[1])
+    refused = [line for line in outputs[1].splitlines() if "is not signed with the job's key" in line]
+    assert int(loaded.group(1)) == 0 and len(refused) >= 3, outputs[1][-3000:]
+    assert all("compiling it here" in line for line in refused)

@@ -1,6 +1,8 @@
 """What a run tells its user as it goes: start-up laps, one log line every `train.log_every`
-steps (and at evaluations), the metrics records in `metrics.jsonl`, a progress bar on a
-terminal, and the one summary line every run ends with.
+steps (and at evaluations, and for the run's first step, with an estimate of the time left), the
+metrics records in `metrics.jsonl`, a progress bar on a terminal — and, where there is none (a log
+file, a pipe), a line at least every `QUIET_LIMIT_S`, so a log never goes silent for a long
+`log_every` — and the one summary line every run ends with.
 
 Only process 0 writes `metrics.jsonl` and draws the bar; every process keeps its records (the
 loop returns them).
@@ -15,6 +17,9 @@ from typing import Callable
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.metrics import itstime
+
+QUIET_LIMIT_S = 30.0  # without a terminal, the longest a run goes without a log line
+ETA_WINDOW = 20  # steps whose mean time estimates the time left
 
 
 class StartupClock:
@@ -39,19 +44,27 @@ class Progress:
     def __init__(self, run_dir: str, start: int, last: int, is_main: bool, log: Callable[[str], None]):
         from tqdm import tqdm
 
-        self.run_dir, self.start, self.is_main, self.log = run_dir, start, is_main, log
+        self.run_dir, self.start, self.last, self.is_main, self.log = run_dir, start, last, is_main, log
         self.records: list[dict] = []
+        self.terminal = sys.stderr.isatty()
+        self.logged_at = time.monotonic()
         if is_main:  # records after the step resumed from belong to a run that no checkpoint holds
             run_dirs.keep_records_up_to(run_dirs.metrics_path(run_dir), start)
         # A progress bar on a terminal only: in a log file its redraws are noise (log lines remain).
-        self.bar = tqdm(total=last, initial=start, disable=not (is_main and sys.stderr.isatty()),
+        self.bar = tqdm(total=last, initial=start, disable=not (is_main and self.terminal),
                         unit="step", dynamic_ncols=True)
 
     def add_hooks(self, hooks: Hooks, log_every: int, eval_every: int) -> None:
         hooks.add_record("metrics", 1, self.keep)
-        hooks.add_record("log", log_every, self.log_line)
-        hooks.add_record("log evaluation", eval_every,  # evaluated steps between log lines
-                         lambda r: None if itstime(r["step"], log_every, hooks.last) else self.log_line(r))
+        hooks.add_record("log", 1, lambda record: self.log_line(record) if self.due(record, log_every) else None)
+
+    def due(self, record: dict, log_every: int) -> bool:
+        """A step gets a log line on the `log_every` cadence, when it was evaluated, when it is
+        the run's first (seconds after the start, not `log_every` steps), and, without a
+        terminal, when the log has been quiet for `QUIET_LIMIT_S`."""
+        step = record["step"]
+        return (itstime(step, log_every, self.last) or "val_loss" in record or step == self.start + 1
+                or (not self.terminal and time.monotonic() - self.logged_at >= QUIET_LIMIT_S))
 
     def keep(self, record: dict) -> None:
         """metrics.jsonl and the progress bar."""
@@ -64,10 +77,29 @@ class Progress:
     def log_line(self, record: dict) -> None:
         val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
         self.log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
-                 f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s")
+                 f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s{self.eta(record['step'])}")
+        self.logged_at = time.monotonic()
+
+    def eta(self, step: int) -> str:
+        """', eta 12m05s': the steps left at the mean time of the last `ETA_WINDOW` (evaluations,
+        checkpoints and other pauses aside); nothing at the last step."""
+        recent = [r["step_time_s"] for r in self.records[-ETA_WINDOW:]]
+        if step >= self.last or not recent:
+            return ""
+        return f", eta {format_duration((self.last - step) * sum(recent) / len(recent))}"
 
     def close(self) -> None:
         self.bar.close()
+
+
+def format_duration(seconds: float) -> str:
+    """3725 -> '1h02m05s', 65 -> '1m05s', 4.2 -> '4s'."""
+    whole = int(round(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
 def run_summary(records: list[dict], start: int, wall_s: float, tokens_per_step: int) -> str:
