@@ -62,6 +62,14 @@ class StartupInterrupt:
     def install(self) -> None:
         """From here a SIGINT ends the process at once (during imports no `except` could catch it)."""
         signal.signal(signal.SIGINT, self._on_sigint)
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._drop_interrupt
+
+    def _drop_interrupt(self, unraisable) -> None:
+        """A KeyboardInterrupt Python could not raise (inside a weakref or gc callback) is not
+        printed as "Exception ignored ... Traceback": the watchdog ends the start-up instead."""
+        if not (self._armed and unraisable.exc_type is KeyboardInterrupt):
+            self._unraisable(unraisable)
 
     def raise_from_here(self) -> None:
         """From here a SIGINT raises KeyboardInterrupt, for the command to say and to return 130."""

@@ -127,9 +127,10 @@ def test_a_mistake_on_the_real_command_line(scratch):
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr.strip().splitlines() == [
         "error: run directory 'nowhere' does not exist; pass the --run-dir of a training run"]
-    done = command("megascale_jax.sample", "run", cwd=scratch)  # --prompt missing: argparse's usage + one line
+    done = command("megascale_jax.sample", "run", cwd=scratch)  # --prompt missing: one line (cli.ArgumentParser)
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1].startswith("python -m megascale_jax.sample: error: ")
+    assert done.stderr.strip().splitlines() == ["error: the following arguments are required: --prompt "
+                                                "(python -m megascale_jax.sample --help lists the options)"]
 
 
 def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before_in_one_line(scratch, run_sample, tmp_path):
