@@ -232,6 +232,15 @@ def read_jsonl(path: str) -> list[dict]:
     return out
 
 
+def unused_name(path: str) -> str:
+    """`path`, or `path-2`, `path-3`, ... : the first that does not exist."""
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
+
+
 def keep_records_up_to(path: str, step: int) -> None:
     """Drop metric records after `step` (left by an interrupted run that is now resumed from
     `step`), so every step appears once. Written to a temporary file and renamed: a crash here
@@ -271,6 +280,8 @@ class RunDirLock:
 
     def acquire(self, warn=lambda line: print(line, file=sys.stderr, flush=True)) -> "RunDirLock":
         """Take the lock or raise RunDirInUse naming its holder. Creates the directory."""
+        # what this acquire makes, for `release(undo=True)` to take away again after a refusal
+        self.made = [p for p in (self.path, os.path.dirname(self.path) or ".") if not os.path.exists(p)]
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         f = open(self.path, "a+")
         try:
@@ -293,13 +304,21 @@ class RunDirLock:
         self.file = f
         return self
 
-    def release(self) -> None:
-        """Empty the holder record (a clean exit leaves nothing to take over), then unlock."""
+    def release(self, undo: bool = False) -> None:
+        """Empty the holder record (a clean exit leaves nothing to take over), then unlock. With
+        `undo` (a refused run) also remove the lock file and the directory if `acquire` made
+        them, so that a refusal leaves no trace."""
         if self.file is None:
             return
         self.file.seek(0)
         self.file.truncate()
         self.file.flush()
+        if undo:
+            for path in getattr(self, "made", []):  # the file, then its directory (if now empty)
+                try:
+                    os.remove(path) if path == self.path else os.rmdir(path)
+                except OSError:
+                    pass
         fcntl.flock(self.file, fcntl.LOCK_UN)
         self.file.close()
         self.file = None

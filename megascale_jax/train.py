@@ -63,13 +63,15 @@ def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | 
 
 
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixture.MixedBatches,
-          val_batches: data.SequenceBatches | mixture.MixedBatches, redis: str | None = None, job: str | None = None) -> list[dict]:
+          val_batches: data.SequenceBatches | mixture.MixedBatches, redis: str | None = None, job: str | None = None,
+          resume_step: int | None = None) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl.
-    Under a supervisor, `redis` and `job` say where this process sends its heartbeats."""
+    Under a supervisor, `redis` and `job` say where this process sends its heartbeats; with
+    `resume_step` no saved state newer than that step is restored."""
     mesh = make_mesh(cfg.mesh)
     watch = observers_for(cfg, run_dir, mesh, redis, job)
     try:
-        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch)
+        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step)
     except TrainingDiverged as e:
         watch.state("diverged", -1, cli.error_line(e))  # the supervisor does not retry it on healthy devices
         raise
@@ -86,7 +88,7 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixtu
         watch.close()
 
 
-def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[dict]:
+def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step=None) -> list[dict]:
     # ---- start: the trainer, where it starts from, the first batch, the compiled steps
     watch.state("initialising", 0)
     t0, clock = time.perf_counter(), progress.StartupClock()
@@ -99,7 +101,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch) -> list[d
     clock.lap("shapes")
     saves = Saves(cfg, run_dir, trainer.to_canonical, abstract_state, logger.warning, clock)
     hf_weights = (lambda: hf_import.load_params(cfg, trainer.abstract_params)) if cfg.model.init_from else None
-    start = choose_start(trainer, saves, abstract_state, clock, hf_weights)
+    start = choose_start(trainer, saves, abstract_state, clock, hf_weights, up_to=resume_step)
     state, last = start.state, cfg.train.steps
     feed = data.Feed(data.Prefetcher(train_batches, trainer.batch_sharding, start.data_position, cfg.data.prefetch),
                      start.step, watch)
@@ -252,6 +254,9 @@ def parse_args(argv):
                         help="job id shared by the workers of one launch (default: $MEGASCALE_JOB, else "
                              "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT, $JOBSET_NAME-$JOBSET_RESTART_ATTEMPT "
                              "or 'default')")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="N",
+                        help="continue the run from its committed checkpoint of step N, older than its newest; the "
+                             "newer checkpoints are set aside (renamed STEP.set-aside), not deleted")
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config (the YAML a run writes to RUN_DIR/config.yaml) and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=2 train.steps=20")
@@ -278,10 +283,12 @@ def warn_if_the_schedule_changes(cfg: Config, run_dir: str, resume_step: int) ->
                        f"there, {float(planned[i]):.2e} as planned)")
 
 
-def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
+def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None, resume_step: int | None = None
                     ) -> tuple[str, run_dirs.RunDirLock | None]:
     """The run directory, locked for this run (None: a launcher holds the lock for its workers),
-    checked for a run it could not continue, with the resolved config written into it."""
+    checked for a run it could not continue, with the resolved config written into it. With
+    `resume_step` (--resume-step) the checkpoints newer than it are set aside once every check
+    has passed."""
     run_dir = run_dir or run_dirs.default_run_dir(config_path)
     lock = None
     if not run_dirs.held_for_us(run_dir):
@@ -292,9 +299,17 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
         except OSError as e:
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     try:
+        newer = []
+        if resume_step is not None:
+            committed = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
+            if resume_step not in committed:
+                raise ConfigError(f"--resume-step {resume_step}: {run_dir!r} has no committed checkpoint of that step "
+                                  f"(committed: {', '.join(map(str, committed)) or 'none'})")
+            newer = [s for s in committed if s > resume_step]
         if os.path.exists(run_dirs.metrics_path(run_dir)):
             # A run directory with checkpoints is resumed (train() restores the newest good one).
-            steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
+            steps = [s for s in run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, run_dir))
+                     if resume_step is None or s <= resume_step]
             held = cfg.checkpoint.memory_every and run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, run_dir))
             if not (steps or held):
                 raise ConfigError(f"--run-dir {run_dir!r} already holds a run (metrics.jsonl) but no checkpoint "
@@ -312,6 +327,11 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
                     checkpoint.check_compatible(saved, cfg, steps[-1], directory)
                 warn_if_the_schedule_changes(cfg, run_dir, steps[-1])
         try:
+            for step in newer:  # every check passed: kept, under a name no resume reads
+                where = os.path.join(run_dirs.checkpoint_dir(cfg, run_dir), str(step))
+                aside = run_dirs.unused_name(where + ".set-aside")
+                os.rename(where, aside)
+                logger.info(f"--resume-step {resume_step}: checkpoint step {step} set aside as {aside}")
             os.makedirs(run_dir, exist_ok=True)
             save_config(cfg, run_dirs.config_path(run_dir))
             if cfg.data.source == "tokens":  # which tokenizer the token ids mean, when it is known
@@ -320,7 +340,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     except ConfigError:
         if lock:
-            lock.release()  # refused: nothing of ours stays behind
+            lock.release(undo=True)  # refused: nothing of ours stays behind, not even the lock file
         raise
     return run_dir, lock
 
@@ -390,14 +410,14 @@ def _main(argv) -> int:
         cfg = data.with_documents_apart(cfg, corpus)
         run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
-            run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config)
+            run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config, args.resume_step)
             if corpus.token_file:  # data.source=jsonl|parquet: which tokenizer the ids mean
                 tokenizer.record_in_run_dir(corpus.token_file, run_dir)
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         return cli.user_error(e)
     try:
         with compile_cache.use(run_dir, cfg.train.compile_cache) as cache:  # before anything compiles
-            train(cfg, run_dir, train_batches, val_batches, args.redis, job)
+            train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step)
         if cache:  # every process's own count, in its own log (ranks > 0 log warnings only)
             logger.info(cache.summary()) if jax.process_index() == 0 else print(cache.summary(), flush=True)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape

@@ -124,6 +124,8 @@ def cases() -> list[tuple[str, object, list[str]]]:
     add("run directory", train.main, "--run-dir", "run", *TINY, "model.d_model=64")
     add("run directory", train.main, "--run-dir", "run", *TINY, "model.layers=2")
     add("run directory", train.main, "--run-dir", "run", *TINY, "model.vocab=1024")
+    add("checkpoint", train.main, "--run-dir", "run", *TINY, "--resume-step", "7")
+    add("checkpoint", train.main, "--run-dir", "no_checkpoint", *TINY, "--resume-step", "1")
     add("command line", train.main, "--bogus")
     add("command line", train.main, "--num-processes", "zero")
     # ---- sample and export_hf

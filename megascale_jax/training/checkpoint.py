@@ -360,13 +360,13 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore_latest(self, abstract_state) -> tuple[Any, dict] | None:
-        """(state, meta) of the newest checkpoint that verifies, placed per `abstract_state`'s
-        shardings; None when there is none. Bad ones are reported and moved aside; with several
+    def restore_latest(self, abstract_state, up_to: int | None = None) -> tuple[Any, dict] | None:
+        """(state, meta) of the newest checkpoint (not after step `up_to`) that verifies, placed
+        per `abstract_state`'s shardings; None when there is none. Bad ones are reported and moved aside; with several
         processes the first bad one ends the attempt instead (CheckpointUnreadable), so that all
         of them fall back together on the restart."""
         quiet_late_tensorstore_callbacks()
-        for step in reversed(committed_steps(self.directory)):
+        for step in reversed([s for s in committed_steps(self.directory) if up_to is None or s <= up_to]):
             try:
                 return self.restore(step, abstract_state)
             except CorruptCheckpoint as e:

@@ -28,10 +28,12 @@ class Start:
         return self.source in ("memory snapshot", "checkpoint")
 
 
-def choose_start(trainer, saves, abstract_state, clock, hf_weights: Callable[[], Any] | None = None) -> Start:
+def choose_start(trainer, saves, abstract_state, clock, hf_weights: Callable[[], Any] | None = None,
+                 up_to: int | None = None) -> Start:
     """The state training starts from (see the module docstring). `hf_weights()` returns the
-    Hugging Face model's parameters as host arrays in canonical order, when the config names one."""
-    restored = saves.restore(abstract_state, clock)
+    Hugging Face model's parameters as host arrays in canonical order, when the config names one;
+    `up_to` (--resume-step) leaves any saved state newer than that step alone."""
+    restored = saves.restore(abstract_state, clock, up_to)
     if restored:
         state, step, data_position, source = restored
         # a snapshot holds the stored (pipeline-ordered) state, a checkpoint the canonical

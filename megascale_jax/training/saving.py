@@ -86,19 +86,21 @@ class Saves:
                   "host memory while the step waits")
 
     # ---- the start
-    def restore(self, abstract_state: Any, clock) -> tuple[Any, int, int, str] | None:
+    def restore(self, abstract_state: Any, clock, up_to: int | None = None) -> tuple[Any, int, int, str] | None:
         """The newest saved state, as `(state in stored order?, step, data index, source)`, or None.
         A memory snapshot is used when at least as new as the newest checkpoint (RAM, or a peer's
         copy, rather than a disk read); snapshots after the step restored are dropped (a later run
         would otherwise find them)."""
         restored, source = None, None
         if self.snapshots:
-            committed = run_dirs.committed_steps(self.ckpt.directory) if self.ckpt else []
-            restored = self.snapshots.restore(abstract_state, newer_than=committed[-1] - 1 if committed else 0)
+            committed = [s for s in run_dirs.committed_steps(self.ckpt.directory) if up_to is None or s <= up_to] \
+                if self.ckpt else []
+            restored = self.snapshots.restore(abstract_state, newer_than=committed[-1] - 1 if committed else 0,
+                                              up_to=up_to)
             source = "memory snapshot" if restored is not None else None
             clock.lap("snapshot_restore")
         if self.ckpt and not restored:
-            restored = self.ckpt.restore_latest(abstract_state)
+            restored = self.ckpt.restore_latest(abstract_state, up_to)
             source = "checkpoint" if restored else None
             clock.lap("restore")
         step = restored[1]["step"] if restored else 0

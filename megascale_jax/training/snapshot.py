@@ -230,13 +230,13 @@ class Snapshots:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, abstract_state, newer_than: int) -> tuple[Any, dict] | None:
+    def restore(self, abstract_state, newer_than: int, up_to: int | None = None) -> tuple[Any, dict] | None:
         """(state, {"step", "data_state"}) of the newest snapshot of which every process can read
         its own file or a peer's copy, newer than step `newer_than`; None when there is none, or
         every such step failed somewhere (then the caller uses the checkpoint)."""
         given_up: set[int] = set()  # steps that failed on some process: every process skips them
         while True:
-            mine = {p: [s for s in steps if s > newer_than]
+            mine = {p: [s for s in steps if s > newer_than and (up_to is None or s <= up_to)]
                     for p, steps in peer_copy.inventory(self.root, self.processes).items()}
             try:
                 reports = [{int(p): steps for p, steps in json.loads(r).items()} for r in self._agree(json.dumps(mine))]
