@@ -152,3 +152,22 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_one_before_in_one_lin
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: checkpoint step 4 in ") and err.strip().endswith(
         "; pass --step with an older one (2)"), err
+
+
+def test_the_model_comes_from_the_checkpoint_not_from_a_config_yaml_rewritten_since(scratch, run_sample, tmp_path):
+    """A config.yaml a later command rewrote (another d_model, more layers) does not make a healthy
+    checkpoint unreadable: sample and trained.load read the model the checkpoint was written with."""
+    import yaml
+
+    shutil.copytree(scratch / "run", tmp_path / "run")
+    config = tmp_path / "run" / "config.yaml"
+    raw = yaml.safe_load(config.read_text())
+    written = dict(raw["model"])
+    raw["model"].update(d_model=2 * written["d_model"], layers=written["layers"] + 1)
+    config.write_text(yaml.safe_dump(raw))
+    code, out, err = run_sample(["run", "--prompt", "def ", "--max-new-tokens", "8"], tmp_path)
+    assert code == 0, err
+    loaded = trained.load(str(tmp_path / "run"))
+    assert (loaded.cfg.model.d_model, loaded.cfg.model.layers) == (written["d_model"], written["layers"])
+    original = trained.load(str(scratch / "run"))
+    assert out == byte_tokenizer().decode(decode.generate(original.cfg.model, original.params, list(b"def "), 8)) + "\n"

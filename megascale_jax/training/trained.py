@@ -3,7 +3,9 @@ device in canonical layer order, whatever mesh and pipeline layout wrote it.
 
 This is how a run's model leaves the run: `python -m megascale_jax.export_hf` and `python -m
 megascale_jax.sample` start here. Only the parameters are read (not the optimizer's moments) and
-their checksums are verified; the run's `config.yaml` says what the model is.
+their checksums are verified. What the model is comes from the checkpoint itself (the config its
+`meta` item was written with), so a `config.yaml` a later command rewrote cannot make a healthy
+checkpoint unreadable; the run's `config.yaml` is the fallback for checkpoints without it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from typing import Any
 import jax
 
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.config import Config, ConfigError, load_config
-from megascale_jax.training.checkpoint import Checkpointer, CorruptCheckpoint
+from megascale_jax.config import Config, ConfigError, from_dict, load_config
+from megascale_jax.training.checkpoint import Checkpointer, CorruptCheckpoint, saved_config
 from megascale_jax.training.state import abstract_state
 
 
@@ -51,11 +53,12 @@ def load(run_dir: str, step: int | None = None, warn=lambda line: None) -> Train
     if step is not None and step not in steps:
         raise ConfigError(f"--step {step}: no committed checkpoint at that step in {directory} "
                           f"(committed: {', '.join(map(str, steps))})")
-    device = jax.local_devices()[0]
-    single = jax.sharding.SingleDeviceSharding(device)
-    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single), abstract_state(cfg))
+    single = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     checkpointer = Checkpointer(cfg, directory, warn)
     for tried in ([step] if step is not None else steps[::-1]):
+        written = model_of(cfg, directory, tried)
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=single),
+                                abstract_state(written))
         try:
             params = checkpointer.restore_params(tried, abstract)
         except CorruptCheckpoint as e:
@@ -67,5 +70,16 @@ def load(run_dir: str, step: int | None = None, warn=lambda line: None) -> Train
             warn(f"warning: checkpoint step {tried} in {directory} is unreadable: {e}; using step {older[-1]}, "
                  "the newest before it (--step N picks another)")
             continue
-        return Trained(cfg=cfg, params=params, step=tried)
+        return Trained(cfg=written, params=params, step=tried)
     raise AssertionError("unreachable: the loop returns or raises")
+
+
+def model_of(cfg: Config, directory: str, step: int) -> Config:
+    """`cfg` with the model (and optimizer: the state's shapes) checkpoint `step` was written with,
+    from its `meta` item; `cfg` itself where the checkpoint has none this version can read."""
+    saved = saved_config(directory, step)
+    try:
+        written = from_dict(saved) if saved is not None else None
+    except (ConfigError, TypeError):  # a key an older or newer version named otherwise
+        written = None
+    return cfg if written is None else dataclasses.replace(cfg, model=written.model, optim=written.optim)
