@@ -9,6 +9,7 @@ Each part lives with its owner under `training/`; this module composes them and 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -31,7 +32,7 @@ import yaml
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.cluster.self_test import device_self_test
-from megascale_jax.config import (Config, ConfigError, check_runtime, load_config, save_config,
+from megascale_jax.config import (Config, ConfigError, check_runtime, from_dict, load_config, save_config,
                                   with_device_defaults)
 from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
@@ -264,23 +265,28 @@ def parse_args(argv):
 
 
 def warn_if_the_schedule_changes(cfg: Config, run_dir: str, resume_step: int) -> None:
-    """The learning rate decays over `train.steps`: continuing a run with another value (raised to
-    train longer) bends the schedule from some step on. Said in one line, not done silently."""
+    """A resumed run keeps the learning-rate schedule it started with unless the config given now
+    changes it: `train.steps` (the schedule decays over it: raised to train longer, it bends from
+    some step on) or any `optim` setting of the schedule (its kind, peak, warm-up, decay). Said in
+    one line naming what changed and from which step, not done silently."""
     try:
         with open(run_dirs.config_path(run_dir)) as f:
-            before = int(yaml.safe_load(f)["train"]["steps"])
-    except (OSError, TypeError, KeyError, ValueError, yaml.YAMLError):
+            earlier = from_dict(yaml.safe_load(f))
+    except (OSError, TypeError, KeyError, ValueError, AttributeError, yaml.YAMLError, ConfigError):
         return  # no readable earlier config: nothing to compare with
-    if before == cfg.train.steps:
+    if (earlier.train.steps, earlier.optim) == (cfg.train.steps, cfg.optim):
         return  # the same schedule: every restart of a supervised job, which must not pay for the jax ops below
     counts = jnp.arange(resume_step, cfg.train.steps)  # the updates still to come: count n makes step n + 1
-    planned, now = (learning_rate_schedule(cfg.optim, total)(counts) for total in (before, cfg.train.steps))
+    planned = learning_rate_schedule(earlier.optim, earlier.train.steps)(counts)
+    now = learning_rate_schedule(cfg.optim, cfg.train.steps)(counts)
     differ = np.flatnonzero(~np.isclose(np.asarray(planned), np.asarray(now), rtol=1e-6, atol=0))
     if differ.size:  # not while both are still warming up
         i = int(differ[0])
-        logger.warning(f"train.steps {before} -> {cfg.train.steps}: the learning-rate schedule decays over "
-                       f"train.steps, so it changes from step {resume_step + i + 1} on (lr {float(now[i]):.2e} "
-                       f"there, {float(planned[i]):.2e} as planned)")
+        changed = [f"train.steps {earlier.train.steps} -> {cfg.train.steps}"] if earlier.train.steps != cfg.train.steps else []
+        changed += [f"optim.{f.name} {getattr(earlier.optim, f.name)} -> {getattr(cfg.optim, f.name)}"
+                    for f in dataclasses.fields(cfg.optim) if getattr(earlier.optim, f.name) != getattr(cfg.optim, f.name)]
+        logger.warning(f"{', '.join(changed)}: the learning-rate schedule this run started with changes from step "
+                       f"{resume_step + i + 1} on (lr {float(now[i]):.2e} there, {float(planned[i]):.2e} as planned)")
 
 
 def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None, resume_step: int | None = None

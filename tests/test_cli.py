@@ -473,19 +473,27 @@ def test_a_finished_run_continues_with_more_steps(long_runs, tmp_path):
 def test_raising_train_steps_says_from_which_step_the_schedule_changes(tmp_path, capsys):
     from megascale_jax import cli, train
 
+    from megascale_jax.config import save_config
+
     cli.setup_logging()
-    (tmp_path / "config.yaml").write_text("train:\n  steps: 100\n")
+    save_config(load_config(None, ["train.steps=100", "optim.warmup=20", "optim.lr=1e-3"]), str(tmp_path / "config.yaml"))
     cfg = load_config(None, ["train.steps=200", "optim.warmup=20", "optim.lr=1e-3"])
     train.warn_if_the_schedule_changes(cfg, str(tmp_path), 100)
     (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
-    match = re.search(r"train\.steps 100 -> 200: the learning-rate schedule decays over train\.steps, so it "
-                      r"changes from step 101 on \(lr (\S+) there, (\S+) as planned\)$", line)
+    match = re.search(r"train\.steps 100 -> 200: the learning-rate schedule this run started with changes from "
+                      r"step 101 on \(lr (\S+) there, (\S+) as planned\)$", line)
     assert match, line
     # Cosine decay after 20 warm-up steps (optax's convention: decay_steps counts the warm-up):
     # at count 100 the longer schedule is at 80/180 of its decay, the planned one at its end.
     lr, min_lr = 1e-3, 1e-3 * cfg.optim.min_lr_ratio
     expected = min_lr + (lr - min_lr) * 0.5 * (1 + np.cos(np.pi * 80 / 180))
     assert float(match[1]) == pytest.approx(expected, rel=5e-3) and float(match[2]) == pytest.approx(min_lr, rel=5e-3)
-    cfg = load_config(None, ["train.steps=100"])
-    train.warn_if_the_schedule_changes(cfg, str(tmp_path), 100)  # the same steps: nothing to say
+    cfg = load_config(None, ["train.steps=100", "optim.warmup=20", "optim.lr=1e-3"])
+    train.warn_if_the_schedule_changes(cfg, str(tmp_path), 100)  # the same schedule: nothing to say
     assert capsys.readouterr().err.strip() == ""
+    # another schedule kind given on resuming (the run started cosine): said, with what changed
+    cfg = load_config(None, ["train.steps=100", "optim.warmup=20", "optim.lr=1e-3", "optim.schedule=wsd"])
+    train.warn_if_the_schedule_changes(cfg, str(tmp_path), 50)
+    (line,) = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+    assert line.startswith("optim.schedule cosine -> wsd: the learning-rate schedule this run started with changes "
+                           "from step 51 on"), line
