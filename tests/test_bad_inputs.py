@@ -230,3 +230,21 @@ def test_a_bad_input_is_one_line_exit_2_and_nothing_changed(scratch, kind, main,
     # the error's one line, after at most one warning (e.g. tokenize leaving a binary file out)
     assert [line for line in lines if line.startswith("error:")] == lines[-1:] and len(lines) <= 2, err
     assert tree_digest(scratch) == before, "the case wrote or changed files"
+
+
+def test_a_run_directory_in_use_is_refused_and_left_as_it_was(scratch):
+    """The lock refusal: `run/` held (here by this process, as a live run would hold it) — train
+    and launch on it are one line, exit 2, and the directory hashes the same (its lock record too)."""
+    from megascale_jax import run_dir as run_dirs
+
+    lock = run_dirs.RunDirLock(str(scratch / "run")).acquire()
+    try:
+        before = tree_digest(scratch)
+        for main, argv in ((train.main, ["--run-dir", "run", *TINY, "train.steps=4"]),
+                           (launch.main, ["--nprocs", "2", "--run-dir", "run"])):
+            code, out, err = run(main, argv, scratch)
+            lines = [line for line in err.splitlines() if line.strip()]
+            assert code == 2 and len(lines) == 1 and "is in use by" in lines[0], err
+            assert tree_digest(scratch) == before
+    finally:
+        lock.release()
