@@ -25,6 +25,7 @@ two runs on different hosts are not kept apart.
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import getpass
 import hashlib
@@ -180,12 +181,29 @@ def committed_steps(directory: str) -> list[int]:
 # ---------------------------------------------------------------------------- JSON lines
 
 
-def append_jsonl(path: str, records: list[dict]) -> None:
+_UNWRITABLE: set[str] = set()  # record files `append_jsonl` has warned about (until they take a write again)
+
+
+def append_jsonl(path: str, records: list[dict], warn=None) -> None:
     """Append `records`, one line each, in one write, flushed (a reader or a kill sees whole lines,
-    except at worst the last)."""
-    if records:
+    except at worst the last). With `warn`, a file that cannot take them (a full disk, a file-size
+    limit) is one warning line, said again only after it took a write, and the run goes on:
+    a record file is not worth a run."""
+    if not records:
+        return
+    try:
         with open(path, "a") as f:
             f.write("".join(json.dumps(r) + "\n" for r in records))
+    except OSError as e:
+        if warn is None:
+            raise
+        if path not in _UNWRITABLE:
+            _UNWRITABLE.add(path)
+            reason = {errno.ENOSPC: "no space left on its disk", errno.EFBIG: "the file is at its size limit",
+                      errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror or str(e))
+            warn(f"warning: cannot append to {path}: {reason}; training goes on, and its log keeps the progress")
+    else:
+        _UNWRITABLE.discard(path)
 
 
 def append_lines(path: str, lines: list[str]) -> None:

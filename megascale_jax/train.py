@@ -114,7 +114,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_st
 
     # ---- what runs around the step, each part on its cadence (training/hooks.py)
     hooks = Hooks(last)
-    shown = progress.Progress(run_dir, start.step, last, jax.process_index() == 0, logger.info)
+    shown = progress.Progress(run_dir, start.step, last, jax.process_index() == 0, logger.info, logger.warning)
     shown.add_hooks(hooks, cfg.train.log_every, cfg.train.eval_every)
     recorder = MetricsRecorder(
         cfg.train.global_batch * cfg.model.seq_len,

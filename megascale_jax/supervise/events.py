@@ -23,6 +23,6 @@ class EventLog:
 
     def log(self, kind: str, summary: str, **fields) -> dict:
         record = {"time": time.time(), "kind": kind, **fields, "summary": summary}
-        run_dirs.append_jsonl(self.path, [record])
+        run_dirs.append_jsonl(self.path, [record], log.warning)  # a full disk does not stop the supervisor
         log.info(f"{kind}: {summary}")
         return record

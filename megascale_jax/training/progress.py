@@ -41,10 +41,12 @@ class StartupClock:
 class Progress:
     """The records of the steps this process ran, and their lines, file and bar."""
 
-    def __init__(self, run_dir: str, start: int, last: int, is_main: bool, log: Callable[[str], None]):
+    def __init__(self, run_dir: str, start: int, last: int, is_main: bool, log: Callable[[str], None],
+                 warn: Callable[[str], None] | None = None):
         from tqdm import tqdm
 
         self.run_dir, self.start, self.last, self.is_main, self.log = run_dir, start, last, is_main, log
+        self.warn = warn or log
         self.records: list[dict] = []
         self.terminal = sys.stderr.isatty()
         self.logged_at = time.monotonic()
@@ -70,7 +72,7 @@ class Progress:
         """metrics.jsonl and the progress bar."""
         self.records.append(record)
         if self.is_main:
-            run_dirs.append_jsonl(run_dirs.metrics_path(self.run_dir), [record])
+            run_dirs.append_jsonl(run_dirs.metrics_path(self.run_dir), [record], self.warn)
         self.bar.update(1)
         self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:.0f}")
 

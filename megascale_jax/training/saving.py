@@ -150,7 +150,8 @@ class Saves:
                                       copy[1] if copy and copy[0] == step else None, commit_when)
         self.watch.phase(step, "snapshot", wall, block_s)
         if self.is_main:
-            run_dirs.append_jsonl(run_dirs.snapshots_path(self.run_dir), [{"step": step, "block_s": round(block_s, 4)}])
+            run_dirs.append_jsonl(run_dirs.snapshots_path(self.run_dir), [{"step": step, "block_s": round(block_s, 4)}],
+                                  self.warn)
         if commit_when is None:
             self.recorder.restart_clock()
 
@@ -209,4 +210,4 @@ class Saves:
             if save["step"] == self.last and "error" in save:
                 self.final_error = save["error"]
         if self.is_main and saves:
-            run_dirs.append_jsonl(run_dirs.saves_path(self.run_dir), saves)
+            run_dirs.append_jsonl(run_dirs.saves_path(self.run_dir), saves, self.warn)

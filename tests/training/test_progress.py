@@ -49,3 +49,37 @@ def test_without_a_terminal_the_log_is_never_quiet_for_longer_than_the_limit(sho
 
 def test_durations_read_as_a_person_reads_them():
     assert [progress.format_duration(s) for s in (4.2, 65, 3725, 0)] == ["4s", "1m05s", "1h02m05s", "0s"]
+
+
+def test_a_metrics_file_that_cannot_take_a_record_is_one_warning_and_training_goes_on(tmp_path, monkeypatch):
+    """metrics.jsonl on a full disk (every append ENOSPC, as the kernel says it): one warning
+    line, the records go on in memory and in the log; once the file takes a write again, a later
+    failure is said again."""
+    import builtins
+    import errno
+
+    from megascale_jax import run_dir as run_dirs
+
+    full = {"now": True}
+    metrics = str(tmp_path / "metrics.jsonl")
+
+    def open_on_a_full_disk(path, mode="r", *args, **kwargs):
+        if path == metrics and "a" in mode and full["now"]:
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return builtins.open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(run_dirs, "open", open_on_a_full_disk, raising=False)
+    lines, warnings = [], []
+    shown = progress.Progress(str(tmp_path), 0, 10, True, lines.append, warnings.append)
+    hooks = Hooks(10)
+    shown.add_hooks(hooks, log_every=1, eval_every=0)
+    for step in range(1, 4):
+        hooks.on_record(record(step))
+    assert warnings == [f"warning: cannot append to {metrics}: no space left on its disk; "
+                        "training goes on, and its log keeps the progress"]
+    assert [r["step"] for r in shown.records] == [1, 2, 3] and len(lines) == 3
+    full["now"] = False  # space again: the next record is written
+    hooks.on_record(record(4))
+    full["now"] = True  # and full again: said again
+    hooks.on_record(record(5))
+    assert len(warnings) == 2 and [r["step"] for r in run_dirs.read_jsonl(metrics)] == [4]
