@@ -341,7 +341,8 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None, r
             os.makedirs(run_dir, exist_ok=True)
             save_config(cfg, run_dirs.config_path(run_dir))
             if cfg.data.source == "tokens":  # which tokenizer the token ids mean, when it is known
-                tokenizer.record_in_run_dir(cfg.data.path, run_dir)
+                # (a mixture's sources are in one tokenizer's ids: the first says which)
+                tokenizer.record_in_run_dir(next(iter(cfg.data.mix)) if cfg.data.mix else cfg.data.path, run_dir)
         except OSError as e:
             raise ConfigError(f"cannot write --run-dir {run_dir!r}: {e.strerror}; pass a writable directory")
     except ConfigError:

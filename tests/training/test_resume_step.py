@@ -1,7 +1,7 @@
 """`train --resume-step N`: a run continued from an older committed checkpoint than its newest —
 the newer ones set aside (renamed STEP.set-aside, not deleted), the steps after N trained again
-exactly as the first time (bitwise), every step once in metrics.jsonl; a step with no committed
-checkpoint is one line and nothing changed."""
+exactly as the first time (bitwise), every step once in metrics.jsonl. (A step with no committed
+checkpoint is one line and nothing changed: tests/test_bad_inputs.py.)"""
 
 import json
 import os
@@ -30,11 +30,6 @@ def test_resume_from_an_older_checkpoint_sets_the_newer_aside_and_retrains_the_s
     first = train(run_dir)
     assert first.returncode == 0, first.stderr[-3000:]
     before = {r["step"]: (r["loss"], r["grad_norm"]) for r in records(run_dir)}
-    assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4", "6"]
-
-    refused = train(run_dir, "--resume-step", "3")  # no checkpoint at 3: one line, nothing moved
-    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
-        f"error: --resume-step 3: {str(run_dir)!r} has no committed checkpoint of that step (committed: 2, 4, 6)"]
     assert sorted(os.listdir(run_dir / "checkpoints")) == ["2", "4", "6"]
 
     again = train(run_dir, "--resume-step", "4")
