@@ -133,7 +133,9 @@ def chains(commands: list[str]) -> list[list[str]]:
     groups: list[tuple[set[str], list[str]]] = []
     for command in commands:
         argv = shlex.split(command)
-        paths = {word.split("=", 1)[-1] for word in argv if "/" in word}
+        # a value may hold several paths (data.mix="{'tok/tokens.bin': 0.7, ...}"): each one counts
+        paths = {part for word in argv if "/" in word
+                 for part in re.split(r"[{}\[\]'\",: ]+", word.split("=", 1)[-1]) if "/" in part}
         paths |= {value for option, value in zip(argv, argv[1:]) if option == "--out"}
         keys = {"/".join(p.split("/")[:2]) if p.startswith("runs/") else p.split("/")[0]
                 for p in paths if not (REPO / p.split("/")[0]).exists()}
@@ -154,6 +156,7 @@ def test_readme_chains_keep_each_command_after_the_ones_it_reads():
         return next((g, i) for g, chain in enumerate(groups) for i, c in enumerate(chain) if fragment in c)
 
     for first, *then in [("megascale_jax.tokenize", "data.path=tok/tokens.bin", "sample runs/bpe"),
+                         ("megascale_jax.tokenize", "--run-dir runs/mix"),  # paths inside a mapping value
                          ("--run-dir runs/llama", "export_hf runs/llama hf/llama", "model.init_from=hf/llama"),
                          ("--run-dir runs/supervised", "report runs/supervised")]:
         places = [where(first), *map(where, then)]
