@@ -132,7 +132,7 @@ def ask(link, header, body: bytes = b"") -> dict:
 
 
 @pytest.fixture
-def caplog(monkeypatch):
+def server_log(monkeypatch):
     """The peer-copy server's warnings, as its logger is given them (pytest's caplog sees nothing
     once another test's logging set-up stops the package logger's propagation)."""
     lines = []
@@ -140,11 +140,11 @@ def caplog(monkeypatch):
     return lines
 
 
-def refusals(caplog) -> list[str]:
-    return [line for line in caplog if "refused a request" in line]
+def refusals(server_log) -> list[str]:
+    return [line for line in server_log if "refused a request" in line]
 
 
-def test_a_client_without_the_key_can_neither_read_nor_write_a_snapshot(links, caplog):
+def test_a_client_without_the_key_can_neither_read_nor_write_a_snapshot(links, server_log):
     """The attack of issue 63, as it was: a bare get of process 0's snapshot, and a put of a forged
     file for process 1 with a SHA-256 the client computed itself. Both refused, one log line each,
     nothing stored; the job's own copy still goes and comes back."""
@@ -158,12 +158,12 @@ def test_a_client_without_the_key_can_neither_read_nor_write_a_snapshot(links, c
                     "time": time.time(), "nonce": "n", "mac": "0" * 64}, forged)
     assert reply == {"error": "refused: not signed with the job's key"}
     assert peer_copy.inventory(str(host_b), 2) == {}  # nothing stored
-    assert len(refusals(caplog)) == 2 and all("nothing written" in m for m in refusals(caplog))
+    assert len(refusals(server_log)) == 2 and all("nothing written" in m for m in refusals(server_log))
     a.send(5, str(own))
     assert (host_b / "5" / "peer_process_0-of-2.npz").read_bytes() == own.read_bytes()
 
 
-def test_a_replayed_or_stale_request_is_refused(links, caplog):
+def test_a_replayed_or_stale_request_is_refused(links, server_log):
     (a, b), (host_a, host_b) = links
     own = snapshot_file(host_a, 6)
     header = a.request({"op": "put", "owner": 0, "step": 6, "processes": 2, "size": own.stat().st_size,
@@ -173,7 +173,7 @@ def test_a_replayed_or_stale_request_is_refused(links, caplog):
     assert ask(b, header, own.read_bytes()) == {"error": "refused: a replay of a request already served"}
     old = job_key.signed(KEY, {**header, "time": time.time() - 10 * peer_copy.REPLAY_WINDOW_S, "nonce": "fresh"})
     assert ask(b, old, own.read_bytes())["error"].startswith("refused: sent ")
-    assert not (host_b / "6" / "peer_process_0-of-2.npz").exists() and len(refusals(caplog)) == 2
+    assert not (host_b / "6" / "peer_process_0-of-2.npz").exists() and len(refusals(server_log)) == 2
 
 
 @pytest.mark.parametrize("request_bytes,reason", [
@@ -181,19 +181,19 @@ def test_a_replayed_or_stale_request_is_refused(links, caplog):
     (b"{" + b" " * (peer_copy.MAX_HEADER + 10) + b"}\n", "a header over"),
     (b'["get", 0]\n', "not a request of this protocol"),
 ])
-def test_a_bad_header_is_one_line_and_the_connection_closed(links, caplog, request_bytes, reason):
+def test_a_bad_header_is_one_line_and_the_connection_closed(links, server_log, request_bytes, reason):
     (a, _), _ = links
     assert ask(a, request_bytes)["error"].startswith(f"refused: {reason}")
-    assert len(refusals(caplog)) == 1 and reason in refusals(caplog)[0]
+    assert len(refusals(server_log)) == 1 and reason in refusals(server_log)[0]
 
 
-def test_a_signed_put_for_a_process_the_job_does_not_have_is_refused(links, caplog):
+def test_a_signed_put_for_a_process_the_job_does_not_have_is_refused(links, server_log):
     (a, b), (host_a, host_b) = links
     body = b"x" * 10
     header = a.request({"op": "put", "owner": 7, "step": 1, "processes": 2, "size": len(body),
                         "sha256": hashlib.sha256(body).hexdigest()})
     assert "no process 7" in ask(b, header, body)["error"]
-    assert peer_copy.inventory(str(host_b), 2) == {} and any("no process 7" in m for m in refusals(caplog))
+    assert peer_copy.inventory(str(host_b), 2) == {} and any("no process 7" in m for m in refusals(server_log))
 
 
 def test_a_restore_checks_the_checksum_its_owner_signed_not_one_a_server_sends(links, tmp_path):
@@ -230,7 +230,7 @@ def test_the_server_listens_where_the_others_reach_it_not_on_every_interface(lin
     assert json.loads(a.record)[1] == f"{a.server.server_address[0]}:{a.server.server_address[1]}"
 
 
-def test_a_truncated_put_stores_nothing(links, caplog):
+def test_a_truncated_put_stores_nothing(links, server_log):
     """A signed put whose body stops short of the size it announced (a sender killed mid-copy):
     nothing is kept, the server logs it, the sender reads why."""
     (a, b), (host_a, host_b) = links
@@ -239,4 +239,4 @@ def test_a_truncated_put_stores_nothing(links, caplog):
                         "sha256": hashlib.sha256(body * 2).hexdigest()})
     assert "partial or damaged in transit (1000 of 2000 bytes)" in ask(b, header, body)["error"]
     assert peer_copy.inventory(str(host_b), 2) == {} and not list(host_b.rglob("*.tmp"))
-    assert len(refusals(caplog)) == 1
+    assert len(refusals(server_log)) == 1
