@@ -181,6 +181,38 @@ def committed_steps(directory: str) -> list[int]:
 # ---------------------------------------------------------------------------- JSON lines
 
 
+def disk_error(e: OSError) -> str:
+    """Why a write failed, in words (a full disk, a size limit, a quota), else the OS's words."""
+    return {errno.ENOSPC: "no space left on its disk", errno.EFBIG: "the file is at its size limit",
+            errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror or str(e))
+
+
+def human_bytes(n: float) -> str:
+    """A size as people read it: 512 B, 3.4 KiB, 1.2 MiB, 75.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+class WarnOnce:
+    """A file that stops taking writes (a full disk) is said once, with what goes on without it,
+    and said again only after it took a write in between: a run on a full disk logs one line,
+    not one a step."""
+
+    def __init__(self, warn, path: str, meanwhile: str):
+        self.warn, self.path, self.meanwhile, self.failing = warn, path, meanwhile, False
+
+    def failed(self, e: OSError) -> None:
+        if not self.failing:
+            self.failing = True
+            self.warn(f"warning: cannot write {self.path}: {disk_error(e)}; {self.meanwhile}")
+
+    def wrote(self) -> None:
+        self.failing = False
+
+
 _UNWRITABLE: set[str] = set()  # record files `append_jsonl` has warned about (until they take a write again)
 
 
@@ -199,9 +231,7 @@ def append_jsonl(path: str, records: list[dict], warn=None) -> None:
             raise
         if path not in _UNWRITABLE:
             _UNWRITABLE.add(path)
-            reason = {errno.ENOSPC: "no space left on its disk", errno.EFBIG: "the file is at its size limit",
-                      errno.EDQUOT: "the disk quota is used up"}.get(e.errno, e.strerror or str(e))
-            warn(f"warning: cannot append to {path}: {reason}; training goes on, and its log keeps the progress")
+            warn(f"warning: cannot append to {path}: {disk_error(e)}; training goes on, and its log keeps the progress")
     else:
         _UNWRITABLE.discard(path)
 

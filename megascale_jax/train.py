@@ -59,7 +59,7 @@ logger = cli.get_logger("train")
 def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | None = None) -> Observers:
     """The observers this process runs for `cfg` (and, under a supervisor, for the Redis server
     `redis` and job id `job` it joined). Each capability adds its own line here."""
-    return Observers(timings.observers(cfg, run_dir, mesh) + faults.from_env()
+    return Observers(timings.observers(cfg, run_dir, mesh, logger.warning) + faults.from_env()
                      + heartbeat.observers(cfg, mesh, redis, job))
 
 
@@ -355,7 +355,7 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None, r
 def warm_up() -> None:
     """What main() imports only once it runs, imported ahead by a warm standby worker
     (cluster/standby.py), so that a restart pays for neither."""
-    timings.summary_writer_class()
+    timings.tensorboard_writing()
 
 
 def main(argv=None) -> int:

@@ -30,6 +30,7 @@ later row of the same (process, step, phase) replaces an earlier one when read.
 from __future__ import annotations
 
 import csv
+import errno
 import glob
 import os
 import socket
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megascale_jax.run_dir import tensorboard_dir, timings_dir
+from megascale_jax.run_dir import WarnOnce, tensorboard_dir, timings_dir
 from megascale_jax.training.observers import LoopObserver
 
 COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
@@ -51,33 +52,53 @@ STATE_PREFIX = "state:"
 
 
 class TimingsWriter(LoopObserver):
-    """Appends this process's phase rows to its CSV; one buffered write and flush per row."""
+    """Appends this process's phase rows to its CSV, one unbuffered write per row (a kill loses
+    at most the row being written). A disk that stops taking rows (full) is one warning line;
+    rows are dropped meanwhile, training goes on, and rows resume on a fresh line once it has room."""
 
-    def __init__(self, run_dir: str, mesh, process: int):
+    def __init__(self, run_dir: str, mesh, process: int, warn=print):
         from megascale_jax.parallel.mesh import AXES, process_device_coords  # the writer runs in a jax process
 
         self.process = process
         os.makedirs(timings_dir(run_dir), exist_ok=True)
-        write_device_table(run_dir, mesh, process)
-        self.coords = {device: tuple(c[axis] for axis in AXES) for device, c in process_device_coords(mesh, process)}
         path = os.path.join(timings_dir(run_dir), f"process-{process}.csv")
-        new = not os.path.exists(path) or os.path.getsize(path) == 0
-        self.file = open(path, "a", buffering=1)  # line-buffered: every row reaches the OS at once
-        if new:
-            self.file.write(",".join(COLUMNS) + "\n")
+        self.failures = WarnOnce(warn, path, "training goes on without its phase timings (the report and the "
+                                             "straggler check miss those steps) until the disk has room")
+        self.coords = {device: tuple(c[axis] for axis in AXES) for device, c in process_device_coords(mesh, process)}
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.torn = False  # a row cut short by a full disk: the next row starts on a new line
+        if os.fstat(self.fd).st_size == 0:
+            self._write(",".join(COLUMNS) + "\n")
+        try:
+            write_device_table(run_dir, mesh, process)
+        except OSError as e:
+            self.failures.failed(e)
+
+    def _write(self, row: str) -> None:
+        data = (("\n" if self.torn else "") + row).encode()
+        try:
+            written = os.write(self.fd, data)
+        except OSError as e:
+            self.failures.failed(e)
+            return
+        self.torn = written < len(data)
+        if self.torn:
+            self.failures.failed(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
+        else:
+            self.failures.wrote()
 
     def phase(self, step, name, start, duration):
-        self.file.write(f"{step},{self.process},-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
+        self._write(f"{step},{self.process},-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
 
     def device_phase(self, step, device, name, start, duration):
         dp, pp, tp = self.coords.get(device, (-1, -1, -1))
-        self.file.write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
+        self._write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
 
     def state(self, state, step, error=""):
         self.phase(step, STATE_PREFIX + state, time.time(), 0.0)
 
     def close(self):
-        self.file.close()
+        os.close(self.fd)
 
 
 def write_device_table(run_dir: str, mesh, process: int) -> None:
@@ -93,48 +114,104 @@ def write_device_table(run_dir: str, mesh, process: int) -> None:
 
 
 class TensorBoardScalars(LoopObserver):
-    """Loss, learning rate, grad norm, MFU, tokens/s and step time as TensorBoard scalars."""
+    """Loss, learning rate, grad norm, MFU, tokens/s and step time as TensorBoard scalars.
+
+    Written on the loop's thread with tensorboardX's synchronous `EventsWriter`, not its
+    `SummaryWriter`: that one writes from a thread which dies on a full disk, after which its
+    10-event queue fills and the next scalar blocks the loop for ever. A handful of small records
+    per logged step costs microseconds here; the file is flushed every `FLUSH_S` seconds (a
+    killed run keeps the scalars up to then) and on close. A disk that stops taking them is one
+    warning line; scalars are dropped meanwhile and a new event file is tried every `RETRY_S`
+    (the old one may end in a torn record, which TensorBoard's reader stops at)."""
 
     TAGS = ("loss", "val_loss", "lr", "grad_norm", "mfu", "tokens_per_s", "step_time_s", "data_wait_s")
+    FLUSH_S = 10.0
+    RETRY_S = 30.0
 
-    def __init__(self, run_dir: str):
-        # A short flush interval so a killed run still leaves recent scalars on disk.
-        self.writer = summary_writer_class()(tensorboard_dir(run_dir), flush_secs=10)
+    def __init__(self, run_dir: str, warn=print):
+        self.directory = tensorboard_dir(run_dir)
+        self.failures = WarnOnce(warn, self.directory, "training goes on without its TensorBoard scalars until "
+                                                       "the disk has room")
+        self.events, self.scalar = tensorboard_writing()
+        self.writer, self.opened = None, 0
+        self.flushed_at = self.failed_at = -float("inf")
+        self._open()
+
+    def _open(self) -> None:
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            # A name of this process's own: tensorboardX names files by the second and host only, and
+            # a file reopened (a retry, a restart within the second) would truncate the one before.
+            self.opened += 1
+            self.writer = self.events.EventsWriter(os.path.join(self.directory, "events"),
+                                                   filename_suffix=f".{os.getpid()}.{self.opened}")
+        except OSError as e:
+            self._failed(e)
+
+    def _failed(self, e: OSError) -> None:
+        self.failures.failed(e)
+        self.failed_at = time.monotonic()
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            try:
+                writer._py_recordio_writer._writer.close()  # what it holds is lost; close() would flush again
+            except OSError:
+                pass
 
     def record(self, record):
-        for tag in self.TAGS:
-            if record.get(tag) is not None:  # mfu is None where the peak FLOP/s is unknown (CPU)
-                self.writer.add_scalar(f"train/{tag}", record[tag], record["step"])
+        now = time.monotonic()
+        if self.writer is None and now - self.failed_at >= self.RETRY_S:
+            self._open()
+        if self.writer is None:
+            return
+        try:
+            for tag in self.TAGS:
+                if record.get(tag) is not None:  # mfu is None where the peak FLOP/s is unknown (CPU)
+                    summary = self.scalar(f"train/{tag}", record[tag])
+                    self.writer.write_event(self.events.event_pb2.Event(
+                        wall_time=time.time(), step=record["step"], summary=summary))
+            if now - self.flushed_at >= self.FLUSH_S:
+                self.writer.flush()
+                self.flushed_at = now
+                self.failures.wrote()
+        except OSError as e:
+            self._failed(e)
 
     def close(self):
-        self.writer.close()
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except OSError as e:
+                self._failed(e)
 
 
-def summary_writer_class() -> type:
-    """tensorboardX's SummaryWriter, imported without torch. tensorboardX imports torch whenever it
-    is installed, only to accept torch tensors: 4-5 s of CPU that rank 0 would pay on every start
-    and restart. We log Python floats, so torch is hidden from that one import."""
-    if "torch" in sys.modules:
-        from tensorboardX import SummaryWriter
-        return SummaryWriter
-    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+def tensorboard_writing():
+    """tensorboardX's event-file module and its scalar summary, imported without torch.
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors: 4-5 s of
+    CPU that rank 0 would pay on every start and restart. We log Python floats, so torch is
+    hidden from that one import."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
     try:
-        from tensorboardX import SummaryWriter
+        from tensorboardX import event_file_writer
+        from tensorboardX.summary import scalar
     finally:
-        del sys.modules["torch"]
-    return SummaryWriter
+        if hidden:
+            del sys.modules["torch"]
+    return event_file_writer, scalar
 
 
-def observers(cfg, run_dir: str, mesh) -> list[LoopObserver]:
+def observers(cfg, run_dir: str, mesh, warn=print) -> list[LoopObserver]:
     """The timing and TensorBoard observers `cfg.observe` asks for on this process."""
     import jax  # here, so that reading timings (the report) never starts a JAX backend
 
     process = jax.process_index()
     found: list[LoopObserver] = []
     if cfg.observe.timings:
-        found.append(TimingsWriter(run_dir, mesh, process))
+        found.append(TimingsWriter(run_dir, mesh, process, warn))
     if cfg.observe.tensorboard and process == 0:
-        found.append(TensorBoardScalars(run_dir))
+        found.append(TensorBoardScalars(run_dir, warn))
     return found
 
 

@@ -42,6 +42,8 @@ which overwrites them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -79,6 +81,7 @@ class Snapshots:
         self.process, self.processes = jax.process_index(), jax.process_count()
         self._writer: threading.Thread | None = None
         self._error: str | None = None
+        self._failing = False  # the last write failed and was said: the next failure is not said again
         self.link = None
         try:  # what the processes agree on through jax.distributed's store is signed with it
             self.key = job_key.job_key() if self.processes > 1 else None
@@ -111,9 +114,10 @@ class Snapshots:
         free = shutil.disk_usage(self.root).free + held  # what this run holds already is reused
         if need > free:
             raise ConfigError(
-                f"memory snapshots need {need / 2**30:.2f} GiB in {self.root} on this host ({KEEP} steps x "
-                f"{one / 2**20:.1f} MiB per process x {here} process(es)" + (" x 2 with peer copies" if copies == 2 else "")
-                + f"), {free / 2**30:.2f} GiB free; set checkpoint.memory_dir to a larger RAM disk, or "
+                f"memory snapshots need {run_dirs.human_bytes(need)} in {self.root} on this host ({KEEP} steps x "
+                f"{run_dirs.human_bytes(one)} per process x {here} process(es)"
+                + (" x 2 with peer copies" if copies == 2 else "")
+                + f"), {run_dirs.human_bytes(free)} free; set checkpoint.memory_dir to a larger RAM disk, or "
                 "checkpoint.peer_copy=false, or checkpoint.memory_every=0")
         return need
 
@@ -174,8 +178,13 @@ class Snapshots:
             oldest_kept = sorted(self._own_steps())[-KEEP:][0]
             self._remove(lambda s: s < oldest_kept)
         except OSError as e:  # RAM disk full or not writable: training goes on, on checkpoints
-            self._error = f"memory snapshot at step {step} not written ({path}): {cli.one_line(e)}"
+            with contextlib.suppress(OSError):
+                os.remove(path + ".tmp")  # a part-written file would hold the room the next one needs
+                os.rmdir(os.path.dirname(path))  # and an empty step directory would list a step not held
+            reason = run_dirs.disk_error(e) if e.errno in (errno.ENOSPC, errno.EDQUOT) else cli.one_line(e)
+            self._error = f"memory snapshots not written from step {step} ({path}): {reason}"
             return
+        self._failing = False
         if self.link:
             try:
                 self.link.send(step, path)
@@ -188,8 +197,10 @@ class Snapshots:
             self._writer.join()
             self._writer = None
         if self._error:
-            self.warn(f"warning: {self._error}; training continues on checkpoints")
-            self._error = None
+            if not self._failing:  # said once a streak: a full RAM disk is not a line every snapshot
+                self.warn(f"warning: {self._error}; training continues on checkpoints (said again only after a "
+                          "snapshot was written)")
+            self._failing, self._error = True, None
 
     def _own_steps(self) -> list[int]:
         return [s for s in snapshot_steps(self.root) if os.path.exists(self._file(s))]

@@ -199,21 +199,53 @@ def test_tensorboard_scalars_read_back(tmp_path):
 
 
 
+def test_tensorboard_scalars_on_a_full_disk_are_one_warning_and_come_back_in_a_new_file(tmp_path, monkeypatch):
+    """A disk that stops taking events (ENOSPC): one warning, the loop never blocks (tensorboardX's
+    threaded writer hung it), and once the disk has room the scalars go on in a new event file;
+    TensorBoard reads both, the steps in between missing."""
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    monkeypatch.setattr(timings.TensorBoardScalars, "FLUSH_S", 0.0)  # every record on disk at once
+    warned = []
+    writer = timings.TensorBoardScalars(str(tmp_path), warned.append)
+    losses = {k: float(np.random.default_rng(k).uniform(2, 5)) for k in range(1, 10)}
+
+    class FullDisk:
+        def write(self, data=b""):
+            raise OSError(28, "No space left on device")
+
+        flush = close = write
+
+    for k in range(1, 10):
+        if k == 4:
+            writer.writer._py_recordio_writer._writer = FullDisk()
+        if k == 7:
+            monkeypatch.setattr(timings.TensorBoardScalars, "RETRY_S", 0.0)  # the disk has room again
+        writer.record({"step": k, "loss": losses[k]})
+    writer.close()
+    assert len(warned) == 1 and warned[0].startswith(f"warning: cannot write {tmp_path / 'tensorboard'}: no space left")
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    events = event_accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = events.Scalars("train/loss")
+    assert [s.step for s in scalars] == [1, 2, 3, 7, 8, 9]
+    np.testing.assert_allclose([s.value for s in scalars], [losses[k] for k in (1, 2, 3, 7, 8, 9)], rtol=1e-6)
+
+
 def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
     """tensorboardX imports torch when it is installed (seconds on every rank-0 restart); the
     writer hides it. Checked in a fresh interpreter, where nothing has imported torch yet."""
     pytest.importorskip("torch")
     code = ("import sys\n"
-            "from megascale_jax.observe.timings import summary_writer_class\n"
-            "writer = summary_writer_class()(sys.argv[1])\n"
-            "writer.add_scalar('train/loss', 2.5, 1)\n"
+            "from megascale_jax.observe.timings import TensorBoardScalars\n"
+            "writer = TensorBoardScalars(sys.argv[1])\n"
+            "writer.record({'step': 1, 'loss': 2.5})\n"
             "writer.close()\n"
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))\n"
             "import torch  # still importable afterwards\n")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-    assert list(tmp_path.glob("events.out.tfevents.*"))
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 # ============================================================================ two real processes
 

@@ -22,7 +22,8 @@ def on_small_disk(tmp_path, size: str, *overrides: str) -> subprocess.CompletedP
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1) to mount a small filesystem")
     (tmp_path / "small").mkdir()
-    train = " ".join([sys.executable, "-m", "megascale_jax.train", "--run-dir", "run", *TINY, *overrides])
+    run_dir = [] if "--run-dir" in overrides else ["--run-dir", "run"]
+    train = " ".join([sys.executable, "-m", "megascale_jax.train", *run_dir, *TINY, *overrides])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs small || exit 97; "
@@ -65,3 +66,21 @@ def test_kept_checkpoints_that_cannot_fit_are_refused_before_the_first_step(tmp_
     (line,) = lines(done)
     assert "checkpoint.keep=3 checkpoints of" in line and "lower checkpoint.keep, or set checkpoint.dir" in line
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+@pytest.mark.slow
+def test_a_run_directory_on_a_full_disk_is_one_warning_a_file_and_training_ends_well(tmp_path):
+    # The run directory on a 48 KiB tmpfs, the checkpoints elsewhere: the timings, TensorBoard's
+    # events and metrics.jsonl each stop fitting at some step (snapshots: test_snapshot.py).
+    # tensorboardX's own SummaryWriter hung the loop here (its writer thread died, its queue filled).
+    done = on_small_disk(tmp_path, "48k", "--run-dir", "small/run", "train.steps=150", "checkpoint.every=150",
+                         "checkpoint.dir=ckpt", "train.log_every=50")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr[-3000:]
+    warned = [line for line in lines(done) if line.startswith("warning: ")]
+    assert len(warned) == len(set(warned)) == len(lines(done)), lines(done)  # each said once, nothing else
+    said = " ".join(warned)
+    for what in ("small/run/timings/process-0.csv", "small/run/tensorboard", "small/run/metrics.jsonl"):
+        assert f"cannot write {what}: no space left on its disk" in said or \
+            f"cannot append to {what}: no space left on its disk" in said, (what, warned)
+    assert (tmp_path / "ckpt" / "150").is_dir()  # the final checkpoint, on a disk with room

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -299,7 +300,7 @@ def test_the_ram_snapshots_take_is_stated_and_checked_before_the_first_step(tmp_
     monkeypatch.setattr(snapshot.shutil, "disk_usage", lambda path: usage(path)._replace(free=100))
     held = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())  # reused, so counted as free
     assert held + 100 < snapshot.KEEP * one
-    with pytest.raises(ConfigError, match=r"memory snapshots need .* GiB in .*checkpoint.memory_dir") as e:
+    with pytest.raises(ConfigError, match=r"memory snapshots need .* in .*checkpoint.memory_dir") as e:
         snaps.check_room(like)
     assert "\n" not in str(e.value)
 
@@ -423,3 +424,40 @@ def test_background_saves_wait_for_their_steps_record_not_the_loop(tmp_path, cap
     saves.checkpoint(6, random_state(mesh, 6))  # the last step: recorded first, no ticket
     saves.close()
     assert recorder.flushed == [True] and recorder.clock_restarts == [True] and committed()[0] == [2, 6]
+
+
+def test_a_full_ram_disk_is_said_once_a_streak_and_leaves_no_part_written_file(tmp_path, monkeypatch, capsys):
+    """A snapshot the RAM disk cannot take (ENOSPC half-way through the file): one warning for a
+    run of failures, none of the part-written files left behind (they would hold the room the
+    next one needs), and the snapshot written in between restores."""
+    cfg = cfg_with()
+    mesh = make_mesh(cfg.mesh)
+    snaps = snapshot.Snapshots(cfg, str(tmp_path), warn=print)
+    savez = np.savez
+    full = {1, 2, 3, 5}
+
+    def savez_on_a_small_disk(f, *args, **kwargs):
+        if snaps_step[0] in full:
+            f.write(b"PK\x03\x04" + bytes(100))  # part of the zip made it to the disk
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return savez(f, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot.np, "savez", savez_on_a_small_disk)
+    snaps_step = [0]
+    states = {}
+    for step in range(1, 7):
+        snaps_step[0] = step
+        state = random_state(mesh, step)
+        states[step] = host_copy(state)
+        snaps.save(step, state, next_index=step)
+        snaps.wait()
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert [w.split(" (")[0] for w in warnings] == ["warning: memory snapshots not written from step 1",
+                                                    "warning: memory snapshots not written from step 5"], warnings
+    assert all("no space left on its disk; training continues on checkpoints" in w for w in warnings)
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert run_dirs.snapshot_steps(str(tmp_path)) == [4, 6]
+    restored, meta = snaps.restore(abstract(random_state(mesh, 0)), newer_than=0, up_to=4)
+    assert meta["step"] == 4
+    for name, value in states[4].items():
+        np.testing.assert_array_equal(np.asarray(jax.device_get(restored[name])), value)
