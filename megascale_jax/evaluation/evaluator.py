@@ -1,0 +1,62 @@
+"""A task set scored end to end: items -> requests -> batches -> metrics.
+
+Two halves, so that every mistake is found before the model is touched: `prepare` tokenises a
+task into its requests (and refuses a continuation the tokenizer cannot encode, or one longer
+than the model); `score` runs them through the caller's `score_batch` (`batching`) and
+aggregates lm-eval's metrics (`metrics`). `python -m megascale_jax.evaluate` prepares every task,
+then reads the checkpoint, then scores; the training loop can prepare once at start-up and score
+at each evaluation step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megascale_jax.evaluation import batching, metrics
+from megascale_jax.evaluation.requests import Encoder, Request, item_requests, truncated
+from megascale_jax.evaluation.tasks import MULTIPLE_CHOICE, Task
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    task: Task
+    requests: tuple[Request, ...]
+    owners: tuple[int, ...]  # the item each request belongs to
+    truncated: int  # requests lm-eval cuts from the left to the model's length
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskResult:
+    name: str
+    version: str | None
+    output_type: str
+    metrics: dict  # metric -> (value, stderr or None)
+    items: int
+    requests: int
+    truncated: int
+    loglikelihoods: list  # per item: its choices' log-likelihoods (multiple choice) or its own
+
+
+def prepare(task: Task, encoder: Encoder, max_length: int) -> Prepared:
+    requests, owners = [], []
+    for i, item in enumerate(task.items):
+        made = item_requests(item, encoder, max_length, task.where(i))
+        requests += made
+        owners += [i] * len(made)
+    return Prepared(task, tuple(requests), tuple(owners), sum(truncated(r, max_length) for r in requests))
+
+
+def score(prepared: Prepared, score_batch: batching.ScoreBatch, batch_size: int, max_length: int,
+          bootstrap_iters: int = metrics.BOOTSTRAP_ITERS) -> TaskResult:
+    task = prepared.task
+    logprobs, greedy = batching.score(prepared.requests, score_batch, batch_size, max_length)
+    per_item = [[] for _ in task.items]
+    greedy_item = [True] * len(task.items)
+    for owner, ll, g in zip(prepared.owners, logprobs, greedy):
+        per_item[owner].append(float(ll))
+        greedy_item[owner] = greedy_item[owner] and bool(g)
+    # one value an item, except multiple choice's one per choice: a rolling document's windows sum
+    lls = per_item if task.output_type == MULTIPLE_CHOICE else [sum(v) for v in per_item]
+    return TaskResult(task.name, task.version, task.output_type,
+                      metrics.aggregate(task, lls, greedy_item, bootstrap_iters), len(task.items),
+                      len(prepared.requests), prepared.truncated, lls)
