@@ -197,6 +197,11 @@ class TrainConfig:
     # new tokens, sampled from a fixed seed (training/sample_at_end.py). 0 = off.
     sample_at_end: int = 0
     sample_prompt: str = "def "
+    # Downstream tasks scored on the training mesh as lm-evaluation-harness scores them
+    # (training/downstream.py; docs/evaluation.md): local task files, every `eval_tasks_every` steps
+    # (0 = only at the end) and at the last step, logged in metrics.jsonl under "downstream".
+    eval_tasks: tuple[str, ...] = ()
+    eval_tasks_every: int = 0
 
 
 @dataclass(frozen=True)
@@ -308,7 +313,7 @@ class Config:
 
     def to_dict(self) -> dict:
         # Fields named after Python keywords carry a trailing "_"; the config key has none.
-        return {section: {_key_name(k): v for k, v in values.items()}
+        return {section: {_key_name(k): list(v) if isinstance(v, tuple) else v for k, v in values.items()}
                 for section, values in dataclasses.asdict(self).items()}
 
 
@@ -412,6 +417,12 @@ def _coerce(name: str, hint, value):
         if value not in choices:
             raise ConfigError(f"{name}={value!r} is not one of {', '.join(map(str, choices))}")
         return value
+    if origin is tuple:  # a list in YAML; one string is a list of one
+        item_type = typing.get_args(hint)[0]
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ConfigError(f"{name} must be a list (e.g. [a.jsonl, b.yaml]), got {value!r}")
+        return tuple(_coerce(f"{name}[{i}]", item_type, v) for i, v in enumerate(items))
     if origin is dict:
         key_type, value_type = typing.get_args(hint)
         if not isinstance(value, dict) or not value:

@@ -182,6 +182,7 @@ def check_train(t, m, p) -> None:
     require(t.log_every >= 1, f"train.log_every={t.log_every} must be >= 1")
     require(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0")
     require(t.eval_batches >= 0, f"train.eval_batches={t.eval_batches} must be >= 0 (0 = no validation loss)")
+    require(t.eval_tasks_every >= 0, f"train.eval_tasks_every={t.eval_tasks_every} must be >= 0 (0 = only at the end)")
     require(t.seed >= 0, f"train.seed={t.seed} must be >= 0")
     require(t.sample_at_end >= 0, f"train.sample_at_end={t.sample_at_end} must be >= 0 (0 = no sample)")
     require(t.sample_at_end == 0 or t.sample_prompt != "",

@@ -58,10 +58,10 @@ def option_error(args) -> str | None:
 
 
 def prepare_all(paths: list[str], limit, tokenizer, prefix, max_length):
-    from megascale_jax.evaluation import evaluator, requests, tasks
+    from megascale_jax.evaluation import evaluator, requests
 
     encoder = requests.for_tokenizer(tokenizer, prefix)
-    return [evaluator.prepare(tasks.load_task(p, limit), encoder, max_length) for p in paths]
+    return [evaluator.prepare(evaluator.load_task(p, limit), encoder, max_length) for p in paths]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

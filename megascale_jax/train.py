@@ -10,6 +10,7 @@ Each part lives with its owner under `training/`; this module composes them and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import signal
 import sys
@@ -39,10 +40,11 @@ from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel.mesh import check_forced_cpu_devices, make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
-from megascale_jax.training import checkpoint, compile_cache, data, mixture, progress, sample_at_end, tokenizer
+from megascale_jax.training import (checkpoint, compile_cache, data, downstream, mixture, progress, sample_at_end,
+                                    tokenizer)
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.interrupt import Interrupted, StopRequest
-from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged
+from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged, itstime
 from megascale_jax.training.observers import Observers
 from megascale_jax.training.optim import learning_rate_schedule
 from megascale_jax.training.resume import choose_start
@@ -65,14 +67,15 @@ def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | 
 
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixture.MixedBatches,
           val_batches: data.SequenceBatches | mixture.MixedBatches, redis: str | None = None, job: str | None = None,
-          resume_step: int | None = None) -> list[dict]:
+          resume_step: int | None = None, tasks: list = ()) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl.
     Under a supervisor, `redis` and `job` say where this process sends its heartbeats; with
-    `resume_step` no saved state newer than that step is restored."""
+    `resume_step` no saved state newer than that step is restored; `tasks` (downstream.prepare):
+    the downstream tasks scored at train.eval_tasks_every."""
     mesh = make_mesh(cfg.mesh)
     watch = observers_for(cfg, run_dir, mesh, redis, job)
     try:
-        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step)
+        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step, tasks)
     except TrainingDiverged as e:
         watch.state("diverged", -1, cli.error_line(e))  # the supervisor does not retry it on healthy devices
         raise
@@ -89,7 +92,7 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixtu
         watch.close()
 
 
-def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step=None) -> list[dict]:
+def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step=None, tasks=()) -> list[dict]:
     # ---- start: the trainer, where it starts from, the first batch, the compiled steps
     watch.state("initialising", 0)
     t0, clock = time.perf_counter(), progress.StartupClock()
@@ -122,9 +125,8 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_st
         f"lower optim.lr (now {cfg.optim.lr}) or tighten optim.clip", watch,
         validation_loss(cfg, eval_loss, val_batches, trainer.batch_sharding), hooks.on_record,
         describe_data=train_batches.record_fields)  # a mixture's realised proportions
-    # With train.eval_batches=0 (eval_loss None) the same steps are recorded, without a validation loss.
-    hooks.add("evaluate", cfg.train.eval_every,
-              lambda step, state: recorder.flush(params=None if eval_loss is None else state.params))
+    add_evaluations(hooks, cfg, recorder, eval_loss is not None,
+                    downstream.Downstream(cfg, tasks, trainer.score_rows, trainer.batch_sharding) if tasks else None)
     add_profiling(hooks, cfg, run_dir, train_step, recorder, watch)
     saves.begin(start.step, last, start.data_position, recorder, watch)
     saves.add_hooks(hooks)
@@ -185,6 +187,27 @@ def validation_loss(cfg: Config, eval_loss, val_batches: data.SequenceBatches, b
                   for i in range(cfg.train.eval_batches)]
         return float(jnp.mean(jnp.stack(losses)))
     return evaluate
+
+
+def add_evaluations(hooks: Hooks, cfg: Config, recorder, validates: bool, scored) -> None:
+    """The validation loss every `train.eval_every` steps and the downstream tasks (`scored`) every
+    `train.eval_tasks_every`, each also at the last step: one hook at the steps either is due,
+    which records the step with what is due (with train.eval_batches=0 the same steps are
+    recorded, without a validation loss)."""
+    every, tasks_every, last = cfg.train.eval_every, cfg.train.eval_tasks_every, hooks.last
+
+    def evaluate(step: int, state) -> None:
+        val, tasks = itstime(step, every, last), scored is not None and itstime(step, tasks_every, last)
+        if not (val or tasks):  # a step of the two cadences' common divisor that neither is due at
+            return
+
+        def fields(params) -> dict:
+            found = {"val_loss": recorder.evaluate(params)} if val and validates else {}
+            return {**found, **(scored.scores(params) if tasks else {})}
+
+        recorder.flush(params=state.params if (val and validates) or tasks else None, evaluate=fields)
+
+    hooks.add("evaluate", math.gcd(every, tasks_every) if scored is not None else every, evaluate)
 
 
 def add_profiling(hooks: Hooks, cfg: Config, run_dir: str, train_step, recorder, watch) -> None:
@@ -415,6 +438,7 @@ def _main(argv) -> int:
         # jsonl/parquet: attention inside each document (the layouts that cannot were refused with
         # the config, config_checks.check_documents_apart, before the corpus was tokenized)
         cfg = data.with_documents_apart(cfg, corpus)
+        tasks = downstream.prepare(cfg, corpus.token_file)  # train.eval_tasks, tokenized before anything compiles
         run_dir, lock = args.run_dir, None
         if jax.process_index() == 0:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config, args.resume_step)
@@ -424,7 +448,7 @@ def _main(argv) -> int:
         return cli.user_error(e)
     try:
         with compile_cache.use(run_dir, cfg.train.compile_cache) as cache:  # before anything compiles
-            train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step)
+            train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step, tasks)
         if cache:  # every process's own count, in its own log (ranks > 0 log warnings only)
             logger.info(cache.summary()) if jax.process_index() == 0 else print(cache.summary(), flush=True)
     except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from megascale_jax import export_hf, plan, sample, tokenize, train
+from megascale_jax import evaluate, export_hf, plan, sample, tokenize, train
 from megascale_jax.model import flops
 from megascale_jax.observe import report
 from megascale_jax.supervise import diagnose, launch
@@ -69,6 +69,25 @@ def scratch(tmp_path_factory):
     (root / "no_checkpoint").mkdir()
     (root / "no_checkpoint" / "config.yaml").write_text((root / "run" / "config.yaml").read_text())
     (root / "a_file").write_text("not a directory\n")
+    tasks = root / "tasks"  # downstream task files, each wrong in one way (evaluate, train.eval_tasks)
+    tasks.mkdir()
+    mc = {"context": "Q", "choices": ["a", "b"], "gold": 1}
+    for name, rows in {"ok.jsonl": [mc], "empty_choices.jsonl": [mc, {**mc, "choices": []}],
+                       "gold.jsonl": [{**mc, "gold": 5}], "gold_type.jsonl": [{**mc, "gold": "zzz"}],
+                       "no_context.jsonl": [{"choices": ["a"], "gold": 0}], "mixed.jsonl": [mc, {"text": "doc"}],
+                       "list.jsonl": [[1, 2]], "empty_target.jsonl": [{"context": "Q", "target": ""}]}.items():
+        (tasks / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tasks / "empty.jsonl").write_text("")
+    (tasks / "broken.jsonl").write_text('{"text": "fine"}\n{"text": \n')
+    (tasks / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
+    (tasks / "gen.yaml").write_text("task: gen\ndataset_path: json\ndataset_kwargs:\n  data_files: tasks/ok.jsonl\n"
+                                    "test_split: train\noutput_type: generate_until\n")
+    (tasks / "no_data.yaml").write_text("task: nd\ndataset_path: json\ndataset_kwargs:\n  data_files: tasks/nope.jsonl\n"
+                                        "test_split: train\noutput_type: multiple_choice\n")
+    (tasks / "hub.yaml").write_text("task: hub\ndataset_path: hellaswag\noutput_type: multiple_choice\n")
+    (tasks / "broken.yaml").write_text("task: [x\n")
+    (tasks / "list.yaml").write_text("- a\n- b\n")
+    (tasks / "tasks.txt").write_text("not a task file\n")
     code, _, err = run(tokenize.main, ["--input", "text.txt", "--vocab", "300", "--out", "tok"], root)  # a real tokenizer
     assert code == 0, err
     # the run with its only checkpoint damaged: each of its arrays' data files cut in half
@@ -147,6 +166,23 @@ def cases() -> list[tuple[str, object, list[str]]]:
         add("out of range", sample.main, "run", *(["--prompt", "x"] if "--prompt" not in argv else []), *argv)
     add("run directory", export_hf.main, "run", "a_file")
     add("run directory", export_hf.main, "run", "run")
+    # ---- evaluate, and the same task files as train.eval_tasks (refused before anything compiles)
+    for name in ("missing.jsonl", "empty_choices.jsonl", "gold.jsonl", "gold_type.jsonl", "no_context.jsonl",
+                 "mixed.jsonl", "list.jsonl", "empty_target.jsonl", "empty.jsonl", "broken.jsonl", "binary.jsonl",
+                 "gen.yaml", "no_data.yaml", "hub.yaml", "broken.yaml", "list.yaml", "tasks.txt"):
+        add("task file", evaluate.main, "run", "--tasks", f"tasks/{name}")
+        add("task file", train.main, *TINY, f"train.eval_tasks=[tasks/ok.jsonl,tasks/{name}]")
+    for argv in (["missing_run", "--tasks", "tasks/ok.jsonl"], ["a_file", "--tasks", "tasks/ok.jsonl"],
+                 ["no_checkpoint", "--tasks", "tasks/ok.jsonl"], ["metrics_only", "--tasks", "tasks/ok.jsonl"],
+                 ["run", "--tasks", "tasks/ok.jsonl", "--step", "7"], ["run", "--tasks", ","],
+                 ["run", "--tasks", "tasks/ok.jsonl", "--batch-size", "0"], ["run", "--tasks", "tasks/ok.jsonl", "--limit", "-3"],
+                 ["run", "--tasks", "tasks/ok.jsonl", "--bootstrap-iters", "-1"], ["run"], ["--tasks", "tasks/ok.jsonl"]):
+        add("evaluate", evaluate.main, *argv)
+    for damaged in ("damaged_run", "no_meta_run"):
+        add("checkpoint", evaluate.main, damaged, "--tasks", "tasks/ok.jsonl")
+    for override in ("train.eval_tasks_every=-1", "train.eval_tasks={a: 1}", "train.eval_tasks=[[a]]",
+                     "train.eval_tasks=[tasks/ok.jsonl,tasks/ok.jsonl]"):
+        add("out of range", train.main, *TINY, override)
     # ---- tokenize
     for argv in (["--input", "nothing/*.txt", "--vocab", "300", "--out", "tok2"],
                  ["--input", "binary.bin", "--vocab", "300", "--out", "tok2"],
@@ -201,7 +237,7 @@ CASES = cases()
 
 def test_the_campaign_tries_at_least_100_inputs_across_every_command():
     commands = {main.__module__ for _, main, _ in CASES}
-    assert len(CASES) >= 100 and len(commands) >= 9, (len(CASES), commands)
+    assert len(CASES) >= 100 and len(commands) >= 10, (len(CASES), commands)
 
 
 def run(main, argv: list[str], cwd: Path) -> tuple[int, str, str]:

@@ -15,7 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "megascale_jax"
-ENTRY_POINTS = ("train", "launch", "report", "diagnose", "preflight", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf", "sample")
+ENTRY_POINTS = ("train", "launch", "report", "diagnose", "preflight", "flops", "pipeline_schedule", "plan", "tokenize", "export_hf", "sample",
+                "evaluate")
 # What the driver (launch and supervisor) runs in its own process, which must outlive workers
 # whose jax crashed: the straggler statistic and hang analysis read the run's files there too.
 DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.preflight", "megascale_jax.supervise.preflight",
@@ -75,7 +76,7 @@ def test_no_import_circles():
 
 
 LEVELS = {"config": 0, "config_checks": 0, "run_dir": 0, "cli": 0, "job_key": 0, "pipeline_schedule": 0, "parallel": 1, "model": 1,
-          "training": 2, "planner": 2, "observe": 3, "interop": 3, "cluster": 4, "supervise": 5}
+          "training": 2, "evaluation": 2, "planner": 2, "observe": 3, "interop": 3, "cluster": 4, "supervise": 5}
 # train.py and the entry points sit on top of all of them (but pipeline_schedule: pure tables config checks with).
 
 

@@ -5,14 +5,15 @@ task into its requests (and refuses a continuation the tokenizer cannot encode, 
 than the model); `score` runs them through the caller's `score_batch` (`batching`) and
 aggregates lm-eval's metrics (`metrics`). `python -m megascale_jax.evaluate` prepares every task,
 then reads the checkpoint, then scores; the training loop can prepare once at start-up and score
-at each evaluation step.
+at each evaluation step. `load_task` reads a task file of either format.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
-from megascale_jax.evaluation import batching, metrics
+from megascale_jax.evaluation import batching, lm_eval_yaml, metrics, tasks
 from megascale_jax.evaluation.requests import Encoder, Request, item_requests, truncated
 from megascale_jax.evaluation.tasks import MULTIPLE_CHOICE, Task
 
@@ -35,6 +36,17 @@ class TaskResult:
     requests: int
     truncated: int
     loglikelihoods: list  # per item: its choices' log-likelihoods (multiple choice) or its own
+
+
+def load_task(path: str, limit: int | None = None) -> tasks.Task:
+    """A task from a `.jsonl` file (the schema above) or an lm-eval task `.yaml`."""
+    if not os.path.isfile(path):
+        raise tasks.TaskError(f"task file {path} does not exist; pass a .jsonl task file or an lm-eval task .yaml")
+    if path.endswith((".yaml", ".yml")):
+        return lm_eval_yaml.load(path, limit)
+    if path.endswith((".jsonl", ".json")):
+        return tasks.load_jsonl(path, limit)
+    raise tasks.TaskError(f"task file {path}: unknown format; pass a .jsonl task file or an lm-eval task .yaml/.yml")
 
 
 def prepare(task: Task, encoder: Encoder, max_length: int) -> Prepared:

@@ -7,29 +7,28 @@ the model's logits; jitted once for the batch shape. The Pallas kernels (fused_n
 and the GPU-only attention implementations compute the same function as the portable XLA code
 (`model.decode` makes the same swap), so one device — a CPU too — reads any run.
 
-The training loop will supply its own, sharded over the mesh; the rows and the reduction stay the
-same (`batching`).
+The training loop scores the same rows on its mesh (`training.downstream`, `Trainer.score_rows`),
+through the pipeline at pp > 1; the rows and the reduction (`transformer.target_scores`) are the
+same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from megascale_jax.config import ModelConfig
-from megascale_jax.model.transformer import Transformer
+from megascale_jax.model.transformer import Transformer, score_fn
 
 
-def reduce_logits(logits, targets, mask):
-    """(sum of the masked targets' log-probabilities [B], every masked target the argmax [B])
-    from logits [B, L, V]."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    greedy = (jnp.argmax(logits, axis=-1) == targets) | (mask == 0)
-    return jnp.sum(picked * mask, axis=-1), jnp.all(greedy, axis=-1)
+def as_batch(tokens: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """The rows as the training batch's (B, L + 1) tokens: inputs are its first L, targets its
+    last L (a row's targets are its inputs shifted by one, with the next token last)."""
+    return np.concatenate([tokens[:, :1], targets], axis=1)
 
 
 def one_device_scorer(model: ModelConfig, params):
@@ -37,12 +36,10 @@ def one_device_scorer(model: ModelConfig, params):
     portable = dataclasses.replace(model, fused_norm=False, fused_mlp=False, attention="xla")
     net = Transformer(portable)
 
-    @jax.jit
-    def run(params, tokens, targets, mask):
-        return reduce_logits(net.apply({"params": params}, tokens), targets, mask)
+    run = jax.jit(functools.partial(score_fn, net))
 
     def score_batch(tokens, targets, mask):
-        summed, greedy = run(params, jnp.asarray(tokens), jnp.asarray(targets), jnp.asarray(mask))
+        summed, greedy = run(params, jnp.asarray(as_batch(tokens, targets)), jnp.asarray(mask))
         return np.asarray(summed), np.asarray(greedy)
 
     return score_batch

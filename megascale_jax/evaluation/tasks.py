@@ -166,16 +166,3 @@ def load_jsonl(path: str, limit: int | None = None) -> Task:
             items.append(Document(_string(where, row, "text")))
     name = os.path.splitext(os.path.basename(path))[0]
     return Task(name, kind, DEFAULT_METRICS[kind], tuple(items), locations=tuple(locations))
-
-
-def load_task(path: str, limit: int | None = None) -> Task:
-    """A task from a `.jsonl` file (the schema above) or an lm-eval task `.yaml`."""
-    if not os.path.isfile(path):
-        raise TaskError(f"task file {path} does not exist; pass a .jsonl task file or an lm-eval task .yaml")
-    if path.endswith((".yaml", ".yml")):
-        from megascale_jax.evaluation import lm_eval_yaml
-
-        return lm_eval_yaml.load(path, limit)
-    if path.endswith((".jsonl", ".json")):
-        return load_jsonl(path, limit)
-    raise TaskError(f"task file {path}: unknown format; pass a .jsonl task file or an lm-eval task .yaml/.yml")

@@ -451,6 +451,23 @@ def token_losses(logits, targets):
         return logz - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
 
 
+def target_scores(logits, targets, mask):
+    """Per row: the summed float32 log-probability of the targets where `mask` is 1, and whether
+    every one of them is the argmax there — what downstream evaluation asks of the model
+    (lm-evaluation-harness's log-likelihood and `is_greedy`; `evaluation.batching`)."""
+    with jax.named_scope("target_scores"):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        picked = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+        greedy = (jnp.argmax(logits, axis=-1) == targets) | (mask == 0)
+        return jnp.sum(picked * mask, axis=-1), jnp.all(greedy, axis=-1)
+
+
+def score_fn(model: Transformer, params, batch, mask):
+    """`target_scores` of `batch` ((batch, seq_len + 1) tokens: inputs and their next tokens, as
+    `loss_fn` takes it) where `mask` (batch, seq_len) is 1."""
+    return target_scores(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:], mask)
+
+
 def cross_entropy(logits, targets, weights=None):
     """Mean next-token cross entropy in float32 over every target position; `weights` (batch, seq)
     zero the targets not trained on (documents.trained_targets), the mean's count unchanged."""

@@ -207,12 +207,38 @@ def loss_figure(records: list[dict], events: list[dict] = ()) -> Figure:
     return fig
 
 
+def downstream_figure(records: list[dict], events: list[dict] = ()) -> Figure:
+    """Each downstream task's scores (train.eval_tasks) against the step, one panel a task, with
+    their standard errors where the metric has one."""
+    scored = [r for r in records if "downstream" in r]
+    names = sorted({k for r in scored for k in r["downstream"] if k != "seconds" and not k.endswith("_stderr")})
+    tasks = sorted({name.split("/")[0] for name in names})
+    fig, axes = plt.subplots(len(tasks), 1, figsize=(8, 2.4 * len(tasks)), layout="constrained", squeeze=False)
+    fig.suptitle("downstream tasks (lm-evaluation-harness's metrics)")
+    for ax, task in zip(axes[:, 0], tasks):
+        for name in [n for n in names if n.split("/")[0] == task]:
+            have = [r for r in scored if name in r["downstream"]]
+            steps = [r["step"] for r in have]
+            values = np.array([r["downstream"][name] for r in have])
+            errors = np.array([r["downstream"].get(name + "_stderr", np.nan) for r in have])
+            ax.errorbar(steps, values, yerr=None if np.isnan(errors).all() else errors, fmt="o-", capsize=2,
+                        label=name.split("/", 1)[1])
+        ax.set_title(task)
+        ax.legend(loc="best", fontsize=7)
+        mark_events([ax], events)
+        integer_steps(ax)
+    axes[-1, 0].set_xlabel("step")
+    return fig
+
+
 def write_throughput(run_dir: str, out: str, events: list[dict] = ()) -> bool:
     records = [r for r in read_jsonl(run_dirs.metrics_path(run_dir)) if "step" in r]
     if not records:
         return False
     save_figure(throughput_figure(records, events), out, "throughput.png")
     save_figure(loss_figure(records, events), out, "loss.png")
+    if any("downstream" in r for r in records):
+        save_figure(downstream_figure(records, events), out, "downstream.png")
     return True
 
 

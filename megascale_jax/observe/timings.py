@@ -114,7 +114,8 @@ def write_device_table(run_dir: str, mesh, process: int) -> None:
 
 
 class TensorBoardScalars(LoopObserver):
-    """Loss, learning rate, grad norm, MFU, tokens/s and step time as TensorBoard scalars.
+    """Loss, learning rate, grad norm, MFU, tokens/s and step time as TensorBoard scalars, and the
+    downstream tasks' scores (`downstream/<task>/<metric>`) on the steps that have them.
 
     Written on the loop's thread with tensorboardX's synchronous `EventsWriter`, not its
     `SummaryWriter`: that one writes from a thread which dies on a full disk, after which its
@@ -165,11 +166,12 @@ class TensorBoardScalars(LoopObserver):
         if self.writer is None:
             return
         try:
-            for tag in self.TAGS:
-                if record.get(tag) is not None:  # mfu is None where the peak FLOP/s is unknown (CPU)
-                    summary = self.scalar(f"train/{tag}", record[tag])
-                    self.writer.write_event(self.events.event_pb2.Event(
-                        wall_time=time.time(), step=record["step"], summary=summary))
+            scalars = {f"train/{tag}": record[tag] for tag in self.TAGS
+                       if record.get(tag) is not None}  # mfu is None where the peak FLOP/s is unknown (CPU)
+            scalars.update({f"downstream/{key}": value for key, value in (record.get("downstream") or {}).items()})
+            for tag, value in scalars.items():
+                self.writer.write_event(self.events.event_pb2.Event(
+                    wall_time=time.time(), step=record["step"], summary=self.scalar(tag, value)))
             if now - self.flushed_at >= self.FLUSH_S:
                 self.writer.flush()
                 self.flushed_at = now

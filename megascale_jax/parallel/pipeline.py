@@ -62,7 +62,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from megascale_jax.config import Config
 from megascale_jax.model.transformer import (chunked_cross_entropy, cross_entropy, embed_tokens, lm_head, lm_logits,
-                                             norm, run_layers)
+                                             norm, run_layers, target_scores)
 from megascale_jax.parallel import sharding
 from megascale_jax.parallel.pipeline_stash import STASHES, NoStash
 from megascale_jax.parallel.reduce_scatter import reduce_scatter
@@ -445,17 +445,53 @@ def evaluate_stage(cfg: Config, masked: bool, scale: float, schedule: Schedule,
     """The shard_map body of `loss`: one stage's ticks, each the training tick's forward (keeping
     nothing) and, after the last chunk, the head's loss; the loss summed over dp and pp."""
     stage = Stage(cfg, masked, scale, stage_layers, embed, final_norm, head, tokens)
+    loss = lambda y, mb, total: total + stage.head_loss(stage.final_norm, stage.head, y, mb)
+    total = forward_ticks(cfg, schedule, stage, loss, jnp.zeros((), jnp.float32))
+    return jax.lax.psum(total, ("dp", "pp"))
+
+
+def forward_ticks(cfg: Config, schedule: Schedule, stage: Stage, head_out, out):
+    """Every tick of a forward-only schedule on this stage: the chunk's forward (keeping nothing),
+    the activation sent on, and after the model's last chunk `out = head_out(y, mb, out)`."""
     stash = NoStash(stage.run_chunk)
 
     def tick(carry, row):
-        act_in, total = carry
+        act_in, out = carry
         f = stage.work(row, "f")
         valid = f["valid"] > 0
         y, _ = stage.forward(stash, f, valid, act_in, ())
-        mb_loss = lambda y: stage.head_loss(stage.final_norm, stage.head, y, f["mb"])
-        total += jax.lax.cond(valid & stage.is_last_chunk(f), mb_loss, lambda y: jnp.zeros((), jnp.float32), y)
-        return (send_forward(y, cfg.mesh.pp), total), None
+        out = jax.lax.cond(valid & stage.is_last_chunk(f), lambda y, out: head_out(y, f["mb"], out),
+                           lambda y, out: out, y, out)
+        return (send_forward(y, cfg.mesh.pp), out), None
 
     with sharding.axis_rules(cfg, manual=("dp", "pp")):
-        (_, total), _ = jax.lax.scan(tick, (stage.act, jnp.zeros((), jnp.float32)), table_arrays(schedule))
-    return jax.lax.psum(total, ("dp", "pp"))
+        (_, out), _ = jax.lax.scan(tick, (stage.act, out), table_arrays(schedule))
+    return out
+
+
+def score(cfg: Config, mesh: Mesh, params, batch, mask):
+    """`transformer.target_scores` of each row of `batch` where `mask` is 1 (downstream evaluation),
+    through the pipeline like `loss`: the forward-only schedule, each microbatch's rows scored on
+    the last stage. Returns (summed log-probabilities, all greedy), one per row, split over dp."""
+    run = jax.shard_map(
+        functools.partial(score_stage, cfg, explicit_tp(cfg, mesh), forward_only(schedule_for(cfg))),
+        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp"), P("dp")),
+        out_specs=(P("dp"), P("dp")))
+    return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch, mask)
+
+
+def score_stage(cfg: Config, masked: bool, schedule: Schedule, stage_layers, embed, final_norm, head, tokens, mask):
+    """The shard_map body of `score`: microbatch mb's rows' scores into row mb of the outputs on
+    the last stage (zeros elsewhere), summed over pp."""
+    stage = Stage(cfg, masked, 1.0, stage_layers, embed, final_norm, head, tokens)
+    masks = mask.reshape(stage.targets.shape)
+
+    def scores(y, mb, out):
+        logits = lm_logits(cfg.model, stage.final_norm, stage.head, y, cfg.parallel)
+        summed, greedy = target_scores(logits, stage.targets[mb], masks[mb])
+        return out[0].at[mb].set(summed), out[1].at[mb].set(greedy.astype(jnp.int32))
+
+    rows = jnp.zeros(stage.targets.shape[:2], jnp.float32), jnp.zeros(stage.targets.shape[:2], jnp.int32)
+    summed, greedy = jax.lax.psum(forward_ticks(cfg, schedule, stage, scores, rows), "pp")
+    return summed.reshape(-1), greedy.reshape(-1) > 0

@@ -30,7 +30,7 @@ import collections
 import math
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 
@@ -121,8 +121,9 @@ class MetricsRecorder:
         self.flush()
         self.held = (step, metrics, data_wait)
 
-    def flush(self, params=None) -> None:
-        """Record the held step now; with `params`, measure its validation loss too."""
+    def flush(self, params=None, evaluate: Callable[[Any], dict] | None = None) -> None:
+        """Record the held step now; with `params`, evaluate them too: `evaluate(params)` gives the
+        fields it adds to the record (default: the validation loss)."""
         if self.held is None:
             return
         (step, metrics, data_wait), self.held = self.held, None
@@ -147,7 +148,7 @@ class MetricsRecorder:
         if params is not None:  # left out of the step time: the clock restarts after it
             self.watch.state("evaluating", step)
             t_eval = time.time()
-            record["val_loss"] = self.evaluate(params)
+            record.update(evaluate(params) if evaluate else {"val_loss": self.evaluate(params)})
             self.watch.phase(step, "eval", t_eval, time.time() - t_eval)
             self.watch.state("training", step)
         self.watch.record(record)

@@ -65,7 +65,8 @@ class Progress:
         the run's first (seconds after the start, not `log_every` steps), and, without a
         terminal, when the log has been quiet for `QUIET_LIMIT_S`."""
         step = record["step"]
-        return (itstime(step, log_every, self.last) or "val_loss" in record or step == self.start + 1
+        return (itstime(step, log_every, self.last) or "val_loss" in record or "downstream" in record
+                or step == self.start + 1
                 or (not self.terminal and time.monotonic() - self.logged_at >= QUIET_LIMIT_S))
 
     def keep(self, record: dict) -> None:
@@ -80,6 +81,10 @@ class Progress:
         val = f" val_loss {record['val_loss']:.4f}" if "val_loss" in record else ""
         self.log(f"step {record['step']:5d} loss {record['loss']:.4f}{val} grad_norm {record['grad_norm']:.3f} "
                  f"lr {record['lr']:.2e} {record['tokens_per_s']:.0f} tok/s{self.eta(record['step'])}")
+        if "downstream" in record:  # the scores, not their standard errors (metrics.jsonl has both)
+            scores = {k: v for k, v in record["downstream"].items() if not k.endswith("_stderr") and k != "seconds"}
+            self.log(f"step {record['step']:5d} downstream: " + ", ".join(f"{k} {v:.4g}" for k, v in scores.items())
+                     + f" ({record['downstream']['seconds']:.1f} s)")
         self.logged_at = time.monotonic()
 
     def eta(self, step: int) -> str:

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from megascale_jax.config import Config
 from megascale_jax.model import flops
-from megascale_jax.model.transformer import Transformer, loss_fn
+from megascale_jax.model.transformer import Transformer, loss_fn, score_fn
 from megascale_jax.parallel import layout, microbatches, pipeline, sharding
 from megascale_jax.training import compile_cache, save_copy
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
@@ -47,6 +47,9 @@ class Trainer:
     train_step: Callable[[TrainState, jax.Array], tuple[TrainState, dict]]
     loss_and_grads: Callable[[Any, jax.Array], tuple[jax.Array, Any]]  # params in stored order
     eval_loss: Callable[[Any, jax.Array], jax.Array]
+    # (params, batch, mask) -> each row's summed target log-probabilities and all-greedy flag, replicated
+    # (downstream evaluation: training/downstream.py)
+    score_rows: Callable[[Any, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 # The name scope of the optimizer update, a branch of the train step's hold (a lax.cond): its
@@ -105,6 +108,11 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
             return pipeline.loss(cfg, mesh, params, batch)
         return loss_fn(model, params, batch)
 
+    def score_rows(params, batch, mask):
+        if cfg.mesh.pp > 1:  # through the pipeline, as eval_loss
+            return pipeline.score(cfg, mesh, params, batch, mask)
+        return score_fn(model, params, batch, mask)
+
     def train_step(state: TrainState, batch):
         loss, grads = loss_and_grads(state.params, batch)
         grad_norm = optax.tree.norm(grads)
@@ -156,6 +164,9 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         eval_loss=_with_rules(cfg, mesh, jax.jit(
             eval_loss,
             in_shardings=(param_shardings, batch_sharding), out_shardings=replicated, compiler_options=options)),
+        score_rows=_with_rules(cfg, mesh, jax.jit(
+            score_rows, in_shardings=(param_shardings, batch_sharding, batch_sharding),
+            out_shardings=(replicated, replicated), compiler_options=options)),
     )
 
 

@@ -111,14 +111,14 @@ def their_lls(theirs, task):
 
 def our_lls(cwd, task):
     """Per item log-likelihoods from the library (the CLI prints only aggregates)."""
-    from megascale_jax.evaluation import evaluator, requests, scoring, tasks
+    from megascale_jax.evaluation import evaluator, requests, scoring
     from megascale_jax.training import trained
     from megascale_jax.training.tokenizer import END_OF_TEXT, run_tokenizer
 
     run = trained.load(str(cwd / "run"))
     tokenizer = run_tokenizer(str(cwd / "run"), run.cfg)
     encoder = requests.for_tokenizer(tokenizer, tokenizer.token_to_id(END_OF_TEXT))
-    prepared = evaluator.prepare(tasks.load_task(str(cwd / "tasks" / f"{task}.yaml")), encoder, SEQ_LEN)
+    prepared = evaluator.prepare(evaluator.load_task(str(cwd / "tasks" / f"{task}.yaml")), encoder, SEQ_LEN)
     result = evaluator.score(prepared, scoring.one_device_scorer(run.cfg.model, run.params), 8, SEQ_LEN, 0)
     return result.loglikelihoods, prepared
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from megascale_jax.evaluation.tasks import Choice, Continuation, Document, TaskError, load_task
+from megascale_jax.evaluation.evaluator import load_task
+from megascale_jax.evaluation.tasks import Choice, Continuation, Document, TaskError
 
 
 def write_jsonl(path, rows):

@@ -2,6 +2,7 @@
 and with dp and tp, stashing chunk inputs or vjp residuals; its activation memory is flat in the
 number of microbatches for 1F1B, and stashing residuals removes the backward's forward recompute."""
 
+import functools
 import re
 
 import jax
@@ -12,7 +13,7 @@ from megascale_jax.training import data
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.model.transformer import loss_fn
+from megascale_jax.model.transformer import loss_fn, score_fn
 from megascale_jax.training.trainer import build_trainer
 
 MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=16",
@@ -322,3 +323,37 @@ def test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop(schedule, v, z
     scattered = sum(n * dp for inside, op, n in ops if inside and op == "reduce-scatter")
     assert scattered >= split // v if zero1 else scattered == 0, (scattered, split, v)
     assert split > 0.9 * layers
+
+
+SCORED = [(2, 1, 2, "1f1b", 1, 1, ()), (2, 2, 2, "1f1b", 1, 4, ()), (1, 4, 2, "interleaved_1f1b", 2, 4, COLLECTIVE_MATMUL)]
+
+
+@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", SCORED, ids=[grid_id(*g) for g in SCORED])
+def test_downstream_scores_on_the_mesh_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
+    """`Trainer.score_rows` (train.eval_tasks: each row's summed log-probability of its masked
+    targets and whether each was the argmax), through the pipeline at pp > 1, equals the model's
+    one-device scores (`score_fn`, what `python -m megascale_jax.evaluate` runs) row for row."""
+    params, batch, _, _ = reference
+    rng = np.random.default_rng(11)
+    mask = np.zeros(batch[:, 1:].shape, np.float32)
+    for row, (start, length) in enumerate(zip(rng.integers(0, 12, len(mask)), rng.integers(1, 5, len(mask)))):
+        mask[row, start:start + length] = 1.0  # one continuation per row, as lm-eval's requests
+    mask[3] = 0.0  # a padding row
+    one = one_device()
+    model = build_trainer(one, make_mesh(one.mesh)).model
+    # row 5: one scored target, made the argmax there (what follows it does not change its logits)
+    batch = np.array(batch)
+    mask[5] = 0.0
+    mask[5, 9] = 1.0
+    batch[5, 10] = np.argmax(jax.jit(model.apply)({"params": params}, batch[:, :-1])[5, 9])
+    want_sum, want_greedy = jax.jit(functools.partial(score_fn, model))(params, batch, mask)
+    assert np.asarray(want_greedy)[[3, 5]].all()
+    cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
+                 f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    stored = jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params)
+    got_sum, got_greedy = trainer.score_rows(stored, jax.device_put(batch, trainer.batch_sharding),
+                                             jax.device_put(mask, trainer.batch_sharding))
+    assert np.asarray(want_sum)[3] == 0.0 and (np.asarray(want_sum)[np.arange(8) != 3] < 0).all()
+    np.testing.assert_allclose(np.asarray(got_sum), np.asarray(want_sum), rtol=1e-5)
+    assert np.asarray(got_greedy).tolist() == np.asarray(want_greedy).tolist()

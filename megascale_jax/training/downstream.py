@@ -1,0 +1,116 @@
+"""`train.eval_tasks`: downstream scores while training, on the training mesh, as
+lm-evaluation-harness scores them.
+
+    train.eval_tasks=[tasks/hellaswag.yaml,tasks/lambada.jsonl] train.eval_tasks_every=500
+
+The tasks are the files `python -m megascale_jax.evaluate` reads (`megascale_jax.evaluation`),
+tokenized once at start-up with the run's own tokenizer — before anything compiles, so a bad task
+file is one line and exit 2 — into lm-eval's requests. Every `eval_tasks_every` steps and at the
+last step the current parameters score them: rows of `model.seq_len + 1` tokens in batches of
+`train.global_batch`, the training batch's shape and sharding, through `Trainer.score_rows` (the
+model's forward on the mesh, through the pipeline's forward-only schedule at pp > 1; one
+compiled function, as `eval_loss`). The scores go into that step's metrics record,
+
+    "downstream": {"mc/acc": 0.42, "mc/acc_stderr": 0.03, "mc/acc_norm": ..., "lambada/perplexity": ...}
+
+and so into metrics.jsonl, TensorBoard (`downstream/mc/acc`) and the report's plot. Nothing in the
+train state, the data order or the random keys is touched: the losses are bitwise the same with
+and without it. Perplexity's bootstrap standard error (lm-eval's 100,000 resamples, seconds a task)
+is left to `evaluate`; the means' standard errors are exact and cheap, and are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from megascale_jax import cli
+from megascale_jax.config import Config, ConfigError
+
+logger = cli.get_logger("downstream")
+
+
+def run_tokenizer_of(cfg: Config, token_file: str | None):
+    """(the tokenizer the run's ids mean, lm-eval's prefix token) from the data the run reads: the
+    byte tokenizer for the text sources, else the tokenizer.json beside the token file (what
+    `tokenize` and the jsonl/parquet sources write, and the run directory records)."""
+    from megascale_jax.training.tokenizer import (BYTE_LEVEL_SOURCES, END_OF_TEXT, META_FILE, TOKENIZER_FILE,
+                                                  byte_tokenizer)
+
+    if cfg.data.source in BYTE_LEVEL_SOURCES:
+        tokenizer = byte_tokenizer()
+        return tokenizer, tokenizer.token_to_id(END_OF_TEXT)
+    from tokenizers import Tokenizer
+
+    token_file = token_file or (next(iter(cfg.data.mix)) if cfg.data.mix else cfg.data.path)
+    directory = os.path.dirname(os.path.abspath(token_file))
+    path = os.path.join(directory, TOKENIZER_FILE)
+    if not os.path.isfile(path):
+        raise ConfigError(f"train.eval_tasks needs the tokenizer the run's ids mean, and {token_file} has no "
+                          f"{TOKENIZER_FILE} beside it; put it there (python -m megascale_jax.tokenize writes one)")
+    tokenizer = Tokenizer.from_file(path)
+    try:
+        with open(os.path.join(directory, META_FILE)) as f:
+            prefix = json.load(f).get("end_of_text")
+    except (OSError, ValueError):
+        prefix = None
+    return tokenizer, tokenizer.token_to_id(END_OF_TEXT) if prefix is None else prefix
+
+
+def prepare(cfg: Config, token_file: str | None) -> list:
+    """Each of `train.eval_tasks` read and tokenized into its requests (`evaluator.prepare`);
+    a missing or malformed task file is a ConfigError naming it (file:line)."""
+    if not cfg.train.eval_tasks:
+        return []
+    from megascale_jax.evaluation import evaluator, requests
+    from megascale_jax.evaluation.tasks import TaskError
+
+    tokenizer, prefix = run_tokenizer_of(cfg, token_file)
+    encoder = requests.for_tokenizer(tokenizer, prefix)
+    try:
+        prepared = [evaluator.prepare(evaluator.load_task(path), encoder, cfg.model.seq_len)
+                    for path in cfg.train.eval_tasks]
+    except TaskError as e:
+        raise ConfigError(f"train.eval_tasks: {e}") from None
+    names = [p.task.name for p in prepared]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"train.eval_tasks names a task twice ({', '.join(names)}); each task's name keys its scores")
+    logger.info("downstream: " + ", ".join(f"{p.task.name} ({len(p.task.items):,} items, {len(p.requests):,} requests"
+                                          + (f", {p.truncated:,} cut to model.seq_len" if p.truncated else "") + ")"
+                                          for p in prepared) + (f"; every {cfg.train.eval_tasks_every} steps and at the last" if cfg.train.eval_tasks_every else "; at the last step"))
+    return prepared
+
+
+class Downstream:
+    """The tasks' scores for the parameters of a step, as fields of its metrics record."""
+
+    def __init__(self, cfg: Config, prepared: list, score_rows, batch_sharding):
+        self.cfg, self.prepared, self.score_rows, self.batch_sharding = cfg, prepared, score_rows, batch_sharding
+
+    def scores(self, params) -> dict:
+        from megascale_jax.evaluation import evaluator
+        from megascale_jax.evaluation.scoring import as_batch
+
+        def score_batch(tokens, targets, mask):
+            batch = self._global(as_batch(tokens, targets))
+            summed, greedy = self.score_rows(params, batch, self._global(mask))
+            return np.asarray(summed), np.asarray(greedy)
+
+        t0, found = time.perf_counter(), {}
+        for prepared in self.prepared:
+            result = evaluator.score(prepared, score_batch, self.cfg.train.global_batch, self.cfg.model.seq_len,
+                                     bootstrap_iters=0)
+            for metric, (value, stderr) in result.metrics.items():
+                found[f"{result.name}/{metric}"] = float(value)
+                if stderr is not None:
+                    found[f"{result.name}/{metric}_stderr"] = float(stderr)
+        found["seconds"] = round(time.perf_counter() - t0, 3)
+        return {"downstream": found}
+
+    def _global(self, rows: np.ndarray) -> jax.Array:
+        """`rows` (every process holds them all) as one array sharded like the training batch."""
+        return jax.make_array_from_callback(rows.shape, self.batch_sharding, lambda index: rows[index])
