@@ -117,6 +117,7 @@ def test_instructions_count_a_matrix_products_flops_from_the_modules_shapes():
     assert found["add.4"].flops == 0 and found["a"].flops == 0
 
 
+@pytest.mark.slow
 def test_the_model_names_its_parts_in_the_lowered_steps_metadata():
     """The scopes the rules read are the model's own (transformer.layer, norm, embed_tokens,
     project_vocab, token_losses), for both blocks."""
@@ -144,6 +145,7 @@ def traced(tmp_path_factory):
     return ops, hlo, op_table.table(ops, hlo, op_table.STEPS)
 
 
+@pytest.mark.slow
 def test_every_model_part_takes_time_in_a_real_step(traced):
     _, _, table = traced
     # the profiled configuration has the parallel block: its two fused GEMMs are parts of their own

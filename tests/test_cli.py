@@ -242,6 +242,7 @@ def test_memory_check_refuses_only_what_cannot_fit():
 SUBPROCESS_CASES = ("unknown-key", "cudnn-on-cpu", "tokens-missing-file")  # config, runtime, data
 
 
+@pytest.mark.slow
 def test_mistakes_through_the_real_command_line(inputs, tmp_path):
     """A fresh `python -m megascale_jax.train`, a few cases run side by side: exit code 2 and one
     line that is the whole of stderr (no JAX/absl logger chatter around it)."""
@@ -286,6 +287,7 @@ def long_runs(tmp_path_factory):
         return {name: (f.result(), run_dir) for name, (f, run_dir) in futures.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("cli-long-runs")
 def test_smoke_run_writes_schema_valid_metrics(long_runs):
     result, run_dir = long_runs["smoke"]
@@ -457,6 +459,7 @@ def test_an_xla_flags_device_count_that_disagrees_with_the_mesh_is_one_line(run_
     check_forced_cpu_devices("gpu", 8, "--xla_force_host_platform_device_count=4")  # not the devices trained on
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("cli-long-runs")
 def test_a_finished_run_continues_with_more_steps(long_runs, tmp_path):
     """5 -> 7 steps while the learning rate still warms up (optim.warmup=20): the schedule is the

@@ -110,7 +110,9 @@ def test_dry_run_ladder_rows(full):
     by_name = {r["name"]: r for r in rows}
     # XLA:CPU ignores XLA:GPU's flags: the dry run does not rerun the row above for them
     assert by_name["xla_flags"]["skipped"].startswith("skipped in the dry run: XLA:CPU ignores XLA:GPU flags")
-    for r in (r for r in rows if r["name"] != "xla_flags"):
+    for name in ("parallel_block", "sliding_window"):  # the levers' base runs their code
+        assert by_name[name]["skipped"] == "skipped in the dry run: the levers' base runs this configuration's code"
+    for r in (r for r in rows if r["name"] not in ("xla_flags", "parallel_block", "sliding_window")):
         assert r["tokens_per_s"] > 0 and math.isfinite(r["tokens_per_s"]), r
         # the tokens of one step over its median time (not a median of running averages)
         assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * 64 / r["step_time_s"], rel=1e-12)
@@ -393,6 +395,7 @@ def test_only_reruns_one_section_into_an_existing_result(partial):
     assert "--overwrite" in after["sections"]["kernels"]["command"]
 
 
+@pytest.mark.slow
 def test_dry_run_without_out_writes_into_a_new_temporary_directory(tmp_path):
     done = campaign("--dry-run", "--only", "kernels", tmpdir=tmp_path)  # the quickest section
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -403,6 +406,7 @@ def test_dry_run_without_out_writes_into_a_new_temporary_directory(tmp_path):
     assert list(json.loads((tmp_path / folder / name).read_text())["sections"]) == ["kernels"]
 
 
+@pytest.mark.slow
 def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
     for args, message in [
         (["--only", "kernels,nosuch"], "error: unknown section 'nosuch'; sections are " + ", ".join(SECTIONS)),

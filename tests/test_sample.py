@@ -56,6 +56,7 @@ def scratch(tmp_path_factory):
     return cwd
 
 
+@pytest.mark.slow
 def test_sample_prints_the_greedy_continuation_of_the_checkpoint(scratch):
     done = command("megascale_jax.sample", "run", "--prompt", "def ", "--max-new-tokens", "8", cwd=scratch)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]

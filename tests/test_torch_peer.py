@@ -74,6 +74,7 @@ def test_peer_loss_is_our_next_token_loss():
     assert float(loss) == pytest.approx(float(ours), rel=1e-6)
 
 
+@pytest.mark.slow
 def test_peer_update_is_our_adamw():
     """Clipping, the warm-up schedule (the first rate is 0), betas, eps and weight decay on
     matrices only: four updates of torch's AdamW land where our optax chain does."""
@@ -195,6 +196,7 @@ def test_flex_failure_falls_back_to_the_window_mask_and_says_why(monkeypatch):
                    "fallback": "flex_attention failed: RuntimeError: flex cannot compile here"}
 
 
+@pytest.mark.slow
 def test_a_failing_row_is_one_line_and_the_section_goes_on(monkeypatch):
     def measure(family, cfg, device, skip, peak):
         if cfg.model.block == "parallel" and cfg.model.window is None:
@@ -249,6 +251,7 @@ def test_compiled_flex_window_model_matches_the_eager_mask_model_on_gpu():
     torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_rows_run_the_claims_first_and_none_starts_past_the_deadline(monkeypatch, tmp_path):
     """A lent GPU's call may end mid-section: the same-work (window) row runs first, each finished
     row is in the progress file, and a row with too little time left is a 'not started' row."""

@@ -6,7 +6,7 @@ sets up; these tests skip where it is missing). Four compiles, ~10-25 s each on 
   at most the PyTorch peer's measured peak, 48.7 GiB (issue 56, item 3), with the same-work
   kernels (cuDNN's fused attention forward and backward, every layer's GEMMs);
 * docs/compile.md's commands as written: configs/gpt_1b.yaml as shipped on one H100, and
-  dp 2 x tp 8 on two hosts of H100s: each fits;
+  dp 2 x tp 8 on two hosts of H100s (the layer scan rolled): each fits;
 * 8 H100s at tp = 8 with sequence parallelism and collective matmul: tp moves its ideal bytes
   (`planner.traffic`, within 5%), and collective matmul's permutes are asynchronous with compute
   scheduled inside their windows.

@@ -58,6 +58,7 @@ def scratch(tmp_path_factory, run_main):
 pytestmark = pytest.mark.xdist_group("hf-runs")
 
 
+@pytest.mark.slow
 def test_export_from_a_3d_mesh_equals_export_from_one_device(scratch):
     mesh, one = load_file(str(scratch / "hf_mesh/model.safetensors")), load_file(str(scratch / "hf_one/model.safetensors"))
     assert sorted(mesh) == sorted(one) and len(one) == 3 + 4 * 9  # embed, norm, head; 9 tensors per layer
@@ -65,6 +66,7 @@ def test_export_from_a_3d_mesh_equals_export_from_one_device(scratch):
         np.testing.assert_allclose(mesh[name], one[name], rtol=1e-4, atol=2e-6, err_msg=name)
 
 
+@pytest.mark.slow
 def test_transformers_loads_the_export_and_generates_what_sample_prints(scratch, run_main):
     directory = str(scratch / "hf_mesh")
     model = transformers.AutoModelForCausalLM.from_pretrained(directory)
@@ -102,6 +104,7 @@ def test_sharded_export_loads_and_imports(scratch, run_main):
     assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_init_from_on_another_mesh_then_export_is_bitwise(scratch, run_main):
     """A new run from the export, on dp4 x tp2 with ZeRO-1: its first update has lr 0 (warmup),
     so its checkpoint holds the imported weights, and exporting it gives the same bytes."""
@@ -118,6 +121,7 @@ def test_init_from_on_another_mesh_then_export_is_bitwise(scratch, run_main):
         np.testing.assert_array_equal(again[name], source[name], err_msg=name)
 
 
+@pytest.mark.slow
 def test_export_of_a_bpe_run_carries_its_tokenizer(scratch, run_main):
     """A run on `tokenize`'s token file exports that BPE, with <|endoftext|> as HF's eos token."""
     from megascale_jax import tokenize
@@ -150,6 +154,7 @@ def test_export_of_a_bpe_run_carries_its_tokenizer(scratch, run_main):
     assert decode.generate(run.cfg.model, run.params, ids[0].tolist(), 16, eos_id=tok.eos_token_id) == theirs
 
 
+@pytest.mark.slow
 def test_a_run_started_from_hf_resumes_without_the_hf_directory(scratch):
     """init_from is read once, at step 0: the resumed run's weights are in its checkpoint."""
     import shutil

@@ -71,6 +71,7 @@ ATTENTION_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq,heads,kv_heads,head_dim,window,block_q,block_k,dtype", ATTENTION_CASES)
 def test_flash_attention_matches_reference(seq, heads, kv_heads, head_dim, window, block_q, block_k, dtype):
     batch = 2

@@ -60,6 +60,7 @@ def full_forward(cfg: ModelConfig):
     return jax.jit(lambda params, tokens: Transformer(cfg).apply({"params": params}, tokens))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_cached_logits_equal_the_full_forward_at_every_position(name):
     cfg = CONFIGS[name]

@@ -70,6 +70,7 @@ def test_the_layout_counts_documents_and_positions_from_each_documents_start():
     np.testing.assert_array_equal(documents.trained_targets(tokens, EOS), [[1, 1, 0, 1, 0, 0, 1], [0, 1, 1, 1, 1, 1, 1]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window, block, loss_chunks", [(None, "parallel", 1), (5, "parallel", 1), (5, "serial", 4)],
                          ids=["causal", "window", "serial-sliced-loss"])
 def test_a_packed_masked_loss_is_the_documents_own_losses(window, block, loss_chunks):
@@ -84,6 +85,7 @@ def test_a_packed_masked_loss_is_the_documents_own_losses(window, block, loss_ch
     assert abs(plain * batch.shape[0] * cfg.seq_len - packed) > 1e-3 * packed  # the masks change the loss
 
 
+@pytest.mark.slow
 def test_rotary_positions_kept_or_restarted_give_one_loss_inside_documents():
     """model.rope_restart=false keeps the packed row's positions. Rotary attention depends on the
     distance between query and key only, and documents never attend across, so both give the
@@ -97,6 +99,7 @@ def test_rotary_positions_kept_or_restarted_give_one_loss_inside_documents():
     np.testing.assert_allclose(kept, restarted, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_restarted_positions_are_what_the_rotary_embedding_rotates_by(monkeypatch):
     """The wiring the loss cannot see (above): with model.rope_restart q and k rotate by each
     document's own positions, without it by the row's."""

@@ -234,6 +234,7 @@ def test_parameter_estimate_matches_the_real_per_device_shards(layout):
     assert flops.memory_estimate(cfg)["parameters"] == pytest.approx(real, rel=0.02)
 
 
+@pytest.mark.slow
 def test_an_undonated_step_holds_a_second_state_and_the_estimate_counts_it():
     """train.donate=false (the campaign's no_donation lever): XLA's buffer assignment aliases no
     output to the state, so the compiled step holds the new state beside the old, and the memory

@@ -36,6 +36,7 @@ def test_an_fp8_product_and_its_gradients_have_fp8s_error_at_any_magnitude(magni
     assert all(5e-3 < e < 0.08 for e in errors), errors  # FP8's, not bf16's (~3e-3) nor broken
 
 
+@pytest.mark.slow
 def test_a_model_with_fp8_gemms_keeps_bf16s_loss_and_gradients_to_fp8_precision():
     cfg = ModelConfig(layers=2, d_model=64, heads=4, kv_heads=2, seq_len=32, vocab=256, dtype="bfloat16")
     bf16, fp8 = Transformer(cfg), Transformer(dataclasses.replace(cfg, fp8=True))

@@ -27,6 +27,7 @@ def perturbed_params(model, seed):
     return treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
 def test_the_loss_in_slices_has_the_whole_losss_value_and_gradients(tied):
     cfg = ModelConfig(**SHAPE, tied_embeddings=tied)
@@ -47,6 +48,7 @@ def test_the_loss_in_slices_has_the_whole_losss_value_and_gradients(tied):
         np.testing.assert_allclose(g4, g, rtol=1e-5, atol=1e-6 * float(np.abs(g).max()), err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_the_sliced_loss_never_holds_the_whole_logits():
     """The compiled step's scratch memory: the whole loss holds the float32 logits of the batch
     (and their gradient); in 8 slices only one slice's are live at a time."""
@@ -72,6 +74,7 @@ def test_slices_that_do_not_divide_the_sequence_are_refused_before_compiling():
         load_config(None, ["model.loss_chunks=0"])
 
 
+@pytest.mark.slow
 def test_an_unrolled_layer_scan_has_the_same_loss_and_gradients_and_no_loop():
     """`model.scan_unroll`: the stacked layers unrolled into straight-line code (no while loop in
     the lowered step), the same parameters, loss and gradients as the scan. More than the layers
@@ -92,6 +95,7 @@ def test_an_unrolled_layer_scan_has_the_same_loss_and_gradients_and_no_loop():
     assert loops[0] >= 1 and loops[1] == 0, loops
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block,activation,norm", [("parallel", "gelu_tanh", "layernorm"),
                                                    ("serial", "swiglu", "rmsnorm")])
 def test_elementwise_remat_has_the_same_loss_and_gradients_and_keeps_less(block, activation, norm):
@@ -150,6 +154,7 @@ def test_the_heads_backward_gemms_take_the_logits_gradient_in_bf16_with_float32_
     assert len(dots) == 2 and all(line.count("bf16>") == 2 and line.rstrip().endswith("xf32>") for line in dots), dots
 
 
+@pytest.mark.slow
 def test_a_bf16_models_gradients_with_the_bf16_head_backward_match_the_float32_one(monkeypatch):
     """The whole model at bf16 (as on a GPU; XLA:CPU runs this untied head's GEMMs): the default
     head backward (bf16 operands) and model.head_grad_float32=true give the same loss, and
@@ -170,6 +175,7 @@ def test_a_bf16_models_gradients_with_the_bf16_head_backward_match_the_float32_o
         assert rel < 2e-2, (jax.tree_util.keystr(path[0]), rel)
 
 
+@pytest.mark.slow
 def test_on_the_cpu_a_bf16_head_keeps_autodiffs_float32_backward():
     """XLA:CPU cannot run a tied head's bf16 backward GEMM; there the head is the plain einsum."""
     cfg = ModelConfig(**{**SHAPE, "dtype": "bfloat16"}, tied_embeddings=True)

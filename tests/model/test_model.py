@@ -590,6 +590,7 @@ def test_bf16_matmuls_run_in_bf16():
     assert "bf16" not in text32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", ["parallel", "serial"])
 def test_remat_keeps_the_loss_and_gradients_and_stores_less(block):
     """model.remat recomputes in the backward what it does not store: the loss matches the float64

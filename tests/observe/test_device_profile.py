@@ -52,6 +52,7 @@ def is_matmul(op: Op) -> bool:
     return op.kind == "dot" or op.kind.startswith("ynn")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2)])
 def test_a_traced_pipeline_step_runs_matmuls_exactly_in_the_tables_working_ticks(tmp_path, schedule, virtual):
     cfg = load_config(None, ["model.layers=8", "model.d_model=32", "model.heads=4", "model.kv_heads=2",
@@ -88,6 +89,7 @@ def test_a_traced_pipeline_step_runs_matmuls_exactly_in_the_tables_working_ticks
 # ============================================================================ sampled steps in training
 
 
+@pytest.mark.slow
 def test_profiled_steps_write_device_rows_that_the_report_reads(tmp_path):
     """observe.profile_every=2 over 4 steps on dp=2 x tp=2: every mesh device gets compute,
     collective and span rows for steps 2 and 4, with its own coordinates; the report draws the

@@ -75,6 +75,7 @@ def loops(text: str) -> int:
     return text.count("stablehlo.while")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_kernels_lower_as_triton_gpu_kernels(layout):
     text = lowered_step(LAYOUTS[layout] + KERNELS)
@@ -89,6 +90,7 @@ def test_fused_kernels_with_xla_attention():
     assert loops(text) == loops(lowered_step(LAYOUTS["tp-none"] + NO_KERNELS))
 
 
+@pytest.mark.slow
 def test_lowered_for_the_cpu_the_same_step_interprets_its_kernels():
     """The discriminating counterpart: the platform, not the host, picks interpret mode."""
     text = lowered_step(LAYOUTS["tp-none"] + KERNELS, platform="cpu")

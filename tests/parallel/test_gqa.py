@@ -59,6 +59,7 @@ def case_id(kv, block, dp, pp, tp, extra):
     return f"kv{kv}-{block}-dp{dp}pp{pp}tp{tp}" + (f"-{mode}" if mode else "")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads,block,dp,pp,tp,extra", CASES, ids=[case_id(*c) for c in CASES])
 def test_kv_heads_fewer_than_tp_match_one_device(kv_heads, block, dp, pp, tp, extra):
     model, params, batch, ref_loss, ref_grads = reference(kv_heads, block)

@@ -296,6 +296,7 @@ def test_interleaved_step_moves_and_transposes_no_weights_outside_the_tick_loop(
     assert any(inside and op == "collective-permute" for inside, op, _ in ops)  # the pipeline's own sends
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,v,zero1", [("1f1b", 1, True), ("interleaved_1f1b", 2, True),
                                               ("interleaved_1f1b", 2, False)])
 def test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop(schedule, v, zero1):

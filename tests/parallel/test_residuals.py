@@ -27,6 +27,7 @@ def numerically_dependent(fn, params, x_shape, dtype) -> list[bool]:
     return [not np.array_equal(np.asarray(u), np.asarray(v)) for u, v in zip(a, b)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [
     [], ["model.block=serial", "model.norm=rmsnorm"], ["model.window=null"],
     ["model.attention=pallas", "model.fused_norm=true", "model.fused_mlp=true"],

@@ -85,6 +85,7 @@ def trained(request):
     return request.param, trainer, trainer.init()
 
 
+@pytest.mark.slow
 def test_parameter_specs(trained):
     _, _, state = trained
     params = flat(state.params)
@@ -231,6 +232,7 @@ def test_per_device_attention_equals_gspmds_with_its_gradients(manual_dp):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_heads, eos", [(2, None), (1, None), (2, 7)],
                          ids=["kv-heads-over-tp", "one-kv-head-shared-by-the-ranks", "documents-apart"])
 def test_the_models_cudnn_path_runs_per_device_and_equals_gspmds(monkeypatch, kv_heads, eos):

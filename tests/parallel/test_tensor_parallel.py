@@ -64,6 +64,7 @@ def test_modes_match_one_device(reference, mesh, overlap, sp):
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max(), err_msg=str(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pieces,bidirectional", [(1, False), (2, True), (4, True), (4, False)])
 def test_collective_matmul_rings_equal_the_plain_product(pieces, bidirectional):
     """The ppermute rings on tp=8, for several piece counts and directions, against x @ w on one

@@ -551,6 +551,7 @@ def test_explain_prints_every_part_and_the_parts_add_up(capsys):
     assert code == 0 and "explain:" in out and "dp gradients+parameters" in out and "gemm wave quantization" in out
 
 
+@pytest.mark.slow
 def test_search_ranks_valid_layouts_and_marks_what_does_not_fit(capsys, tmp_path):
     code, out, err = run(capsys, *GPT_175B, "--gpus", "512", "--gpu", "a100-80g", "--json", "--search",
                          "--plot", str(tmp_path / "scaling.png"))

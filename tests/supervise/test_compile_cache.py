@@ -202,6 +202,7 @@ def test_without_the_cache_load_or_compile_just_compiles():
     np.testing.assert_allclose(compiled(x), np.cos(np.asarray(x)), rtol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["adamw", "lamb"])
 def test_building_the_trainer_compiles_nothing(optimizer):
     """build_trainer's shapes and shardings come from traces alone: the small programs it used to

@@ -484,6 +484,7 @@ def _file_checksums(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("checkpoint-reference")
 def test_a_refused_resume_leaves_the_run_directory_as_it_was(reference, tmp_path):
     """A config the newest checkpoint cannot continue (another model width) is refused in one line
@@ -525,6 +526,7 @@ SLOW_SAVE_DRIVER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
     """A step's time (and so tokens/s, MFU and bench/resilience/ettr.py's productive time) is training only:
     the blocking of a save before it is overhead, recorded in checkpoints.jsonl."""
@@ -540,6 +542,7 @@ def test_a_saves_blocking_is_not_counted_in_the_next_steps_time(tmp_path):
     assert after_save["step"] == 6 and after_save["step_time_s"] < held, after_save
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("checkpoint-reference")
 def test_a_run_with_background_host_copies_trains_and_saves_what_the_reference_does(reference, tmp_path):
     """The CLI with checkpoint.background_host_copy=true: the same losses as the reference, bitwise,
@@ -882,6 +885,7 @@ def test_only_unawaited_tensorstore_read_errors_are_dropped_from_asyncio_logs(ca
         "Future exception was never retrieved", "Task was destroyed but it is pending!"]
 
 
+@pytest.mark.slow
 def test_an_unawaited_failed_restore_task_is_dropped_from_asyncio_logs(caplog):
     """orbax's async_deserialize runs as Tasks: a failed one nobody awaited is reported as "Task
     exception was never retrieved" when collected, which once made a CI run print 5 lines where

@@ -42,6 +42,7 @@ def test_the_chosen_learning_rate_is_the_best_finished_run_and_an_edge_is_flagge
         lamb_batch.choose_lr([{"lr": 1.0, "final_val_loss": None}])
 
 
+@pytest.mark.slow
 def test_a_tiny_study_compares_the_arms_on_the_same_tokens(tmp_path, capsys):
     out = tmp_path / "lamb_batch.json"
     code = lamb_batch.main(["--batch", "2", "--large-steps", "4", "--evals", "2", "--seeds", "2",

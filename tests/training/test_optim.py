@@ -43,6 +43,7 @@ def unstack(tree):
     return {**{k: v for k, v in tree.items() if k != "layers"}, "layers": per_layer}
 
 
+@pytest.mark.slow
 def test_lamb_is_optax_lamb_applied_per_layer():
     """Our stacked-layer LAMB equals optax.lamb run on the same parameters split per layer."""
     cfg = OptimConfig(name="lamb", lr=1e-2, warmup=0, min_lr_ratio=1.0, weight_decay=0.1, clip=None)

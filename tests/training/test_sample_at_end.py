@@ -25,6 +25,7 @@ def sample_lines(out: str) -> tuple[str, list[str]]:
     return lines[start], body
 
 
+@pytest.mark.slow
 def test_a_run_ends_with_the_sample_that_the_sample_command_prints(run_main, tmp_path):
     code, out, err = run_main(train.main, ["--run-dir", "run", *TINY, "train.sample_at_end=24",
                                            "train.sample_prompt='class '"], tmp_path)
@@ -44,6 +45,7 @@ def test_a_run_ends_with_the_sample_that_the_sample_command_prints(run_main, tmp
     assert body == ("class " + printed.removesuffix("\n")).splitlines()
 
 
+@pytest.mark.slow
 def test_a_model_without_a_window_samples_what_fits_its_seq_len(run_main, tmp_path):
     code, out, err = run_main(train.main, ["--run-dir", "run", *TINY, "model.window=null", "train.sample_at_end=100",
                                            "train.sample_prompt='class '"], tmp_path)
@@ -52,6 +54,7 @@ def test_a_model_without_a_window_samples_what_fits_its_seq_len(run_main, tmp_pa
     assert header.startswith("sample: 26 tokens after 'class '") and body[0].startswith("class ")
 
 
+@pytest.mark.slow
 def test_no_sample_unless_asked(run_main, tmp_path):
     code, out, err = run_main(train.main, ["--run-dir", "run", *TINY, "train.sample_at_end=0"], tmp_path)
     assert code == 0, err

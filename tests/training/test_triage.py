@@ -25,6 +25,7 @@ def leaves(state):
     return [np.asarray(x) for x in jax.tree.leaves(state)]
 
 
+@pytest.mark.slow
 def test_a_non_finite_step_holds_the_state_until_released():
     cfg = load_config(None, SMALL + ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=4"])
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
