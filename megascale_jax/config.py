@@ -19,8 +19,8 @@ from typing import Literal, Optional
 
 import yaml
 
-# The checks (config_checks.py): load_config validates, and callers import all three from here.
-from megascale_jax.config_checks import ConfigError, check_runtime, validate  # noqa: F401
+# The checks (config_checks.py): load_config validates, and callers import them from here.
+from megascale_jax.config_checks import ConfigError, check_process_count, check_runtime, validate  # noqa: F401
 
 
 @dataclass(frozen=True)

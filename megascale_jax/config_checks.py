@@ -272,22 +272,41 @@ def check_data_source(d, mo) -> None:
 # ----------------------------------------------------------------------------- at run time
 
 
-def check_runtime(cfg, platform: str, device_count: int, process_count: int = 1) -> None:
-    """Checks that need the backend: device count and platform-specific features.
+def check_process_count(m, process_count: int, platform: str | None) -> None:
+    """Before JAX starts, once the process count is known (a scheduler's task count, e.g.
+    SLURM_NTASKS): every process holds as many of the mesh's devices as every other, so a count
+    that does not divide the mesh is one line here, not an error from every task after the
+    distributed start-up. `platform` is the one JAX_PLATFORMS names, if any: on the CPU
+    (`cpu`) the devices per process are known too (mesh.cpu_devices) and checked in full."""
+    require(process_count >= 1, f"--num-processes={process_count} must be >= 1")
+    if platform == "cpu":
+        check_cpu_devices(m, process_count)
+    elif m.size % process_count:
+        raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={m.size} devices cannot be split evenly over "
+                          f"{process_count} processes (--num-processes, the job's task count); choose a task count "
+                          f"that divides {m.size}, or a mesh that {process_count} divides")
 
-    On the CPU each process simulates `mesh.cpu_devices_per_process` devices, so the mesh must
+
+def check_cpu_devices(m, process_count: int) -> None:
+    """On the CPU each process simulates `mesh.cpu_devices_per_process` devices, so the mesh must
     have that many x (number of processes) of them."""
+    product = m.size
+    if m.cpu_devices_per_process(process_count) * process_count != product:
+        given = (f"mesh.cpu_devices={m.cpu_devices}" if m.cpu_devices is not None
+                 else f"{process_count} processes")
+        fix = ("leave mesh.cpu_devices unset (it follows the mesh)" if m.cpu_devices is not None
+               else f"choose a mesh divisible by {process_count}")
+        per = f" per process x {process_count} processes" if process_count > 1 and m.cpu_devices else ""
+        raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} devices do not match {given}{per}; {fix}")
+
+
+def check_runtime(cfg, platform: str, device_count: int, process_count: int = 1) -> None:
+    """Checks that need the backend: device count and platform-specific features."""
     m = cfg.mesh
     product = m.size
     if platform == "cpu":
+        check_cpu_devices(m, process_count)
         per_process = m.cpu_devices_per_process(process_count)
-        if per_process * process_count != product:
-            given = (f"mesh.cpu_devices={m.cpu_devices}" if m.cpu_devices is not None
-                     else f"{process_count} processes")
-            fix = ("leave mesh.cpu_devices unset (it follows the mesh)" if m.cpu_devices is not None
-                   else f"choose a mesh divisible by {process_count}")
-            per = f" per process x {process_count} processes" if process_count > 1 and m.cpu_devices else ""
-            raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} devices do not match {given}{per}; {fix}")
         if product > device_count:
             raise ConfigError(
                 f"the mesh needs {per_process} CPU devices per process but this process has only "

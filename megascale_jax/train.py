@@ -33,8 +33,8 @@ import yaml
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import faults, heartbeat, rendezvous
 from megascale_jax.cluster.self_test import device_self_test
-from megascale_jax.config import (Config, ConfigError, check_runtime, from_dict, load_config, save_config,
-                                  with_device_defaults)
+from megascale_jax.config import (Config, ConfigError, check_process_count, check_runtime, from_dict, load_config,
+                                  save_config, with_device_defaults)
 from megascale_jax.interop import hf_import
 from megascale_jax.model import flops
 from megascale_jax.observe import device_profile, timings
@@ -397,6 +397,9 @@ def _main(argv) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        # A task count the mesh cannot be split over: one line before JAX or the rendezvous starts
+        # (with --print-config too, which is how configs/cluster/sbatch.sh checks it once per job).
+        check_process_count(cfg.mesh, args.num_processes, os.environ.get("JAX_PLATFORMS"))
         if args.print_config:  # validated, nothing started
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0

@@ -29,7 +29,10 @@
 #SBATCH --cpus-per-task=32
 #SBATCH --time=24:00:00
 #SBATCH --requeue
-#SBATCH --output=logs/%x-%j-%t.log
+# In the submission directory: SLURM creates no directory for it, and a job whose output file cannot be
+# opened fails at launch without a line anywhere (a `logs/` that does not exist did). Every task
+# writes here, each line prefixed with its rank (srun --label).
+#SBATCH --output=%x-%j.log
 set -euo pipefail
 : "${REDIS_URL:?set REDIS_URL=rediss://[USER@]host:port?ssl_ca_certs=/path/ca.crt (or redis://[USER@]host:port)}"
 # Checked here, not by every worker: a job step that fails is diagnosed and requeued, forever.
@@ -43,15 +46,21 @@ RUN_DIR=${RUN_DIR:-/shared/runs/$SLURM_JOB_NAME-$SLURM_JOB_ID}
 
 EXCLUDED="$RUN_DIR/excluded_hosts.txt"
 
+# The config and the task count (SLURM_NTASKS x devices per task against the mesh), checked once
+# here before any task starts, in one line: a job step refused for them would say it once per task,
+# be diagnosed and be requeued, forever.
+python -m megascale_jax.train --config "$CONFIG" --num-processes "$SLURM_NTASKS" --print-config "$@" > /dev/null \
+  || exit 2
+
 status=0
-srun --kill-on-bad-exit=1 bash -c '
+srun --label --kill-on-bad-exit=1 bash -c '
   exec python -m megascale_jax.train --config "$0" --run-dir "$1" \
-    --redis "$2" --job "slurm-$SLURM_JOB_ID-$SLURM_RESTART_COUNT" \
+    --redis "$2" --job "slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}" \
     --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
 ' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$@" || status=$?
 if [ "$status" -ne 0 ]; then
   DIAGNOSE_JOB="slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}-diagnose"
-  srun --kill-on-bad-exit=0 timeout "${DIAGNOSE_TIMEOUT_S:-300}" bash -c '
+  srun --label --kill-on-bad-exit=0 timeout "${DIAGNOSE_TIMEOUT_S:-300}" bash -c '
     exec python -m megascale_jax.diagnose --worker --config "$0" --redis "$1" --job "$2" \
       --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:3}"
   ' "$CONFIG" "$REDIS_URL" "$DIAGNOSE_JOB" "$@" || true

@@ -170,16 +170,23 @@ def verified_coordinator(raw: bytes, secret: str, job: str, rank: int, nonce: st
 
 
 def start_distributed(coordinator: str, nprocs: int, rank: int) -> None:
-    """`jax.distributed.initialize` for CPU jobs of several processes (gloo collectives). Ranks
-    other than 0 first wait until rank 0's service listens: one that dials before is refused, and
-    gRPC retries only after its initial reconnect backoff (1 s ±20%), a second every start and
-    restart paid whenever a worker won that race."""
+    """`jax.distributed.initialize` for jobs of several processes (gloo collectives on the CPU).
+    Ranks other than 0 first wait until rank 0's service listens: one that dials before is refused,
+    and gRPC retries only after its initial reconnect backoff (1 s ±20%), a second every start and
+    restart paid whenever a worker won that race.
+
+    Cluster auto-detection is off: the coordinator, process count and rank are all given, and the
+    one thing it would still fill in is wrong for our layout. Under SLURM (and Open MPI) it sets
+    `local_device_ids=[SLURM_LOCALID]`, one GPU per process: configs/cluster/sbatch.sh runs one
+    process per node over all the node's GPUs, and each saw GPU 0 alone (found under a real
+    slurmctld, tests/cluster/test_slurm.py). A process uses every device it can see; to split a
+    node among several tasks, give each its own (srun --gpus-per-task, or CUDA_VISIBLE_DEVICES)."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
     if rank:
         wait_until_listening(coordinator)
-    jax.distributed.initialize(coordinator, nprocs, rank)
+    jax.distributed.initialize(coordinator, nprocs, rank, cluster_detection_method="deactivate")
 
 
 def wait_until_listening(address: str, timeout_s: float = 60.0) -> bool:

@@ -4,8 +4,8 @@ lm-evaluation-harness scores them.
     train.eval_tasks=[tasks/hellaswag.yaml,tasks/lambada.jsonl] train.eval_tasks_every=500
 
 The tasks are the files `python -m megascale_jax.evaluate` reads (`megascale_jax.evaluation`),
-tokenized once at start-up with the run's own tokenizer — before anything compiles, so a bad task
-file is one line and exit 2 — into lm-eval's requests. Every `eval_tasks_every` steps and at the
+tokenized once at start-up with the run's own tokenizer, before anything compiles, into lm-eval's
+requests; a task file that cannot be scored is one warning line and left out, and training goes on. Every `eval_tasks_every` steps and at the
 last step the current parameters score them: rows of `model.seq_len + 1` tokens in batches of
 `train.global_batch`, the training batch's shape and sharding, through `Trainer.score_rows` (the
 model's forward on the mesh, through the pipeline's forward-only schedule at pp > 1; one
@@ -62,26 +62,42 @@ def run_tokenizer_of(cfg: Config, token_file: str | None):
 
 
 def prepare(cfg: Config, token_file: str | None) -> list:
-    """Each of `train.eval_tasks` read and tokenized into its requests (`evaluator.prepare`);
-    a missing or malformed task file is a ConfigError naming it (file:line)."""
+    """Each of `train.eval_tasks` read and tokenized into its requests (`evaluator.prepare`). A task
+    file that cannot be scored (missing, malformed: file:line, no items, a choice the tokenizer
+    cannot encode, a name given twice) is one warning line and left out: a mistake in an
+    evaluation does not stop a training run (issue 60), and the run's own config was checked."""
     if not cfg.train.eval_tasks:
         return []
     from megascale_jax.evaluation import evaluator, requests
     from megascale_jax.evaluation.tasks import TaskError
 
-    tokenizer, prefix = run_tokenizer_of(cfg, token_file)
-    encoder = requests.for_tokenizer(tokenizer, prefix)
     try:
-        prepared = [evaluator.prepare(evaluator.load_task(path), encoder, cfg.model.seq_len)
-                    for path in cfg.train.eval_tasks]
-    except TaskError as e:
-        raise ConfigError(f"train.eval_tasks: {e}") from None
-    names = [p.task.name for p in prepared]
-    if len(set(names)) != len(names):
-        raise ConfigError(f"train.eval_tasks names a task twice ({', '.join(names)}); each task's name keys its scores")
-    logger.info("downstream: " + ", ".join(f"{p.task.name} ({len(p.task.items):,} items, {len(p.requests):,} requests"
-                                          + (f", {p.truncated:,} cut to model.seq_len" if p.truncated else "") + ")"
-                                          for p in prepared) + (f"; every {cfg.train.eval_tasks_every} steps and at the last" if cfg.train.eval_tasks_every else "; at the last step"))
+        tokenizer, prefix = run_tokenizer_of(cfg, token_file)
+    except ConfigError as e:
+        logger.warning(f"warning: {e}; no downstream task is scored, training goes on")
+        return []
+    encoder = requests.for_tokenizer(tokenizer, prefix)
+    prepared, names = [], set()
+    for path in cfg.train.eval_tasks:
+        try:
+            task = evaluator.prepare(evaluator.load_task(path), encoder, cfg.model.seq_len)
+            if not task.task.items:
+                raise TaskError(f"task file {path} has no items")
+            if task.task.name in names:
+                raise TaskError(f"task file {path}: a task named {task.task.name!r} is listed already; each "
+                                "task's name keys its scores")
+        except TaskError as e:
+            logger.warning(f"warning: train.eval_tasks: {e}; that task is not scored, training goes on")
+            continue
+        prepared.append(task)
+        names.add(task.task.name)
+    if prepared:
+        cadence = (f"every {cfg.train.eval_tasks_every} steps and at the last" if cfg.train.eval_tasks_every
+                   else "at the last step")
+        logger.info("downstream: " + ", ".join(
+            f"{p.task.name} ({len(p.task.items):,} items, {len(p.requests):,} requests"
+            + (f", {p.truncated:,} cut to model.seq_len" if p.truncated else "") + ")" for p in prepared)
+            + f"; scored {cadence}")
     return prepared
 
 

@@ -1,7 +1,8 @@
 """`train.eval_tasks` end to end: downstream scores while training on a pp x dp x tp mesh equal
 what `python -m megascale_jax.evaluate` gives for the same checkpoint on one device; the training
 losses are bitwise those of the same run without them; the scores reach metrics.jsonl,
-TensorBoard and the report's plot."""
+TensorBoard and the report's plot; task files that cannot be scored are a warning each, and the
+run goes on."""
 
 import json
 import os
@@ -34,8 +35,14 @@ def records(run_dir) -> list[dict]:
 @pytest.mark.slow
 def test_scores_while_training_equal_evaluate_and_leave_the_losses_bitwise(tmp_path):
     shutil.copytree(os.path.join(REPO, "docs", "examples", "tasks"), tmp_path / "docs" / "examples" / "tasks")
-    command("megascale_jax.train", "--run-dir", "scored", *TINY, f"train.eval_tasks=[{','.join(TASKS)}]",
-            "train.eval_tasks_every=3", cwd=tmp_path)
+    (tmp_path / "broken.jsonl").write_text('{"context": "Q", "choices": ["a"], "gold": 0}\n{"context": \n')
+    # two task files that cannot be scored: one warning each, and training goes on with the others
+    done = command("megascale_jax.train", "--run-dir", "scored", *TINY,
+                   f"train.eval_tasks=[{','.join(TASKS)},missing.jsonl,broken.jsonl]", "train.eval_tasks_every=3",
+                   cwd=tmp_path)
+    warned = [line for line in done.stderr.splitlines() if line.startswith("warning: train.eval_tasks")]
+    assert len(warned) == 2 and "missing.jsonl does not exist" in warned[0] and "broken.jsonl:2" in warned[1], warned
+    assert all(line.endswith("that task is not scored, training goes on") for line in warned)
     command("megascale_jax.train", "--run-dir", "plain", *TINY, cwd=tmp_path)
     scored, plain = records(tmp_path / "scored"), records(tmp_path / "plain")
     assert [r["loss"] for r in scored] == [r["loss"] for r in plain]  # bitwise: floats as JSON wrote them

@@ -82,7 +82,7 @@ def test_a_finished_job_is_not_requeued(tmp_path):
 # SLURM_PROCID 0..n-1, with node 1's device computing wrong values in every collective.
 DIAGNOSING_SRUN = f"""case "$*" in
   *megascale_jax.diagnose*)
-    shift  # --kill-on-bad-exit=0
+    while [ "${{1#--}}" != "$1" ]; do shift; done  # srun's own options (--label --kill-on-bad-exit=0)
     for rank in {" ".join(str(i) for i in range(len(NODES)))}; do
       SLURM_PROCID=$rank MEGASCALE_DIAG_FAULT=1 "$@" > "$RUN_DIR/diagnose$rank.log" 2>&1 &
     done
