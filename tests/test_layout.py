@@ -132,3 +132,10 @@ def test_run_directory_paths_are_joined_in_run_dir_only():
                 names = {a.value for a in node.args if isinstance(a, ast.Constant)}
                 joined += [f"{path.relative_to(REPO)}:{node.lineno}" for _ in names & RUN_DIR_ENTRIES]
     assert joined == []
+
+
+def test_test_modules_have_names_of_their_own():
+    """pytest imports test modules by their file name (no packages under tests/): two of one name in
+    different folders fail to collect ("import file mismatch"), on whichever worker meets both."""
+    names = [p.name for p in (REPO / "tests").rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
