@@ -232,7 +232,8 @@ def test_ranks_other_than_0_dial_the_coordinator_only_once_it_listens(monkeypatc
     address = f"127.0.0.1:{port}"
     calls, listener = [], socket.socket()
 
-    def initialize(coordinator, nprocs, rank):
+    def initialize(coordinator, nprocs, rank, cluster_detection_method=None):
+        assert cluster_detection_method == "deactivate"  # SLURM's would give each process one GPU
         with socket.socket() as probe:
             calls.append((rank, probe.connect_ex(("127.0.0.1", port)) == 0))
 
