@@ -49,8 +49,21 @@ def slurm_env() -> dict:
     return env
 
 
+def local_controller_down() -> bool:
+    """local_slurm.sh's configuration is there but its slurmctld is not running: sinfo would spend
+    ~9 s retrying the connection at every collection of this file."""
+    if "SLURM_CONF" in os.environ or not os.path.exists(LOCAL_CONF):
+        return False
+    try:
+        with open(os.path.join(os.path.dirname(LOCAL_CONF), "slurmctld.pid")) as f:
+            os.kill(int(f.read().strip()), 0)
+    except (OSError, ValueError):
+        return True
+    return False
+
+
 def sinfo_answers() -> bool:
-    if not shutil.which("sinfo"):
+    if not shutil.which("sinfo") or local_controller_down():
         return False
     try:
         done = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10, env=slurm_env())
