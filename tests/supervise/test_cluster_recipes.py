@@ -1,6 +1,7 @@
 """The cluster recipes hand excluded hosts to the scheduler (configs/cluster/)."""
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -173,6 +174,116 @@ def test_the_cluster_recipes_reach_redis_with_a_password_from_a_secret_over_tls(
     assert "export REDIS_URL='rediss://" in text and "MEGASCALE_REDIS_PASSWORD_FILE=" in text
 
 
+def jobset_pod_env(pod_index: int, node: str, restart_attempt: int = 0, job_index: int = 0) -> dict:
+    """The environment jobset.yaml's container gets in pod `pod_index` of Job `job_index` on
+    `node`, as a JobSet (v0.12.0) and Kubernetes make it: the JobSet controller labels and
+    annotates the pod template (jobset.sigs.k8s.io/jobset-name, .../restart-attempt, ...), the
+    Job controller of an Indexed Job adds JOB_COMPLETION_INDEX (a fieldRef to the annotation
+    batch.kubernetes.io/job-completion-index) and the hostname <job>-<index> in the subdomain
+    <jobset> (enableDNSHostnames, on by default), the scheduler sets spec.nodeName, and the
+    kubelet resolves the container's `env` (values, and the downward API's fieldRefs)."""
+    js = jobset_documents()["JobSet"]
+    rjob = js["spec"]["replicatedJobs"][0]
+    job = f"{js['metadata']['name']}-{rjob['name']}-{job_index}"  # placement.GenJobName
+    stamped = {"jobset.sigs.k8s.io/jobset-name": js["metadata"]["name"],
+               "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
+               "jobset.sigs.k8s.io/restart-attempt": str(restart_attempt),
+               "jobset.sigs.k8s.io/job-index": str(job_index),
+               "jobset.sigs.k8s.io/replicatedjob-replicas": str(rjob["replicas"])}
+    pod = {"metadata": {"name": f"{job}-{pod_index}-abcde", "namespace": "default",
+                        "labels": {**stamped, "batch.kubernetes.io/job-completion-index": str(pod_index)},
+                        "annotations": {**stamped, "batch.kubernetes.io/job-completion-index": str(pod_index)}},
+           "spec": {"nodeName": node, "hostname": f"{job}-{pod_index}", "subdomain": js["metadata"]["name"]}}
+    container = rjob["template"]["spec"]["template"]["spec"]["containers"][0]
+    entries = [*container["env"], {"name": "JOB_COMPLETION_INDEX", "valueFrom": {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}}]
+    env = {"HOSTNAME": pod["spec"]["hostname"]}
+    for entry in entries:
+        env[entry["name"]] = entry["value"] if "value" in entry else downward(pod, entry["valueFrom"]["fieldRef"]["fieldPath"])
+    return env
+
+
+def downward(pod: dict, field_path: str) -> str:
+    """A downward-API fieldRef of a container's env, as the kubelet resolves it (the paths env
+    supports; anything else is refused by the API server, and here)."""
+    keyed = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", field_path)
+    if keyed:
+        return pod["metadata"][keyed[1]].get(keyed[2], "")  # an absent key is an empty value
+    plain = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+             "spec.nodeName": pod["spec"]["nodeName"]}
+    assert field_path in plain, f"fieldRef {field_path!r}: not a path this test (or env's downward API) resolves"
+    return plain[field_path]
+
+
+def run_jobset_worker(tmp_path, pod_index: int, env: dict, config="configs/gpt_1b.yaml", overrides=()):
+    """jobset_worker.sh with `env`, a fake `kubectl` and a `python` that records its arguments,
+    one call a line (arguments NUL-separated); returns (exit code, output, the calls)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / f"python{pod_index}.calls"
+    fake(bin_dir, "kubectl", f'echo "$@" >> {tmp_path}/kubectl.calls\n')
+    fake(bin_dir, "python", f'printf "%s\\0" "$@" >> {calls}; echo >> {calls}\n')
+    done = subprocess.run(["bash", os.path.join(REPO, "configs/cluster/jobset_worker.sh"), config, *overrides],
+                          env={"PATH": f"{bin_dir}:{os.environ['PATH']}", **env}, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return done.returncode, done.stdout + done.stderr, [line.split("\0")[:-1] for line in lines]
+
+
+def options(argv: list[str]) -> dict:
+    return {a: argv[i + 1] for i, a in enumerate(argv) if a.startswith("--") and i + 1 < len(argv)}
+
+
+def test_jobset_worker_starts_preflight_and_training_from_the_jobsets_environment(tmp_path):
+    """Each pod, with the environment the JobSet gives it and nothing else: pre-flight, then
+    training, as rank = its completion index of NUM_PROCESSES = the Job's parallelism, under a
+    job id of the set's name and restart attempt (a restarted set never meets its old keys), with
+    the Redis of jobset.yaml and no coordinator: rank 0 publishes its own address through Redis."""
+    js = jobset_documents()["JobSet"]
+    job_spec = js["spec"]["replicatedJobs"][0]["template"]["spec"]
+    command = job_spec["template"]["spec"]["containers"][0]["command"]
+    config, overrides = command[2], command[3:]
+    ranks = []
+    for index, node in enumerate(NODES[:job_spec["parallelism"]]):
+        env = jobset_pod_env(index, node, restart_attempt=2)
+        assert env["HOSTNAME"] == f"megascale-jax-workers-0-{index}" and env["JOBSET_RESTART_ATTEMPT"] == "2"
+        code, out, calls = run_jobset_worker(tmp_path, index, env, config, overrides)
+        assert code == 0, out
+        assert [c[:2] for c in calls] == [["-m", "megascale_jax.preflight"], ["-m", "megascale_jax.train"]], calls
+        for argv, job in zip(calls, ["megascale-jax-2-preflight", "megascale-jax-2"]):
+            assert argv[2:4 + len(overrides)] == ["--config", config, *overrides], argv
+            opts = options(argv)
+            assert opts["--job"] == job and opts["--redis"] == env["REDIS_URL"], argv
+            assert opts["--num-processes"] == str(job_spec["parallelism"]) == str(job_spec["completions"]), argv
+            assert opts["--run-dir"] == "/shared/runs/megascale-jax", argv
+            assert "--coordinator" not in opts, argv
+        assert options(calls[0])["--host"] == node, calls[0]  # what a faulty node is labelled by
+        ranks.append(int(options(calls[1])["--process-id"]))
+        assert options(calls[0])["--process-id"] == str(ranks[-1])
+    assert ranks == list(range(job_spec["parallelism"]))
+    assert not (tmp_path / "kubectl.calls").exists()  # nothing excluded: no node labelled
+
+
+def test_rank_0_of_a_jobset_advertises_its_pods_address(monkeypatch):
+    """The coordinator rank 0 publishes is the address its pod name resolves to in the pod (its
+    /etc/hosts: the pod IP), which every other pod can reach; not the bare pod hostname, which
+    resolves only as <hostname>.<subdomain> from other pods."""
+    from megascale_jax.cluster import rendezvous
+
+    env = jobset_pod_env(0, "node0")
+    hosts = {env["HOSTNAME"]: "10.4.2.17"}  # the kubelet's /etc/hosts line for the pod
+    monkeypatch.setattr(rendezvous.socket, "gethostname", lambda: env["HOSTNAME"])
+    monkeypatch.setattr(rendezvous.socket, "gethostbyname", lambda name: hosts[name])
+    assert rendezvous._advertised_host(env["REDIS_URL"]) == "10.4.2.17"
+
+
+def test_jobset_worker_names_what_a_pod_lacks(tmp_path):
+    """Without the Secret's password file in the environment: one line, exit 2, nothing started."""
+    env = {k: v for k, v in jobset_pod_env(0, "node0").items() if k != "MEGASCALE_REDIS_PASSWORD_FILE"}
+    code, out, calls = run_jobset_worker(tmp_path, 0, env)
+    assert code == 2 and calls == [] and out.count("\n") == 1 and "MEGASCALE_REDIS_PASSWORD_FILE" in out, out
+
+
 def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, overrides=(), redis_env=UNUSED_PASSWORD):
     """Run configs/cluster/jobset_worker.sh as the JobSet's pods on NODES, all at once, with a fake
     `kubectl` (its calls recorded) and a `python` whose training only says it started; returns
@@ -188,11 +299,12 @@ def jobset_pods(tmp_path, redis_url: str, excluded: list[str] | None = None, ove
         (run_dir / "excluded_hosts.txt").write_text("".join(h + "\n" for h in excluded))
     pods = []
     for index, node in enumerate(NODES):
-        env = {**without_redis_credentials(os.environ), **redis_env, "PATH": f"{bin_dir}:{os.environ['PATH']}",
-               "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
-               "NUM_PROCESSES": str(len(NODES)), "JOB_COMPLETION_INDEX": str(index), "NODE_NAME": node,
-               "JOBSET_NAME": "js", "JOBSET_RESTART_ATTEMPT": "0", "JAX_PLATFORMS": "cpu",
+        env = {**without_redis_credentials(os.environ), **jobset_pod_env(index, node), **redis_env,
+               "PATH": f"{bin_dir}:{os.environ['PATH']}", "REDIS_URL": redis_url, "RUN_DIR": str(run_dir),
+               "JAX_PLATFORMS": "cpu",
                "MEGASCALE_DIAG_FAULT": "1"}  # node 1's device computes wrong values in every collective
+        if "MEGASCALE_REDIS_PASSWORD" in redis_env:  # the jobset.yaml's Secret file is not here
+            env.pop("MEGASCALE_REDIS_PASSWORD_FILE")
         pods.append(subprocess.Popen(["bash", os.path.join(REPO, "configs/cluster/jobset_worker.sh"),
                                       "configs/tiny_cpu.yaml", *overrides], env=env, cwd=REPO, text=True,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
