@@ -18,7 +18,8 @@ TINY = ["train.steps=6", "checkpoint.every=2", "checkpoint.dir=small/ckpt", "mod
         "train.eval_batches=0", "data.val_fraction=0", "train.compile_cache=false"]
 
 
-def on_small_disk(tmp_path, size: str, *overrides: str) -> subprocess.CompletedProcess:
+def on_small_disk(tmp_path, size: str, *overrides: str, filled_kib: int = 0) -> subprocess.CompletedProcess:
+    """`train` with `small/` a tmpfs of `size` (`filled_kib` of it taken by a file first)."""
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1) to mount a small filesystem")
     (tmp_path / "small").mkdir()
@@ -27,6 +28,7 @@ def on_small_disk(tmp_path, size: str, *overrides: str) -> subprocess.CompletedP
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     env.pop("XLA_FLAGS", None)
     done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs small || exit 97; "
+                           f"head -c {filled_kib * 1024} /dev/zero > small/filler; "
                            f"exec {train}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     if done.returncode == 97 or "unshare: " in done.stderr:
         pytest.skip(f"this kernel refuses a mount namespace: {done.stderr.strip()[:200]}")
@@ -70,11 +72,12 @@ def test_kept_checkpoints_that_cannot_fit_are_refused_before_the_first_step(tmp_
 
 @pytest.mark.slow
 def test_a_run_directory_on_a_full_disk_is_one_warning_a_file_and_training_ends_well(tmp_path):
-    # The run directory on a 48 KiB tmpfs, the checkpoints elsewhere: the timings, TensorBoard's
-    # events and metrics.jsonl each stop fitting at some step (snapshots: test_snapshot.py).
-    # tensorboardX's own SummaryWriter hung the loop here (its writer thread died, its queue filled).
-    done = on_small_disk(tmp_path, "48k", "--run-dir", "small/run", "train.steps=150", "checkpoint.every=150",
-                         "checkpoint.dir=ckpt", "train.log_every=50")
+    # The run directory on a 48 KiB tmpfs, 28 of it taken, the checkpoints elsewhere: the timings,
+    # TensorBoard's events and metrics.jsonl each stop fitting at some step (snapshots:
+    # test_snapshot.py). tensorboardX's own SummaryWriter hung the loop here (its writer thread
+    # died, its queue filled).
+    done = on_small_disk(tmp_path, "48k", "--run-dir", "small/run", "train.steps=60", "checkpoint.every=60",
+                         "checkpoint.dir=ckpt", "train.log_every=20", filled_kib=28)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "Exception" not in done.stderr, done.stderr[-3000:]
     warned = [line for line in lines(done) if line.startswith("warning: ")]
@@ -83,4 +86,4 @@ def test_a_run_directory_on_a_full_disk_is_one_warning_a_file_and_training_ends_
     for what in ("small/run/timings/process-0.csv", "small/run/tensorboard", "small/run/metrics.jsonl"):
         assert f"cannot write {what}: no space left on its disk" in said or \
             f"cannot append to {what}: no space left on its disk" in said, (what, warned)
-    assert (tmp_path / "ckpt" / "150").is_dir()  # the final checkpoint, on a disk with room
+    assert (tmp_path / "ckpt" / "60").is_dir()  # the final checkpoint, on a disk with room
