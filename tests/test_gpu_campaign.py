@@ -343,6 +343,7 @@ def test_dry_run_checkpoints_profile_and_pngs(full):
             assert f.read(8) == PNG_MAGIC, png
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
 def test_dry_run_rates_time_every_gemm_on_the_device_and_the_planner_fits_them(full):
     """Each GEMM shape's device time from the trace (FLOPs over it is its TFLOP/s), the stream's

@@ -88,6 +88,7 @@ def test_transformers_loads_the_export_and_generates_what_sample_prints(scratch,
     assert tok.decode(theirs) in out
 
 
+@pytest.mark.slow
 def test_sharded_export_loads_and_imports(scratch, run_main):
     code, out, err = run_main(export_hf.main, ["run_one", "hf_sharded", "--max-shard-gb", "0.0001"], scratch)
     assert code == 0, err
@@ -180,6 +181,7 @@ def one_line_error(code: int, err: str, *needles: str):
         assert needle in lines[0], (needle, lines[0])
 
 
+@pytest.mark.slow
 def test_export_refuses_an_occupied_target_unless_overwrite(scratch, run_main):
     target = scratch / "hf_occupied"
     code, _, err = run_main(export_hf.main, ["run_one", "hf_occupied"], scratch)
@@ -192,6 +194,7 @@ def test_export_refuses_an_occupied_target_unless_overwrite(scratch, run_main):
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_export_bad_input_is_one_line(scratch, run_main):
     one_line_error(*run_main(export_hf.main, ["run_one", "x", "--step", "2"], scratch)[::2],
                    "--step 2", "committed: 3")
@@ -204,6 +207,7 @@ def test_export_bad_input_is_one_line(scratch, run_main):
     assert not (scratch / "x").exists()
 
 
+@pytest.mark.slow
 def test_init_from_mismatch_is_one_line_before_compiling(scratch):
     r = train(scratch, "run_bad", MODEL + SHORT + ["model.layers=2", "model.window=32", "model.init_from=hf_one"])
     one_line_error(r.returncode, r.stderr, "model.layers=4", "model.window=16")
