@@ -476,4 +476,14 @@ def _main(argv) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == cli.EXIT_UNREADABLE_CHECKPOINT and jax.process_count() > 1:
+        # Its peers wait for this process in orbax's restore barrier, and JAX's shutdown at exit
+        # waits for them (shutdown_timeout_seconds, 300 s): under SLURM, where no driver ends the
+        # processes, the job stood still that long before srun saw an exit. Its error line is out
+        # and the heartbeat's last beat sent (train's `watch.close()`): leave now; srun
+        # --kill-on-bad-exit (or the driver) ends the others.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

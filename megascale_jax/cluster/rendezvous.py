@@ -33,6 +33,7 @@ import urllib.parse
 import redis
 
 from megascale_jax.cluster import redis_auth
+from megascale_jax.config_checks import ConfigError
 from megascale_jax.cluster.redis_auth import connect, redact  # noqa: F401 — rendezvous.connect is the client everyone uses
 
 KEY_TTL_S = 24 * 3600
@@ -180,13 +181,30 @@ def start_distributed(coordinator: str, nprocs: int, rank: int) -> None:
     `local_device_ids=[SLURM_LOCALID]`, one GPU per process: configs/cluster/sbatch.sh runs one
     process per node over all the node's GPUs, and each saw GPU 0 alone (found under a real
     slurmctld, tests/cluster/test_slurm.py). A process uses every device it can see; to split a
-    node among several tasks, give each its own (srun --gpus-per-task, or CUDA_VISIBLE_DEVICES)."""
+    node among several tasks, give each its own (srun --gpus-per-task, or CUDA_VISIBLE_DEVICES).
+
+    A hung process (SIGSTOP, a wedged host) is noticed, where no driver watches the Redis
+    heartbeats (under SLURM or Kubernetes), only by JAX's coordination service: a process whose
+    heartbeats to it stop for `heartbeat_timeout_seconds` ends every process of the job. gloo's and
+    NCCL's collectives wait for a stopped peer without end (seen under SLURM: rank 0 waited in the
+    step's all-reduce until the service's 100 s default ended it). The service's heartbeats come
+    from a C++ thread, not the Python that compiles or steps, so a slow step is no hang;
+    MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S (configs/cluster/sbatch.sh: 30) sets it."""
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU-only runs
     if rank:
         wait_until_listening(coordinator)
-    jax.distributed.initialize(coordinator, nprocs, rank, cluster_detection_method="deactivate")
+    jax.distributed.initialize(coordinator, nprocs, rank, cluster_detection_method="deactivate",
+                               heartbeat_timeout_seconds=distributed_heartbeat_timeout_s())
+
+
+def distributed_heartbeat_timeout_s() -> int:
+    """MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S, else JAX's default of 100 s."""
+    value = os.environ.get("MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S", "100")
+    if not value.isdigit() or int(value) < 1:
+        raise ConfigError(f"MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S={value!r}: give a whole number of seconds >= 1")
+    return int(value)
 
 
 def wait_until_listening(address: str, timeout_s: float = 60.0) -> bool:

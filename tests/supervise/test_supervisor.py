@@ -232,12 +232,14 @@ def test_ranks_other_than_0_dial_the_coordinator_only_once_it_listens(monkeypatc
     address = f"127.0.0.1:{port}"
     calls, listener = [], socket.socket()
 
-    def initialize(coordinator, nprocs, rank, cluster_detection_method=None):
+    def initialize(coordinator, nprocs, rank, cluster_detection_method=None, heartbeat_timeout_seconds=None):
         assert cluster_detection_method == "deactivate"  # SLURM's would give each process one GPU
+        assert heartbeat_timeout_seconds == 100  # JAX's default; MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S unset
         with socket.socket() as probe:
             calls.append((rank, probe.connect_ex(("127.0.0.1", port)) == 0))
 
     monkeypatch.setattr(jax.distributed, "initialize", initialize)
+    monkeypatch.delenv("MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S", raising=False)
     monkeypatch.setattr(jax.config, "update", lambda *a: None)  # the backend of this process stays as it is
 
     def listen_later():
