@@ -11,6 +11,11 @@
   aborts (SIGABRT) right before dispatching `step`, every time it gets there: a native crash
   that repeats deterministically, like an XLA check failure.
 
+* ``MEGASCALE_FAULT_HOLD="<process>:<step>"`` — that process waits, up to `HOLD_LIMIT_S`, right
+  before it dispatches `step`: armed by the driver for a drill that fires when the heartbeats
+  report `step - 2` (a step is reported once its record is made, one step late), so the drill's
+  kill lands there and not steps later on a loaded machine, where the driver's poll lags a fast run.
+
 * ``MEGASCALE_FAULT_NAN="<process>:<step>"`` — that process corrupts one token of its share of
   `step`'s batch, the first time the step runs: an id past the vocabulary, whose embedding
   lookup is NaN (`jnp.take` fills out-of-range rows with NaN), like a flipped bit in one device's
@@ -65,6 +70,20 @@ class StopProcess(LoopObserver):
 
             jax.block_until_ready(jax.live_arrays())
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+HOLD_LIMIT_S = 60.0
+
+
+class HoldProcess(LoopObserver):
+    """Waits before dispatching `step` (the driver's drill ends it meanwhile), then goes on."""
+
+    def __init__(self, step: int, limit_s: float = HOLD_LIMIT_S, sleep=time.sleep):
+        self.step, self.limit_s, self.sleep = step, limit_s, sleep
+
+    def before_step(self, step):
+        if step == self.step:
+            self.sleep(self.limit_s)
 
 
 class AbortProcess(LoopObserver):
@@ -140,6 +159,8 @@ def from_env() -> list[LoopObserver]:
         found.append(StopProcess(int(step)))
     if (step := _target("MEGASCALE_FAULT_ABORT", process)) is not None:
         found.append(AbortProcess(int(step)))
+    if (step := _target("MEGASCALE_FAULT_HOLD", process)) is not None:
+        found.append(HoldProcess(int(step)))
     return found
 
 

@@ -82,6 +82,9 @@ def damage_newest_checkpoint(cfg: Config, run_dir: str) -> str:
     return f"checkpoint step {steps[-1]} ({os.path.relpath(target, run_dir)})"
 
 
+HELD_KINDS = ("kill", "stop", "faulty", "host")  # drills the driver fires on a process at a step
+
+
 class Drills:
     """The drills still to fire, in order, and what the fired ones broke."""
 
@@ -102,6 +105,12 @@ class Drills:
             env["MEGASCALE_FAULT_NAN"] = f"{nan.rank}:{nan.step}" if nan.step is not None else "usr1"
         if self.slow_slots or any(d.kind == "slow" for d in self.pending):
             env["MEGASCALE_FAULT_SLOW"] = f"usr2:{SLOW_FRACTION}"
+        # The next drill that ends a process at a step: that process waits before step + 2 (the
+        # heartbeats report a step one step late), so the drill fires at its step, however late
+        # this driver's poll of a fast run comes on a loaded machine (cluster/faults.py).
+        held = next((d for d in self.pending if d.kind in HELD_KINDS and d.step is not None), None)
+        if held:
+            env["MEGASCALE_FAULT_HOLD"] = f"{held.rank}:{held.step + 2}"
         return env
 
     def diagnosis_env(self, placement) -> dict:

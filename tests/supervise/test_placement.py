@@ -105,7 +105,8 @@ def test_drills_fire_in_order_at_their_step_or_time_and_remember_broken_and_slow
     drills = Drills([Drill.parse("faulty:1@3"), Drill.parse("slow:0@t5"), Drill.parse("nan:1@t6")], config(), "run")
     drills.started = 100.0
     placement, group, training = Placement(2, 1, host="h"), FakeGroup(), {0: {"state": "training"}}
-    assert drills.attempt_env() == {"MEGASCALE_FAULT_NAN": "usr1", "MEGASCALE_FAULT_SLOW": "usr2:0.5"}
+    assert drills.attempt_env() == {"MEGASCALE_FAULT_NAN": "usr1", "MEGASCALE_FAULT_SLOW": "usr2:0.5",
+                                    "MEGASCALE_FAULT_HOLD": "1:5"}
     assert drills.fire(group, training, 2, placement, 2, None, 200.0) is None  # step 2 < 3
     fired = drills.fire(group, training, 3, placement, 2, None, 100.0)
     assert fired["drill"] == "faulty" and group.sent == [(1, signal.SIGKILL)] and drills.broken_slots == {1}
@@ -123,3 +124,23 @@ def test_drills_fire_in_order_at_their_step_or_time_and_remember_broken_and_slow
     fired = drills.fire(group, {**training, 1: {"state": "training"}}, 9, placement, 2, None, 107.0)
     assert fired["drill"] == "nan" and group.sent[-1] == (1, signal.SIGUSR1) and drills.pending == []
     assert drills.attempt_env() == {"MEGASCALE_FAULT_SLOW": "usr2:0.5"}  # slot 0 stays slow
+
+
+def test_the_next_drill_that_ends_a_process_at_a_step_holds_that_process_two_steps_on(tmp_path):
+    """`host:1@9` fires when the heartbeats report step 9 (made one step late, with step 10's
+    dispatch): rank 1 waits before step 11 until it fires, so the loss lands at step 9 however
+    late a loaded machine's driver polls (a restart from step 18 once failed the spare drill)."""
+    from megascale_jax.cluster import faults
+    from megascale_jax.supervise.drills import Drill, Drills
+
+    cfg = load_config(None, [])
+    drills = Drills([Drill.parse("nan:1@3"), Drill.parse("host:1@9"), Drill.parse("kill:0@t30")], cfg, str(tmp_path))
+    env = drills.attempt_env()
+    assert env["MEGASCALE_FAULT_HOLD"] == "1:11" and env["MEGASCALE_FAULT_NAN"] == "1:3"
+    drills.pending.pop(1)  # fired: a timed drill is not held
+    assert "MEGASCALE_FAULT_HOLD" not in drills.attempt_env()
+    slept = []
+    hold = faults.HoldProcess(11, limit_s=0.01, sleep=slept.append)
+    for step in (10, 11, 12):
+        hold.before_step(step)
+    assert slept == [0.01]  # before step 11 only
