@@ -75,15 +75,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megascale_jax.evaluation import evaluator, scoring, table
     from megascale_jax.evaluation.tasks import TaskError
     from megascale_jax.training import trained
-    from megascale_jax.training.tokenizer import END_OF_TEXT, TokenizerError, run_end_of_text, run_tokenizer
+    from megascale_jax.training.tokenizer import TokenizerError, prefix_token, run_end_of_text, run_tokenizer
 
     paths = [p for p in args.tasks.split(",") if p]
     try:
         cfg = trained.run_config(args.run_dir)
         tokenizer = run_tokenizer(args.run_dir, cfg)
-        # lm-eval's prefix token for the export: its BOS, else EOS; export_hf names the run's end-of-text as both
-        prefix = run_end_of_text(args.run_dir, cfg)
-        prefix = tokenizer.token_to_id(END_OF_TEXT) if prefix is None else prefix
+        prefix = prefix_token(tokenizer, run_end_of_text(args.run_dir, cfg))
         prepared = prepare_all(paths, args.limit, tokenizer, prefix, cfg.model.seq_len)
         run = trained.load(args.run_dir, args.step, warn=lambda line: print(line, file=sys.stderr))
         max_length = run.cfg.model.seq_len

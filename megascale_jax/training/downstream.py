@@ -21,7 +21,6 @@ is left to `evaluate`; the means' standard errors are exact and cheap, and are l
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -38,12 +37,12 @@ def run_tokenizer_of(cfg: Config, token_file: str | None):
     """(the tokenizer the run's ids mean, lm-eval's prefix token) from the data the run reads: the
     byte tokenizer for the text sources, else the tokenizer.json beside the token file (what
     `tokenize` and the jsonl/parquet sources write, and the run directory records)."""
-    from megascale_jax.training.tokenizer import (BYTE_LEVEL_SOURCES, END_OF_TEXT, META_FILE, TOKENIZER_FILE,
-                                                  byte_tokenizer)
+    from megascale_jax.training.tokenizer import (BYTE_LEVEL_SOURCES, TOKENIZER_FILE, byte_tokenizer,
+                                                  end_of_text_beside, prefix_token)
 
     if cfg.data.source in BYTE_LEVEL_SOURCES:
         tokenizer = byte_tokenizer()
-        return tokenizer, tokenizer.token_to_id(END_OF_TEXT)
+        return tokenizer, prefix_token(tokenizer, None)
     from tokenizers import Tokenizer
 
     token_file = token_file or (next(iter(cfg.data.mix)) if cfg.data.mix else cfg.data.path)
@@ -53,12 +52,7 @@ def run_tokenizer_of(cfg: Config, token_file: str | None):
         raise ConfigError(f"train.eval_tasks needs the tokenizer the run's ids mean, and {token_file} has no "
                           f"{TOKENIZER_FILE} beside it; put it there (python -m megascale_jax.tokenize writes one)")
     tokenizer = Tokenizer.from_file(path)
-    try:
-        with open(os.path.join(directory, META_FILE)) as f:
-            prefix = json.load(f).get("end_of_text")
-    except (OSError, ValueError):
-        prefix = None
-    return tokenizer, tokenizer.token_to_id(END_OF_TEXT) if prefix is None else prefix
+    return tokenizer, prefix_token(tokenizer, end_of_text_beside(directory))
 
 
 def prepare(cfg: Config, token_file: str | None) -> list:

@@ -171,12 +171,22 @@ def run_end_of_text(run_dir: str, cfg) -> int | None:
     jsonl/parquet sources' meta: a model's own EOS, e.g. Llama's `</s>`), None where it has none."""
     if cfg.data.source in BYTE_LEVEL_SOURCES:
         return None
-    path = os.path.join(run_dirs.tokenizer_dir(run_dir), META_FILE)
+    return end_of_text_beside(run_dirs.tokenizer_dir(run_dir))
+
+
+def end_of_text_beside(directory: str) -> int | None:
+    """The end-of-document token id the tokens.json in `directory` records, None where none does."""
     try:
-        with open(path) as f:
+        with open(os.path.join(directory, META_FILE)) as f:
             return json.load(f).get("end_of_text")
     except (OSError, ValueError):
         return None
+
+
+def prefix_token(tokenizer, end_of_text: int | None) -> int | None:
+    """lm-evaluation-harness's prefix token for the run's model as `export_hf` writes it (its BOS,
+    else EOS: the run's end-of-text is both), else `<|endoftext|>` where the tokenizer has one."""
+    return tokenizer.token_to_id(END_OF_TEXT) if end_of_text is None else end_of_text
 
 
 def record_in_run_dir(token_file: str, run_dir: str) -> None:
