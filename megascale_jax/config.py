@@ -228,6 +228,13 @@ class DataConfig:
     # 'code/*.jsonl': 0.3}; weights are normalised. Each source is packed, split and shuffled on
     # its own; every batch draws from them in the weights' proportions. Replaces data.path.
     mix: Optional[dict[str, float]] = None
+    # jsonl/parquet (training/streaming.py): tokenize while training instead of into a cache file
+    # before the first step. `readers` streams (null: chosen at the run's first start, then kept in
+    # its config.yaml), each its shards in a seeded order per epoch, shuffled within windows of
+    # `shuffle_window` sequences; a batch stays a pure function of (seed, step)
+    stream: bool = False
+    readers: Optional[int] = None
+    shuffle_window: int = 1024
     val_fraction: float = 0.05  # share of sequences held out for validation (0: none, with train.eval_batches=0)
     prefetch: int = 2  # batches prepared ahead by a background thread (0 = synchronous)
 

@@ -202,6 +202,15 @@ def check_data_options(d, t) -> None:
             "data.val_fraction=0 holds nothing out for the validation loss; set train.eval_batches=0 too "
             "(a run without validation), or hold some data out")
     require(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0 = synchronous)")
+    if d.stream:  # training/streaming.py; a reader count the processes cannot share is checked at the start
+        require(d.source in ("jsonl", "parquet"), f"data.stream=true tokenizes jsonl/parquet shards while training; "
+                                                  f"data.source={d.source} needs no tokenizing (set data.stream=false)")
+        require(d.mix is None, "data.stream=true does not mix sources yet (data.mix); set data.stream=false (each "
+                               "source tokenized into its cache first) or stream one source")
+        require(d.readers is None or (d.readers >= 1 and t.global_batch % d.readers == 0),
+                f"data.readers={d.readers} must divide train.global_batch={t.global_batch} (each reader serves "
+                "global_batch/readers rows of every step); choose a divisor, or null")
+        require(d.shuffle_window >= 1, f"data.shuffle_window={d.shuffle_window} must be >= 1 (1: no shuffling)")
 
 
 def check_checkpoint(c) -> None:

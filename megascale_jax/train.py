@@ -41,7 +41,7 @@ from megascale_jax.observe import device_profile, timings
 from megascale_jax.parallel.mesh import check_forced_cpu_devices, make_mesh, use_cpu_devices
 from megascale_jax.parallel.tensor_parallel import XLA_OVERLAP_FLAGS
 from megascale_jax.training import (checkpoint, compile_cache, data, downstream, mixture, progress, sample_at_end,
-                                    tokenizer)
+                                    streaming, tokenizer)
 from megascale_jax.training.hooks import Hooks
 from megascale_jax.training.interrupt import Interrupted, StopRequest
 from megascale_jax.training.metrics import MetricsRecorder, NonFiniteStep, TrainingDiverged, itstime
@@ -375,6 +375,27 @@ def prepare_run_dir(run_dir: str | None, cfg: Config, config_path: str | None, r
     return run_dir, lock
 
 
+def load_data(cfg: Config, run_dir: str | None) -> tuple:
+    """(cfg, the corpus, the train and validation batches) of the run's data source; cfg with
+    what the data decides (a streamed corpus's readers: recorded in config.yaml)."""
+    if cfg.data.mix:  # several sources, each batch drawn from them by weight
+        mixed = mixture.load(cfg)
+        logger.info(f"data: a mixture of {len(cfg.data.mix)} sources: {mixed.description}")
+        return cfg, mixed.corpus, mixed.train, mixed.val
+    if cfg.data.stream:  # tokenized while training
+        streamed = streaming.load(cfg, run_dir, jax.process_count())
+        logger.info(f"data: {streamed.description}; {cfg.train.steps:,} steps of {cfg.train.global_batch} sequences")
+        return streamed.cfg, streamed.corpus, streamed.train, streamed.val
+    corpus = data.load_corpus(cfg)
+    train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
+    val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")
+    epochs = cfg.train.steps * cfg.train.global_batch / train_batches.n_train
+    logger.info(f"data: {corpus.description}; {train_batches.n_train:,} training sequences of "
+                f"{cfg.model.seq_len} tokens; {cfg.train.steps:,} steps of {cfg.train.global_batch} "
+                f"sequences are {epochs:.3g} epochs")
+    return cfg, corpus, train_batches, val_batches
+
+
 def warm_up() -> None:
     """What main() imports only once it runs, imported ahead by a warm standby worker
     (cluster/standby.py), so that a restart pays for neither."""
@@ -426,18 +447,7 @@ def _main(argv) -> int:
             hf_import.check(cfg)
         check_memory(cfg)
         # Built here so that too little data is a one-line error before anything compiles.
-        if cfg.data.mix:  # several sources, each batch drawn from them by weight
-            mixed = mixture.load(cfg)
-            corpus, train_batches, val_batches = mixed.corpus, mixed.train, mixed.val
-            logger.info(f"data: a mixture of {len(cfg.data.mix)} sources: {mixed.description}")
-        else:
-            corpus = data.load_corpus(cfg)
-            train_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "train")
-            val_batches = data.SequenceBatches.from_config(cfg, corpus.tokens, "val")
-            epochs = cfg.train.steps * cfg.train.global_batch / train_batches.n_train
-            logger.info(f"data: {corpus.description}; {train_batches.n_train:,} training sequences of "
-                        f"{cfg.model.seq_len} tokens; {cfg.train.steps:,} steps of {cfg.train.global_batch} "
-                        f"sequences are {epochs:.3g} epochs")
+        cfg, corpus, train_batches, val_batches = load_data(cfg, args.run_dir)
         # jsonl/parquet: attention inside each document (the layouts that cannot were refused with
         # the config, config_checks.check_documents_apart, before the corpus was tokenized)
         cfg = data.with_documents_apart(cfg, corpus)
@@ -454,8 +464,8 @@ def _main(argv) -> int:
             train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step, tasks)
         if cache:  # every process's own count, in its own log (ranks > 0 log warnings only)
             logger.info(cache.summary()) if jax.process_index() == 0 else print(cache.summary(), flush=True)
-    except ConfigError as e:  # checkpoint.dir unwritable, or a checkpoint of another model shape
-        return cli.user_error(e)
+    except (ConfigError, data.DataError) as e:  # checkpoint.dir unwritable, a checkpoint of another model
+        return cli.user_error(e)  # shape; a bad shard a streamed corpus reaches (data.stop_at_bad_line)
     except TrainingDiverged as e:
         return cli.user_error(e, code=cli.EXIT_DIVERGED)
     except checkpoint.CheckpointUnreadable as e:  # the restart falls back; no machine is to blame
@@ -471,6 +481,8 @@ def _main(argv) -> int:
     finally:
         if lock:
             lock.release()
+        if cfg.data.stream:  # its tokenizing workers
+            train_batches.close()
     logger.info(f"run directory: {run_dir}")
     return 0
 

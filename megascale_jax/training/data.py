@@ -59,9 +59,10 @@ class DataError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Corpus:
-    tokens: np.ndarray  # 1-D, all of it (a read-only memmap for data.source=tokens|jsonl|parquet)
+    tokens: np.ndarray | None  # 1-D, all of it (a read-only memmap for data.source=tokens|jsonl|parquet); None: streamed
     description: str  # what was read: "12 files, 1,234,567 bytes" or "1,234,567 tokens"
-    token_file: str | None = None  # jsonl/parquet: the cached token file (its tokenizer.json beside it)
+    # jsonl/parquet: the cached token file (its tokenizer.json beside it; streamed: only its directory exists)
+    token_file: str | None = None
     end_of_document: int | None = None  # jsonl/parquet: the token the tokenizer ends each document with
 
 

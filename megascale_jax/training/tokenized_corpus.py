@@ -80,8 +80,8 @@ def key(d, paths: list[str], eos: int) -> str:
     return hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def token_file(cfg) -> tuple[str, dict]:
-    """(the token file, its tokens.json) of the run's corpus, tokenizing it first if no run has."""
+def checked(cfg) -> tuple[list[str], object, int]:
+    """(the shards, the tokenizer, its end-of-document token), each checked: one line where not."""
     d = cfg.data
     paths = shards(d)
     try:
@@ -93,6 +93,13 @@ def token_file(cfg) -> tuple[str, dict]:
     if vocab > cfg.model.vocab:
         raise CorpusError(f"data.tokenizer={d.tokenizer!r} has {vocab:,} tokens but model.vocab={cfg.model.vocab:,}; "
                           f"set model.vocab={vocab} or more (a multiple of 128 is faster on GPUs)")
+    return paths, tokenizer, eos
+
+
+def token_file(cfg) -> tuple[str, dict]:
+    """(the token file, its tokens.json) of the run's corpus, tokenizing it first if no run has."""
+    d = cfg.data
+    paths, _, eos = checked(cfg)
     root = os.path.expanduser(d.cache_dir or DEFAULT_CACHE)
     directory = os.path.join(root, key(d, paths, eos))
     if not os.path.isfile(os.path.join(directory, META_FILE)):
