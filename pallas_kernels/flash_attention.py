@@ -2,9 +2,19 @@
 
     flash_attention(q, k, v, window=w)   q: (batch, seq, heads, head_dim)
                                          k, v: (batch, seq, kv_heads, head_dim)
+    flash_attention(q, k, v, window=w, segment_ids=ids)   ids: (batch, seq) int
 
 A query at position i sees keys j with i - w < j <= i (window=None: every j <= i), exactly like
 `megascale_jax.model.attention.attend`. Query heads h = kv * group + g share kv head `kv` (GQA).
+With `segment_ids` (packed documents, `model.document_eos`: `documents.layout(...).ids`) it sees
+only keys of its own segment as well: every kernel (forward, dq, dk/dv) loads the ids of its
+query rows and key columns beside q and k and masks the scores of other segments, in the masked
+blocks with the band's mask and in the band's inside on their own (there the band cuts nothing,
+but a document boundary may). Blocks are visited as without segments: a block wholly of other
+documents is masked, not skipped. Every query sees its own key, so no row is empty; a row whose
+first visited blocks hold only other documents accumulates garbage under the running max
+`MASKED` until its own document's scores arrive and `alpha = exp(MASKED - m)` = 0 wipes it, as
+for the window's far edge.
 
 Each program owns one query block and runs an online softmax (FlashAttention-2) over the KV
 blocks that intersect its window: `kv_block_range` gives that inclusive range from the block
@@ -156,6 +166,7 @@ class _Cfg(NamedTuple):
     head_dim: int
     interpret: bool
     num_stages: int = 2  # Triton's software-pipelining depth (the GPU lowering's; ignored in interpret mode)
+    segments: bool = False  # whether the kernels take segment (document) ids of queries and keys
 
     @property
     def scale(self) -> float:
@@ -176,10 +187,28 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
+def _segment_refs(refs, cfg: _Cfg):
+    """A kernel's refs after q, k, v: (query rows' segment ids, keys' segment ids, the rest); the
+    ids None without segments."""
+    return (refs[0], refs[1], refs[2:]) if cfg.segments else (None, None, refs)
+
+
+def _block_mask(rows, cols, cfg: _Cfg, masked: bool, q_seg, k_seg):
+    """Which scores of a (rows, cols) block are visible: the band's mask where `masked`, queries
+    and keys of one segment where there are segments; None where every score is."""
+    visible = _visible(rows, cols, cfg.window) if masked else None
+    if q_seg is not None:
+        same = q_seg[:, None] == k_seg[None, :]
+        visible = same if visible is None else visible & same
+    return visible
+
+
+def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
+    q_seg_ref, k_seg_ref, (o_ref, lse_ref) = _segment_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     qi = pl.program_id(2)
     q = q_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
     rows = qi * bq + jnp.arange(bq)
     lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
     full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk)
@@ -189,8 +218,11 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         s = _dot_t(q, k) * cfg.scale
-        if masked:  # blocks inside the band are wholly visible: no mask to build or apply
-            s = jnp.where(_visible(rows, j * bk + jnp.arange(bk), cfg.window), s, MASKED)
+        # blocks inside the band are wholly visible but for other segments: no band mask there
+        k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(j * bk, bk)]
+        visible = _block_mask(rows, j * bk + jnp.arange(bk), cfg, masked, q_seg, k_seg)
+        if visible is not None:
+            s = jnp.where(visible, s, MASKED)
         m_new = jnp.maximum(m, s.max(axis=1))
         alpha = jnp.exp(m - m_new)  # rescales what was accumulated under the old max
         p = jnp.exp(s - m_new[:, None])
@@ -204,10 +236,12 @@ def _fwd_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, cfg: _Cfg):
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: _Cfg):
+def _dq_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
+    q_seg_ref, k_seg_ref, (do_ref, lse_ref, delta_ref, dq_ref) = _segment_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     qi = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
+    q_seg = None if q_seg_ref is None else q_seg_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     rows = qi * bq + jnp.arange(bq)
     lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
@@ -217,8 +251,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
         k = k_ref[pl.ds(j * bk, bk), :]
         v = v_ref[pl.ds(j * bk, bk), :]
         p = jnp.exp(_dot_t(q, k) * cfg.scale - lse[:, None])
-        if masked:
-            p = jnp.where(_visible(rows, j * bk + jnp.arange(bk), cfg.window), p, 0.0)
+        k_seg = None if k_seg_ref is None else k_seg_ref[pl.ds(j * bk, bk)]
+        visible = _block_mask(rows, j * bk + jnp.arange(bk), cfg, masked, q_seg, k_seg)
+        if visible is not None:
+            p = jnp.where(visible, p, 0.0)
         ds = p * (_dot_t(do, v) - delta[:, None])
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -226,25 +262,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, cfg: 
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, cfg: _Cfg):
-    # q/do refs: (seq, group, d) — every query head sharing this kv head; lse/delta: (group, seq).
+def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
+    # q/do refs: (seq, group, d) — every query head sharing this kv head; lse/delta: (group, seq);
+    # segment ids: the queries' (seq,), this block's keys' (block_k,).
+    q_seg_ref, k_seg_ref, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _segment_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     kj = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
+    k_seg = None if k_seg_ref is None else k_seg_ref[...]
     cols = kj * bk + jnp.arange(bk)
     lo, hi = q_block_range(kj, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
     full = full_q_block_range(kj, window=cfg.window, block_q=bq, block_k=bk)
 
     def body(i, carry, masked: bool):
         dk, dv = carry
-        visible = _visible(i * bq + jnp.arange(bq), cols, cfg.window) if masked else None
+        q_seg = None if q_seg_ref is None else q_seg_ref[pl.ds(i * bq, bq)]
+        visible = _block_mask(i * bq + jnp.arange(bq), cols, cfg, masked, q_seg, k_seg)
         for g in range(q_ref.shape[1]):  # static: the GQA group is small
             q = q_ref[pl.ds(i * bq, bq), g, :]
             do = do_ref[pl.ds(i * bq, bq), g, :]
             lse = lse_ref[g, pl.ds(i * bq, bq)]
             delta = delta_ref[g, pl.ds(i * bq, bq)]
             p = jnp.exp(_dot_t(q, k) * cfg.scale - lse[:, None])
-            if masked:
+            if visible is not None:
                 p = jnp.where(visible, p, 0.0)
             dv = dv + _tdot(p.astype(do.dtype), do)
             ds = p * (_dot_t(do, v) - delta[:, None])
@@ -277,18 +317,30 @@ def _specs(b_q, seq, d, group):
     return per_q, per_kv, per_row
 
 
-def _forward(q, k, v, cfg: _Cfg):
+def _segment_specs(segments, cfg: _Cfg, seq: int, by_query_block: bool):
+    """(in_specs, arrays) of the segment ids a kernel takes after q, k, v: none without segments;
+    over a (batch, heads, q blocks) grid the query block's ids and the whole row's for the keys,
+    over (batch, kv heads, kv blocks) the whole row's for the queries and the key block's."""
+    if segments is None:
+        return [], []
+    whole = pl.BlockSpec((None, seq), lambda b, h, i: (b, 0))
+    block = pl.BlockSpec((None, cfg.block_q if by_query_block else cfg.block_k), lambda b, h, i: (b, i))
+    return ([block, whole] if by_query_block else [whole, block]), [segments, segments]
+
+
+def _forward(q, k, v, segments, cfg: _Cfg):
     batch, seq, heads, d = q.shape
     group = heads // k.shape[2]
     per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
+    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=True)
     return _call(
-        _fwd_kernel, cfg, (batch, heads, seq // cfg.block_q), [per_q, per_kv, per_kv],
+        _fwd_kernel, cfg, (batch, heads, seq // cfg.block_q), [per_q, per_kv, per_kv, *seg_specs],
         [per_q, per_row],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
-        "flash_attention_fwd")(q, k, v)
+        "flash_attention_fwd")(q, k, v, *seg)
 
 
-def _backward(q, k, v, o, lse, do, cfg: _Cfg):
+def _backward(q, k, v, segments, o, lse, do, cfg: _Cfg):
     batch, seq, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
@@ -296,35 +348,38 @@ def _backward(q, k, v, o, lse, do, cfg: _Cfg):
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32))
 
     per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
+    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=True)
     dq = _call(_dq_kernel, cfg, (batch, heads, seq // cfg.block_q),
-               [per_q, per_kv, per_kv, per_q, per_row, per_row], per_q,
-               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")(q, k, v, do, lse, delta)
+               [per_q, per_kv, per_kv, *seg_specs, per_q, per_row, per_row], per_q,
+               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")(q, k, v, *seg, do, lse, delta)
 
     # Grid over (batch, kv heads, kv blocks); each program sees the whole group of query heads.
     group_q = pl.BlockSpec((None, seq, group, d), lambda b, h, j: (b, 0, h, 0))
     group_row = pl.BlockSpec((None, group, seq), lambda b, h, j: (b, h, 0))
     per_k = pl.BlockSpec((None, cfg.block_k, None, d), lambda b, h, j: (b, j, h, 0))
+    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=False)
     dk, dv = _call(_dkdv_kernel, cfg, (batch, kv_heads, seq // cfg.block_k),
-                   [group_q, per_k, per_k, group_q, group_row, group_row], [per_k, per_k],
+                   [group_q, per_k, per_k, *seg_specs, group_q, group_row, group_row], [per_k, per_k],
                    [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   "flash_attention_dkdv")(q, k, v, do, lse, delta)
+                   "flash_attention_dkdv")(q, k, v, *seg, do, lse, delta)
     return dq, dk, dv
 
 
 def with_pallas_backward(forward):
-    """Attention whose forward is `forward(q, k, v, cfg) -> (o, lse)` and whose gradient is the
-    Pallas dq and dk/dv kernels (shared by the Pallas and the Triton forward)."""
+    """Attention whose forward is `forward(q, k, v, segments, cfg) -> (o, lse)` and whose gradient
+    is the Pallas dq and dk/dv kernels (shared by the Pallas and the Triton forward). `segments`:
+    (batch, seq) int32 segment ids of queries and keys, or None; not differentiated."""
 
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-    def attention(q, k, v, cfg: _Cfg):
-        return forward(q, k, v, cfg)[0]
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+    def attention(q, k, v, segments, cfg: _Cfg):
+        return forward(q, k, v, segments, cfg)[0]
 
-    def attention_fwd(q, k, v, cfg: _Cfg):
-        o, lse = forward(q, k, v, cfg)
-        return o, (q, k, v, o, lse)
+    def attention_fwd(q, k, v, segments, cfg: _Cfg):
+        o, lse = forward(q, k, v, segments, cfg)
+        return o, (q, k, v, segments, o, lse)
 
     def attention_bwd(cfg: _Cfg, residuals, do):
-        return _backward(*residuals, do, cfg)
+        return *_backward(*residuals, do, cfg), None  # no cotangent for the integer segment ids
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
@@ -333,9 +388,11 @@ def with_pallas_backward(forward):
 _flash = with_pallas_backward(_forward)
 
 
-def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None = None,
+def flash_attention(q, k, v, *, window: int | None = None, segment_ids=None, block_q: int | None = None,
                     block_k: int | None = None, num_stages: int = 2, interpret: bool | None = None):
     """Causal (window=None) or sliding-window attention; same contract as `attention_reference`.
+    segment_ids: (batch, seq) integer ids of the packed documents (queries and keys alike, as in
+    self-attention); a query sees keys of its own segment only. None: one sequence.
 
     block_q, block_k: tile sizes (default per backend, `DEFAULT_BLOCKS`), clamped to the padded
     sequence for short inputs. num_stages: the Triton lowering's pipelining depth on a GPU (2
@@ -348,19 +405,25 @@ def flash_attention(q, k, v, *, window: int | None = None, block_q: int | None =
                          f"shapes, equal batch/seq/head_dim and kv_heads dividing heads")
     if window is not None and window < 1:
         raise ValueError(f"flash_attention: window={window} must be >= 1 or None")
+    if segment_ids is not None and (segment_ids.shape != (batch, seq)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"flash_attention: segment_ids {segment_ids.shape} {segment_ids.dtype} must be "
+                         f"integers of shape (batch, seq) = {(batch, seq)}")
     cap = max(8, pl.next_power_of_2(seq))  # no point in blocks longer than the sequence
 
     def build(platform: str, interpret: bool):
         default_q, default_k = DEFAULT_BLOCKS[platform]
         bq, bk = min(block_q or default_q, cap), min(block_k or default_k, cap)
-        cfg = _Cfg(seq, window, bq, bk, d, interpret, num_stages)
+        cfg = _Cfg(seq, window, bq, bk, d, interpret, num_stages, segments=segment_ids is not None)
 
-        def run(q, k, v):
-            q, k, v = (pad_axis(x, 1, math.lcm(bq, bk)) for x in (q, k, v))
-            return _flash(q, k, v, cfg)[:, :seq]
+        def run(q, k, v, *segments):
+            q, k, v, *segments = (pad_axis(x, 1, math.lcm(bq, bk)) for x in (q, k, v, *segments))
+            segments = segments[0].astype(jnp.int32) if segments else None
+            return _flash(q, k, v, segments, cfg)[:, :seq]
         return run
 
-    return by_platform(build, q, k, v, interpret=interpret)
+    extra = () if segment_ids is None else (segment_ids,)
+    return by_platform(build, q, k, v, *extra, interpret=interpret)
 
 
 def attention_reference(q, k, v, *, window: int | None = None):

@@ -76,7 +76,8 @@ if triton is not None:
         tl.store(lse_ptr + (b * HEADS + h) * SEQ + rows, m + tl.log(l))
 
 
-def _forward(q, k, v, cfg: _Cfg):
+def _forward(q, k, v, segments, cfg: _Cfg):
+    assert segments is None, "the Triton forward takes no segment ids (packed documents): use flash_attention"
     batch, seq, heads, d = q.shape
     lo, hi = kv_block_range(jnp.arange(seq // cfg.block_q), seq_len=cfg.seq_len, window=cfg.window,
                             block_q=cfg.block_q, block_k=cfg.block_k)
@@ -102,4 +103,4 @@ def triton_flash_attention(q, k, v, *, window: int | None = None, block_q: int =
     batch, seq, heads, d = q.shape
     cfg = _Cfg(seq, window, block_q, block_k, d, interpret=False)
     q, k, v = (pad_axis(x, 1, math.lcm(block_q, block_k)) for x in (q, k, v))
-    return _attention(q, k, v, cfg)[:, :seq]
+    return _attention(q, k, v, None, cfg)[:, :seq]

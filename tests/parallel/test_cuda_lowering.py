@@ -121,3 +121,19 @@ def test_the_attention_kernels_pipelining_depth_reaches_the_triton_call(stages):
     text = step.trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
     assert triton_kernels(text) == ["flash_attention_fwd"]
     assert set(re.findall(r"num_stages = (\d+) : i32", text)) == {str(stages)}
+
+
+def test_the_attention_kernels_with_documents_lower_as_triton_kernels_taking_the_segment_ids():
+    """flash_attention(segment_ids=...) (packed documents kept apart, `model.document_eos`): the
+    forward, dq and dk/dv kernels all lower for CUDA, each taking the (batch, seq) int32 ids
+    twice (the queries' rows and the keys' columns: two block specs of one array)."""
+    from pallas_kernels import flash_attention
+
+    q, kv = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
+    loss = lambda q, k, v, ids: flash_attention(q, k, v, window=64, segment_ids=ids).astype(jnp.float32).sum()
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    assert sorted(triton_kernels(text)) == sorted(ATTENTION)
+    calls = [line for line in text.splitlines() if TRITON_CALL in line]
+    assert all(line.count("tensor<2x256xi32>") >= 2 for line in calls), calls
+    assert loops(text) == 0  # no interpreted kernel
