@@ -39,7 +39,7 @@ def validate(cfg, planning: bool = False) -> None:
     check_tensor_parallel(cfg.model, cfg.mesh, cfg.parallel)
     check_pipeline(cfg.model, cfg.mesh, cfg.parallel)
     check_fp8(cfg.model, cfg.mesh, cfg.parallel)
-    check_documents(cfg.model, cfg.mesh)
+    check_documents(cfg.model)
     check_optim(cfg.optim)
     check_train(cfg.train, cfg.mesh, cfg.parallel)
     if planning:
@@ -49,35 +49,14 @@ def validate(cfg, planning: bool = False) -> None:
     check_supervisor(cfg.supervisor, cfg.observe)
     check_observe(cfg.observe)
     check_data_source(cfg.data, cfg.model)
-    check_documents_apart(cfg.data, cfg.model, cfg.mesh)
 
 
-def documents_unsupported(mo, m) -> str | None:
-    """Why this layout cannot keep packed documents apart yet (model.document_eos), None if it can."""
-    if m.pp > 1:
-        return f"documents are not kept apart through the pipeline yet (mesh.pp={m.pp})"
-    if mo.attention == "pallas":
-        return "the Pallas attention kernel does not keep documents apart yet"
-    return None
-
-
-def check_documents(mo, m) -> None:
+def check_documents(mo) -> None:
+    """model.document_eos: a token of the vocabulary. Every layout keeps documents apart (the
+    pipeline's stages and every attention implementation), so nothing else is refused."""
     if mo.document_eos is not None:
         require(0 <= mo.document_eos < mo.vocab,
                 f"model.document_eos={mo.document_eos} must be a token id below model.vocab={mo.vocab}")
-        why = documents_unsupported(mo, m)
-        require(why is None, f"model.document_eos: {why}; use mesh.pp=1 and model.attention=xla|cudnn, "
-                             "or data.keep_documents_apart=false")
-
-
-def check_documents_apart(d, mo, m) -> None:
-    """What data.keep_documents_apart will ask of the model (model.document_eos, set once the
-    tokenizer is known: `data.with_documents_apart`) refused before the corpus is tokenized."""
-    if d.source not in ("jsonl", "parquet") or not d.keep_documents_apart:
-        return
-    why = documents_unsupported(mo, m)
-    require(why is None, f"data.source={d.source} keeps documents apart (data.keep_documents_apart=true), but {why}; "
-                         "set data.keep_documents_apart=false to train across document boundaries")
 
 
 # ----------------------------------------------------------------------------- shapes (planning too)

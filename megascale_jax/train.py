@@ -448,8 +448,7 @@ def _main(argv) -> int:
         check_memory(cfg)
         # Built here so that too little data is a one-line error before anything compiles.
         cfg, corpus, train_batches, val_batches = load_data(cfg, args.run_dir)
-        # jsonl/parquet: attention inside each document (the layouts that cannot were refused with
-        # the config, config_checks.check_documents_apart, before the corpus was tokenized)
+        # jsonl/parquet: attention inside each document (every layout keeps documents apart)
         cfg = data.with_documents_apart(cfg, corpus)
         tasks = downstream.prepare(cfg, corpus.token_file)  # train.eval_tasks, tokenized before anything compiles
         run_dir, lock = args.run_dir, None

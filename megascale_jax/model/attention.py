@@ -11,7 +11,7 @@ of its own document as well.
   `local_window_size`; NVIDIA GPUs, bf16/fp16 only (checked when the config is validated).
   Documents go in as its boolean `mask` (batch, 1, seq, seq), which jax hands cuDNN as a bias.
 * `pallas` — `pallas_kernels.flash_attention`: flash attention that skips KV blocks outside the
-  window (interpret mode on the CPU); no documents yet (refused when the config is validated).
+  window (interpret mode on the CPU). Documents go in as its `segment_ids`, masked in the kernels.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ def attend(q, k, v, *, window: int | None, implementation: str = "xla", document
             local_window_size=None if window is None else (window - 1, 0),
             implementation="cudnn")
     if implementation == "pallas":
-        if documents is not None:
-            raise ValueError("the Pallas attention kernel does not keep documents apart yet; use xla or cudnn")
         from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
-        return flash_attention(q, k, v, window=window)
+        return flash_attention(q, k, v, window=window, segment_ids=documents)
     raise ValueError(f"unknown attention implementation {implementation!r}")
 
 

@@ -382,10 +382,12 @@ def _embed_tokens(cfg: ModelConfig, embed, tokens, parallel: ParallelConfig):
     return _constrain(x, ("batch", "act_seq", "embed"))
 
 
-def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = ParallelConfig()):
-    """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk."""
+def run_layers(cfg: ModelConfig, layer_params, x, parallel: ParallelConfig = ParallelConfig(),
+               docs: Documents | None = None):
+    """Apply a stack of layers (any leading length) given their parameters: one pipeline chunk;
+    `docs` the packed documents' layout of x's tokens (`documents.layout`), or None."""
     length = jax.tree.leaves(layer_params)[0].shape[0]
-    return scanned_blocks(length, cfg.remat, cfg.scan_unroll)(cfg, parallel).apply({"params": layer_params}, x, None)[0]
+    return scanned_blocks(length, cfg.remat, cfg.scan_unroll)(cfg, parallel).apply({"params": layer_params}, x, docs)[0]
 
 
 def project_vocab(cfg: ModelConfig, x, head, parallel: ParallelConfig = ParallelConfig()):

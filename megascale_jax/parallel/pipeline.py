@@ -44,6 +44,14 @@ loss), `TrainingTick` the training scan's body, `GradientPlacement` where each g
   overlap the backward work that follows (MegaScale's per-chunk reduce-scatter). It sits under
   a `cond` whose predicate comes from the table row of the stage, the same on every dp replica
   of the stage, and only dp replicas of one stage take part: they all join it or all skip it.
+* Documents (`model.document_eos`: packed documents kept apart). A chunk needs its microbatch's
+  document layout (ids for the attention mask, in-document positions for rotary) and the last
+  stage the weights that drop the targets after an end-of-document token. The batch enters the
+  shard_map split over dp only, so every stage already holds every microbatch's tokens: a stage
+  recomputes the layout from them (`Stage.documents`: a cumsum and a cummax over (b, s) int32) for
+  its forward's microbatch and again for its backward's. Sending the ids with the activations
+  instead would move b·s int32 per hop each way (2/d_model of a bf16 activation) and put them in
+  the stash; recomputing moves nothing and stashes nothing.
 * Embedding and head. They are stored replicated over pp, although only stage 0 and stage p−1
   use them: a `jax.Array` covers every device of its mesh, so living on one stage only would
   take a second mesh (a second program). Their gradients are summed over pp and reduced over
@@ -61,6 +69,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megascale_jax.config import Config
+from megascale_jax.model import documents
 from megascale_jax.model.transformer import (chunked_cross_entropy, cross_entropy, embed_tokens, lm_head, lm_logits,
                                              norm, run_layers, target_scores)
 from megascale_jax.parallel import sharding
@@ -223,16 +232,25 @@ class Stage:
         """Whether `w` is of the model's last chunk (the head and loss follow it); validity unchecked."""
         return (self.index == self.cfg.mesh.pp - 1) & (w["chunk"] == self.cfg.parallel.pp_virtual - 1)
 
-    def run_chunk(self, chunk, x):
-        return run_layers(self.cfg.model, chunk, x, self.cfg.parallel)
+    def run_chunk(self, chunk, x, docs):
+        return run_layers(self.cfg.model, chunk, x, self.cfg.parallel, docs)
+
+    def documents(self, mb):
+        """Microbatch `mb`'s packed documents (`model.document_eos`), or None: recomputed from its
+        input tokens, which every stage holds (see "Documents" above)."""
+        eos = self.cfg.model.document_eos
+        return None if eos is None else documents.layout(self.inputs[mb], eos)
 
     def head_loss(self, final_norm, head, y, mb):
-        """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`."""
+        """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`; with
+        documents, the targets after an end-of-document token count zero."""
         c = self.cfg.model
+        weights = None if c.document_eos is None else documents.trained_targets(self.inputs[mb], c.document_eos)
         if c.loss_chunks > 1:
             x = norm(c, final_norm, y)
-            return self.scale * chunked_cross_entropy(c, x, head, self.targets[mb], self.cfg.parallel)
-        return self.scale * cross_entropy(lm_logits(c, final_norm, head, y, self.cfg.parallel), self.targets[mb])
+            return self.scale * chunked_cross_entropy(c, x, head, self.targets[mb], self.cfg.parallel, weights)
+        logits = lm_logits(c, final_norm, head, y, self.cfg.parallel)
+        return self.scale * cross_entropy(logits, self.targets[mb], weights)
 
     def forward_input(self, f, act_in):
         """The embedding of microbatch f.mb for the first chunk, otherwise the activation received last tick."""
@@ -248,8 +266,8 @@ class Stage:
         run_forward = f_valid
         if not stash.runs_last_forward:
             run_forward &= ~self.is_last_chunk(f)
-        chunk = chunk_params_of(self.chunks, f["chunk"])
-        act_out, saved = when(self.masked, run_forward, lambda x: stash.forward(chunk, x),
+        chunk, docs = chunk_params_of(self.chunks, f["chunk"]), self.documents(f["mb"])
+        act_out, saved = when(self.masked, run_forward, lambda x: stash.forward(chunk, x, docs),
                               lambda x: (x, stash.skipped(x)), x_in)
         return act_out, set_entry(kept, f["slot"], saved, f_valid)
 
@@ -317,7 +335,7 @@ class TrainingTick:
         chunk = chunk_params_of(s.chunks, b["chunk"])
 
         def backward(saved):
-            y, vjp = self.stash.backward(chunk, saved)
+            y, vjp = self.stash.backward(chunk, saved, s.documents(b["mb"]))
             loss_add, d_head, dy = self.output_cotangent(b, y, cot_in)
             d_chunk, dx = vjp(dy)
             return loss_add, d_chunk, d_head, dx
@@ -397,7 +415,8 @@ def train_stage(cfg: Config, masked: bool, grads: GradientPlacement, schedule: S
     stage = Stage(cfg, masked, 1.0 / (cfg.parallel.microbatches * dp), stage_layers, embed, final_norm, head, tokens)
     accumulators = grads.keep_tp((zeros(stage.chunks), zeros(embed), zeros((final_norm, head))), grads.accumulators)
     with sharding.axis_rules(cfg, manual=("dp", "pp")):
-        stash = STASHES[cfg.parallel.pp_stash](stage.run_chunk, chunk_params_of(stage.chunks, 0), stage.act)
+        stash = STASHES[cfg.parallel.pp_stash](stage.run_chunk, chunk_params_of(stage.chunks, 0), stage.act,
+                                               stage.documents(0))
         kept = stash.empty(schedule.slots, stage.act)
         reduced = grads.empty_reduced(stage.chunks) if dp > 1 else ()
         carry = (stage.act, stage.act, kept, accumulators, reduced, jnp.zeros((), jnp.float32))

@@ -1,8 +1,13 @@
 """What a pipeline stage keeps between a chunk's forward and its backward (`parallel.pp_stash`).
 
-A strategy has `forward(chunk, x) -> (y, saved)` (run the chunk, say what to keep in a stash
-slot), `skipped(x)` (a slot's worth for an idle tick), `empty(slots, act)` (the stash) and
-`backward(chunk, saved) -> (y, vjp)` (the chunk's output and vjp, from what was kept):
+A strategy wraps the chunk function `fn(chunk, x, docs)` and has `forward(chunk, x, docs) ->
+(y, saved)` (run the chunk, say what to keep in a stash slot), `skipped(x)` (a slot's worth for
+an idle tick), `empty(slots, act)` (the stash) and `backward(chunk, saved, docs) -> (y, vjp)` (the
+chunk's output and its vjp over (chunk, x), from what was kept). `docs` is the microbatch's packed
+documents' layout (`model.documents.layout`, None without `model.document_eos`): not differentiated,
+never stashed — the executor recomputes it from the microbatch's tokens for the forward and again
+for the backward, so whatever of the chunk's residuals depends on it only (the attention masks,
+the restarted rotary angles) is rebuilt, not kept:
 
 * `InputStash` (`inputs`, default): the chunk's input; the backward recomputes the forward
   inside its `jax.vjp` — one extra chunk forward per backward, `slots` activations of memory.
@@ -28,20 +33,20 @@ class InputStash:
 
     runs_last_forward = False
 
-    def __init__(self, fn, chunk, act):
+    def __init__(self, fn, chunk, act, docs):
         self.fn = fn
 
     def empty(self, slots: int, act):
         return jnp.zeros((slots, *act.shape), act.dtype)
 
-    def forward(self, chunk, x):
-        return self.fn(chunk, x), x
+    def forward(self, chunk, x, docs):
+        return self.fn(chunk, x, docs), x
 
     def skipped(self, x):
         return x
 
-    def backward(self, chunk, saved):
-        return jax.vjp(self.fn, chunk, saved)
+    def backward(self, chunk, saved, docs):
+        return jax.vjp(lambda chunk, x: self.fn(chunk, x, docs), chunk, saved)
 
 
 class ResidualStash:
@@ -50,9 +55,9 @@ class ResidualStash:
 
     runs_last_forward = True
 
-    def __init__(self, fn, chunk, act):
+    def __init__(self, fn, chunk, act, docs):
         self.fn = fn
-        self.depends, self.avals = activation_dependent_residuals(fn, chunk, act)
+        self.depends, self.avals = activation_dependent_residuals(fn, chunk, act, docs)
         self.kept = [a for a, d in zip(self.avals, self.depends) if d]
 
     def _check(self, leaves, where: str):
@@ -62,8 +67,8 @@ class ResidualStash:
     def empty(self, slots: int, act):
         return [jnp.zeros((slots, *a.shape), a.dtype) for a in self.kept], jnp.zeros((slots, *act.shape), act.dtype)
 
-    def forward(self, chunk, x):
-        y, vjp = jax.vjp(self.fn, chunk, x)
+    def forward(self, chunk, x, docs):
+        y, vjp = jax.vjp(lambda chunk, x: self.fn(chunk, x, docs), chunk, x)
         leaves = jax.tree.leaves(vjp)
         self._check(leaves, "forward")
         return y, ([leaf for leaf, d in zip(leaves, self.depends) if d], y)
@@ -71,10 +76,12 @@ class ResidualStash:
     def skipped(self, x):
         return [jnp.zeros(a.shape, a.dtype) for a in self.kept], x
 
-    def backward(self, chunk, saved):
+    def backward(self, chunk, saved, docs):
         kept, y = saved
-        # The activation path of this vjp is dead code (its residuals are replaced below).
-        rebuilt, treedef = jax.tree.flatten(jax.vjp(self.fn, chunk, jnp.zeros_like(y))[1])
+        # The activation path of this vjp is dead code (its residuals are replaced below); what
+        # depends on the parameters and `docs` only is rebuilt here, for this microbatch's docs.
+        rebuilt, treedef = jax.tree.flatten(jax.vjp(lambda chunk, x: self.fn(chunk, x, docs), chunk,
+                                                    jnp.zeros_like(y))[1])
         self._check(rebuilt, "backward")
         kept = iter(kept)
         return y, treedef.unflatten([next(kept) if d else leaf for leaf, d in zip(rebuilt, self.depends)])
@@ -88,8 +95,8 @@ class NoStash:
     def __init__(self, fn):
         self.fn = fn
 
-    def forward(self, chunk, x):
-        return self.fn(chunk, x), ()
+    def forward(self, chunk, x, docs):
+        return self.fn(chunk, x, docs), ()
 
     def skipped(self, x):
         return ()

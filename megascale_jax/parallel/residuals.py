@@ -22,13 +22,19 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 
-def activation_dependent_residuals(fn, params, x) -> tuple[tuple[bool, ...], tuple]:
-    """For each leaf of `jax.vjp(fn, params, x)[1]` (in `jax.tree.leaves` order): whether it
-    depends on `x`, and its aval."""
+def activation_dependent_residuals(fn, params, x, *context) -> tuple[tuple[bool, ...], tuple]:
+    """For each leaf of the residuals of the vjp of `fn(params, x, *context)` over (params, x) (in
+    `jax.tree.leaves` order): whether it depends on `x`, and its aval. `context` (e.g. a packed
+    batch's document layout) is an input like the parameters: what depends on it alone is not
+    marked, so the caller rebuilds it from the context it has then."""
     avals = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
-    closed = jax.make_jaxpr(lambda p, x: jax.tree.leaves(jax.vjp(fn, p, x)[1]))(avals(params), avals(x))
-    n_params = len(jax.tree.leaves(params))
-    inputs = [i >= n_params for i in range(len(closed.jaxpr.invars))]
+
+    def residuals(p, x, context):
+        return jax.tree.leaves(jax.vjp(lambda p, x: fn(p, x, *context), p, x)[1])
+
+    closed = jax.make_jaxpr(residuals)(avals(params), avals(x), avals(context))
+    n_params, n_x = len(jax.tree.leaves(params)), len(jax.tree.leaves(x))
+    inputs = [n_params <= i < n_params + n_x for i in range(len(closed.jaxpr.invars))]
     return tuple(depends_on_inputs(closed.jaxpr, inputs)), tuple(closed.out_avals)
 
 

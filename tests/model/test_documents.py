@@ -16,19 +16,14 @@ from megascale_jax.config_checks import ConfigError
 from megascale_jax.model import documents
 from megascale_jax.model.transformer import Transformer, loss_fn
 
+import packed_documents  # tests/: the packed rows and the documents-alone reference the tests share
+
 EOS = 3
 SHAPE = dict(layers=2, d_model=64, heads=4, kv_heads=2, seq_len=32, vocab=97, dtype="float32")
 
 
 def packed_batch(seed: int, rows: int, seq_len: int) -> np.ndarray:
-    """Rows of seq_len + 1 tokens cut from a stream of documents of 1-14 random tokens, each ended by
-    EOS (as the loader packs them: a row starts and ends mid-document)."""
-    rng = np.random.default_rng(seed)
-    stream = []
-    while len(stream) < rows * (seq_len + 1) + 40:
-        stream += [*rng.integers(EOS + 1, SHAPE["vocab"], size=int(rng.integers(1, 15))), EOS]
-    start = int(rng.integers(0, 20))
-    return np.asarray(stream[start:start + rows * (seq_len + 1)]).reshape(rows, seq_len + 1)
+    return packed_documents.packed_batch(seed, rows, seq_len, EOS, SHAPE["vocab"])
 
 
 def perturbed_params(model, seed):
@@ -37,29 +32,6 @@ def perturbed_params(model, seed):
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
     return treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-
-
-def unpacked_loss_sum(cfg: ModelConfig, params, batch: np.ndarray) -> float:
-    """Each row split at its EOS tokens by hand, each piece through the plain model on its own,
-    the next-token losses of every target not after an EOS summed in float64."""
-    plain = Transformer(dataclasses.replace(cfg, document_eos=None))
-    pieces = []  # (inputs, targets) of each document, as it would be alone
-    for row in batch:
-        inputs, targets = row[:-1], row[1:]
-        bounds = [0, *[i + 1 for i, t in enumerate(inputs) if t == EOS and i + 1 < len(inputs)], len(inputs)]
-        pieces += [(inputs[a:b], targets[a:b]) for a, b in zip(bounds, bounds[1:])]
-    # each alone at the start of a row of its own, right-padded: causal attention never reads the padding
-    rows = np.full((len(pieces), cfg.seq_len), EOS + 1)
-    for r, (inputs, _) in enumerate(pieces):
-        rows[r, :len(inputs)] = inputs
-    logits = np.asarray(jax.jit(plain.apply)({"params": params}, jnp.asarray(rows)), np.float64)
-    total = 0.0
-    for r, (inputs, targets) in enumerate(pieces):
-        z = logits[r, :len(inputs)]
-        logz = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
-        losses = logz - z[np.arange(len(inputs)), targets]
-        total += float(losses[inputs != EOS].sum())
-    return total
 
 
 def test_the_layout_counts_documents_and_positions_from_each_documents_start():
@@ -71,17 +43,21 @@ def test_the_layout_counts_documents_and_positions_from_each_documents_start():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("window, block, loss_chunks", [(None, "parallel", 1), (5, "parallel", 1), (5, "serial", 4)],
-                         ids=["causal", "window", "serial-sliced-loss"])
-def test_a_packed_masked_loss_is_the_documents_own_losses(window, block, loss_chunks):
-    cfg = ModelConfig(**SHAPE, window=window, block=block, loss_chunks=loss_chunks, document_eos=EOS)
+@pytest.mark.parametrize("window, block, loss_chunks, attention", [
+    (None, "parallel", 1, "xla"), (5, "parallel", 1, "xla"), (5, "serial", 4, "xla"), (5, "parallel", 1, "pallas"),
+    (None, "serial", 1, "pallas")], ids=["causal", "window", "serial-sliced-loss", "pallas-window", "pallas-causal"])
+def test_a_packed_masked_loss_is_the_documents_own_losses(window, block, loss_chunks, attention):
+    """The Pallas kernel (interpret mode) with segment ids too: the reference runs XLA's attention."""
+    cfg = ModelConfig(**SHAPE, window=window, block=block, loss_chunks=loss_chunks, document_eos=EOS,
+                      attention=attention)
     model = Transformer(cfg)
     params = perturbed_params(model, seed=4)
     batch = packed_batch(seed=9, rows=3, seq_len=cfg.seq_len)
     assert (batch[:, :-1] == EOS).sum() >= 6  # several documents a row, some cut at a row's edge
     packed = float(jax.jit(loss_fn, static_argnums=0)(model, params, jnp.asarray(batch))) * batch.shape[0] * cfg.seq_len
-    np.testing.assert_allclose(packed, unpacked_loss_sum(cfg, params, batch), rtol=1e-6)
-    plain = float(loss_fn(Transformer(dataclasses.replace(cfg, document_eos=None)), params, jnp.asarray(batch)))
+    np.testing.assert_allclose(packed, packed_documents.unpacked_loss_sum(cfg, params, batch), rtol=1e-6)
+    plain = Transformer(dataclasses.replace(cfg, document_eos=None, attention="xla"))
+    plain = float(jax.jit(loss_fn, static_argnums=0)(plain, params, jnp.asarray(batch)))
     assert abs(plain * batch.shape[0] * cfg.seq_len - packed) > 1e-3 * packed  # the masks change the loss
 
 
@@ -124,12 +100,10 @@ def test_restarted_positions_are_what_the_rotary_embedding_rotates_by(monkeypatc
                 assert positions.shape == (cfg.seq_len,)
 
 
-@pytest.mark.parametrize("overrides, says", [
-    (["model.document_eos=3", "mesh.pp=2", "mesh.dp=1", "parallel.microbatches=2"], "not kept apart through the pipeline"),
-    (["model.document_eos=3", "model.attention=pallas"], "Pallas attention kernel does not keep documents apart"),
-    (["model.document_eos=300"], "model.document_eos=300 must be a token id below model.vocab=256"),
-])
-def test_what_does_not_keep_documents_apart_yet_is_one_line(overrides, says):
-    with pytest.raises(ConfigError, match=says) as raised:
-        load_config(None, overrides)
+def test_an_end_of_document_token_outside_the_vocabulary_is_one_line():
+    with pytest.raises(ConfigError, match="model.document_eos=300 must be a token id below model.vocab=256") as raised:
+        load_config(None, ["model.document_eos=300"])
     assert "\n" not in str(raised.value)
+    # every layout keeps documents apart: the pipeline's stages, the Pallas kernel
+    load_config(None, ["model.document_eos=3", "mesh.pp=2", "mesh.dp=1", "parallel.microbatches=2"])
+    load_config(None, ["model.document_eos=3", "model.attention=pallas"])

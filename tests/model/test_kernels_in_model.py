@@ -25,7 +25,10 @@ def losses(overrides, steps=3):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.dp=1", "mesh.tp=1", "mesh.cpu_devices=1"],
-                                  ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=4"]], ids=["1dev", "dp2tp2"])
+                                  ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=4"],
+                                  # packed documents (each line of the text one): the kernels' segment ids
+                                  ["mesh.dp=2", "mesh.tp=2", "mesh.cpu_devices=4", "model.document_eos=10"]],
+                         ids=["1dev", "dp2tp2", "dp2tp2-documents"])
 def test_pallas_kernels_train_like_xla(mesh):
     reference = losses(mesh)
     assert reference[-1] < reference[0]

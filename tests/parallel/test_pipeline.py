@@ -13,8 +13,10 @@ from megascale_jax.training import data
 from megascale_jax.parallel import layout, pipeline, sharding
 from megascale_jax.config import load_config
 from megascale_jax.parallel.mesh import make_mesh
-from megascale_jax.model.transformer import loss_fn, score_fn
+from megascale_jax.model.transformer import Transformer, loss_fn, score_fn
 from megascale_jax.training.trainer import build_trainer
+
+import packed_documents  # tests/: packed rows of documents and the documents-alone reference
 
 MODEL = ["model.layers=8", "model.d_model=32", "model.heads=4", "model.kv_heads=2", "model.seq_len=16",
          "model.window=6", "train.global_batch=8"]
@@ -33,16 +35,17 @@ def reference():
     return reference_for()
 
 
-def reference_for(*overrides):
-    """Random (non-initial) parameters, a real batch, and plain autodiff on one device."""
+def reference_for(*overrides, batch=None):
+    """Random (non-initial) parameters, a real batch (or `batch`), and plain autodiff on one device."""
     cfg = one_device(*overrides)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     params = jax.device_get(trainer.init().params)
     leaves, treedef = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(7), len(leaves))
     params = treedef.unflatten([x + 0.05 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
-    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
-    batch = batches.rows(3, 0, cfg.train.global_batch)
+    if batch is None:
+        batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
+        batch = batches.rows(3, 0, cfg.train.global_batch)
     loss, grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(trainer.model, p, batch)))(params)
     return params, batch, float(loss), jax.device_get(grads)
 
@@ -110,20 +113,20 @@ def test_hf_model_options_with_tied_embeddings_equal_one_device():
     reference = reference_for(*HF_OPTIONS)
     cfg = config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b",
                  "parallel.pp_virtual=2", "parallel.microbatches=2", *HF_OPTIONS)
-    trainer, params, batch = assert_pipeline_equals_one_device(cfg, reference)
+    trainer, params, batch, _ = assert_pipeline_equals_one_device(cfg, reference)
     np.testing.assert_allclose(float(trainer.eval_loss(params, batch)), reference[2], rtol=1e-5)
 
 
-def assert_pipeline_equals_one_device(cfg, reference):
+def assert_pipeline_equals_one_device(cfg, reference, loss_rtol=1e-5):
     """The pipelined loss and gradients of `cfg` equal one device's (`reference`); returns the
-    trainer and its placed parameters and batch."""
+    trainer, its placed parameters and batch, and the loss."""
     params, batch, ref_loss, ref_grads = reference
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
     params = jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params)
     batch = jax.device_put(batch, trainer.batch_sharding)
     loss, grads = trainer.loss_and_grads(params, batch)
-    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=loss_rtol)
     assert set(grads) == set(ref_grads)  # a tied model has no head, and no head gradient
     if cfg.parallel.zero1 and cfg.mesh.dp > 1:  # reduce-scattered to the moments' dp split
         assert "dp" in str(grads["layers"]["mlp"]["w1"].sharding.spec), grads["layers"]["mlp"]["w1"].sharding
@@ -134,7 +137,59 @@ def assert_pipeline_equals_one_device(cfg, reference):
         scale = np.abs(ref).max()
         assert scale > 0, path
         np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5 * scale, err_msg=str(path))
-    return trainer, params, batch
+    return trainer, params, batch, float(loss)
+
+
+# Packed documents kept apart (model.document_eos): rows of random documents ended by EOS
+# (tests/packed_documents.py). Each stage recomputes a microbatch's document layout from its tokens
+# for the chunk's attention and rotary positions; the last stage drops the targets after an EOS.
+EOS = 3
+DOCUMENTS = (f"model.document_eos={EOS}",)
+DOCUMENTS_GRID = [
+    (1, 2, 1, "1f1b", 1, 2, ()),
+    (2, 2, 2, "gpipe", 1, 2, ()),
+    # the masks rebuilt in the backward from the backward's microbatch, not stashed
+    (2, 2, 1, "interleaved_1f1b", 2, 2, RESIDUALS),
+    (1, 4, 2, "1f1b", 1, 4, ("model.loss_chunks=4",)),  # the boundary targets dropped slice by slice
+    (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL),
+]
+
+
+@pytest.fixture(scope="module")
+def documents_reference():
+    """One device's loss and gradients on packed rows of documents, and the documents' own summed
+    losses, each document run alone through the plain model (`unpacked_loss_sum`)."""
+    cfg = one_device(*DOCUMENTS)
+    batch = packed_documents.packed_batch(5, cfg.train.global_batch, cfg.model.seq_len, EOS, cfg.model.vocab)
+    assert (batch[:, :-1] == EOS).any(axis=1).mean() >= 0.75  # most rows hold a document boundary
+    reference = reference_for(*DOCUMENTS, batch=batch)
+    plain = float(jax.jit(loss_fn, static_argnums=0)(Transformer(one_device().model), reference[0], batch))
+    assert abs(plain - reference[2]) > 1e-3 * reference[2]  # the documents change the loss
+    return reference, packed_documents.unpacked_loss_sum(cfg.model, reference[0], batch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", DOCUMENTS_GRID, ids=[grid_id(*g) for g in DOCUMENTS_GRID])
+def test_packed_documents_through_the_pipeline_equal_one_device_and_each_document_alone(
+        documents_reference, dp, pp, tp, schedule, v, m, extra):
+    reference, alone = documents_reference
+    cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
+                 f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *DOCUMENTS, *extra)
+    _, _, batch, loss = assert_pipeline_equals_one_device(cfg, reference, loss_rtol=1e-6)
+    targets = batch.shape[0] * cfg.model.seq_len  # the loss is the documents' losses over every target
+    np.testing.assert_allclose(loss * targets, alone, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_packed_documents_evaluated_through_the_pipeline_equal_one_device(documents_reference):
+    (params, batch, ref_loss, _), alone = documents_reference
+    cfg = config("mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b",
+                 "parallel.pp_virtual=2", "parallel.microbatches=4", *DOCUMENTS)
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    loss = float(trainer.eval_loss(jax.device_put(layout.to_stored(cfg, params), trainer.state_shardings.params),
+                                   jax.device_put(batch, trainer.batch_sharding)))
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+    np.testing.assert_allclose(loss * batch.shape[0] * cfg.model.seq_len, alone, rtol=1e-6)
 
 
 def compile_step(schedule: str, v: int, m: int, stash: str = "inputs"):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from megascale_jax.config import load_config
+from megascale_jax.model import documents
 from megascale_jax.model.transformer import Transformer, run_layers
 from megascale_jax.parallel.residuals import activation_dependent_residuals
 
@@ -31,7 +32,8 @@ def numerically_dependent(fn, params, x_shape, dtype) -> list[bool]:
 @pytest.mark.parametrize("extra", [
     [], ["model.block=serial", "model.norm=rmsnorm"], ["model.window=null"],
     ["model.attention=pallas", "model.fused_norm=true", "model.fused_mlp=true"],
-], ids=["parallel", "serial-rmsnorm", "no-window", "pallas-fused"])
+    ["model.document_eos=3"], ["model.document_eos=3", "model.attention=pallas"],
+], ids=["parallel", "serial-rmsnorm", "no-window", "pallas-fused", "documents", "pallas-documents"])
 def test_model_chunk_residuals_match_their_values(extra):
     cfg = load_config(None, BASE + extra)
     boxed = jax.eval_shape(Transformer(cfg.model, cfg.parallel).init, jax.random.key(0),
@@ -39,10 +41,15 @@ def test_model_chunk_residuals_match_their_values(extra):
     shapes = nn.unbox(boxed)["params"]["layers"]
     keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(shapes))))
     layers = jax.tree.map(lambda a: jax.random.normal(next(keys), a.shape, a.dtype), shapes)
-    fn = lambda p, x: run_layers(cfg.model, p, x, cfg.parallel)
     x_shape = (2, cfg.model.seq_len, cfg.model.d_model)
-    depends, avals = activation_dependent_residuals(fn, layers, jax.ShapeDtypeStruct(x_shape, jnp.float32))
-    expected = numerically_dependent(fn, layers, x_shape, jnp.float32)
+    # packed documents: a context beside the weights (the pipeline's stash rebuilds what depends on
+    # it alone from the backward's microbatch), fixed in the numerical reference
+    eos = cfg.model.document_eos
+    tokens = np.random.default_rng(4).integers(0, 6, x_shape[:2])
+    docs = None if eos is None else documents.layout(jnp.asarray(tokens), eos)
+    fn = lambda p, x, docs: run_layers(cfg.model, p, x, cfg.parallel, docs)
+    depends, avals = activation_dependent_residuals(fn, layers, jax.ShapeDtypeStruct(x_shape, jnp.float32), docs)
+    expected = numerically_dependent(lambda p, x: fn(p, x, docs), layers, x_shape, jnp.float32)
     assert list(depends) == expected
     assert 0 < sum(depends) < len(depends)  # both kinds exist: the check is not vacuous
 

@@ -206,13 +206,10 @@ def test_a_jsonl_source_without_its_tokenizer_is_refused_before_anything_runs(co
     work, _ = corpus
     with pytest.raises(ConfigError, match="data.source=jsonl needs data.tokenizer=PATH"):
         load_config(None, ["data.source=jsonl", f"data.path={work}/shards/*.jsonl"])
-    # documents kept apart (the default) where the model cannot yet: before anything is tokenized
+    # documents kept apart (the default) on every layout: through the pipeline, in the Pallas kernel
     shards = [f"data.path={work}/shards/*.jsonl*", f"data.tokenizer={work}/model"]
-    with pytest.raises(ConfigError, match="not kept apart through the pipeline yet .*keep_documents_apart=false"):
-        load_config(None, ["data.source=jsonl", *shards, "mesh.pp=2", "mesh.dp=1", "parallel.microbatches=2"])
-    with pytest.raises(ConfigError, match="Pallas attention kernel does not keep documents apart"):
-        load_config(None, ["data.source=jsonl", *shards, "model.attention=pallas"])
-    load_config(None, ["data.source=jsonl", *shards, "model.attention=pallas", "data.keep_documents_apart=false"])
+    load_config(None, ["data.source=jsonl", *shards, "mesh.pp=2", "mesh.dp=1", "parallel.microbatches=2"])
+    load_config(None, ["data.source=jsonl", *shards, "model.attention=pallas"])
 
 
 @pytest.mark.slow
