@@ -146,7 +146,8 @@ def test_flash_attention_keeps_documents_apart(seq, heads, kv_heads, head_dim, w
     _assert_close(got, alone, dtype, tol)
     _assert_close(got, xla, dtype, tol)
     # the control: without segment ids the kernel attends across documents
-    crossing = _run(lambda q, k, v: pk.flash_attention(q, k, v, window=window, block_q=block_q, block_k=block_k), q, k, v)
+    crossing = _run(lambda q, k, v: pk.flash_attention(q, k, v, window=window, block_q=block_q, block_k=block_k),
+                    q, k, v)
     assert np.abs(np.asarray(crossing, np.float32) - np.asarray(got[0], np.float32)).max() > 0.1
 
 

@@ -132,7 +132,8 @@ def test_the_attention_kernels_with_documents_lower_as_triton_kernels_taking_the
     q, kv = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((2, 256), jnp.int32)
     loss = lambda q, k, v, ids: flash_attention(q, k, v, window=64, segment_ids=ids).astype(jnp.float32).sum()
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    text = step.trace(q, kv, kv, ids).lower(lowering_platforms=("cuda",)).as_text()
     assert sorted(triton_kernels(text)) == sorted(ATTENTION)
     calls = [line for line in text.splitlines() if TRITON_CALL in line]
     assert all(line.count("tensor<2x256xi32>") >= 2 for line in calls), calls
