@@ -13,17 +13,18 @@ process count, a resume) reads what an earlier one tokenized, and only a shard n
 costs tokenizing. The ids are exactly `pretrained_tokenizer`'s (the cached mode's and `python -m
 megascale_jax.tokenize`'s): each document as the tokenizer encodes it, then the end-of-document token.
 
-Workers. A process starts one worker process (`python -m megascale_jax.training.shard_cache`, no
-JAX in it) per group of its readers; a worker tokenizes its readers' shards, each reader's in the
-order that reader reads them, one batch of documents of each reader in turn — so the readers
-advance together, and the first step waits for the first windows of every reader, not for whole
-shards. Each batch's ids are appended to `train.<job>.part` / `val.<job>.part` and flushed, so the
-loader reads a shard while it is being tokenized; at the shard's end the parts are renamed into
-place, then meta.json is written. Parts are named by the job that writes them: two processes that
-tokenize one shard at once (two runs on one corpus) never write one file, and as a shard's ids are
-the same whoever tokenizes it, either copy is right. A worker holds one batch of documents and its
-ids per reader, and the tokenizer: memory does not grow with the corpus. It stops when its parent
-dies (a killed run leaves no worker behind).
+Workers. A process starts at most `workers` worker processes (`python -m
+megascale_jax.training.shard_cache`, no JAX in them), its readers shared out among them; a worker
+tokenizes its readers' shards, each reader's in the order that reader reads them, one batch of
+documents (256, or 1 MiB of text) of each reader in turn — so the readers advance together, and the
+first step waits for the first windows of every reader, not for whole shards. Each batch's ids are
+appended to `train.<job>.part` / `val.<job>.part` and flushed, so the loader reads a shard while it
+is being tokenized; at the shard's end the parts are renamed into place, then meta.json is written.
+Parts are named by the job that writes them: two processes that tokenize one shard at once (two
+runs on one corpus) never write one file, and as a shard's ids are the same whoever tokenizes it,
+either copy is right. A worker holds the tokenizer and, per reader, one batch of documents and its
+ids: memory does not grow with the corpus. It stops when its parent dies (a killed run leaves no
+worker behind).
 
 Validation documents: a document is held out when a hash of (its shard's file name, its index
 among the shard's documents) falls under data.val_fraction; decided as the document is read, so no
@@ -49,6 +50,10 @@ from megascale_jax.training.tokenizer import TokenizerError
 
 KEY_VERSION = 1  # bump when a shard key's files would be written differently
 SPLITS = ("train", "val")
+# A batch is 256 documents or 1 MiB of text, whichever comes first: `tokenizers`' encodings hold
+# ~100 bytes a token (ids, offsets, the token strings), so 256 long documents (5 MB of text) held
+# ~1 GB while they were encoded; 1 MiB holds tens of MB.
+BATCH_BYTES = 1 << 20
 META = "meta.json"
 _POLL_S = (0.002, 0.05)  # the loader's wait for a worker: first and longest sleep between looks
 
@@ -106,7 +111,7 @@ def _shard_batches(tokenizer, path: str, directory: str, job: dict):
     name, dtype, eos = os.path.basename(path), job["dtype"], job["eos"]
     try:
         with open(parts["train"], "wb") as train, open(parts["val"], "wb") as val:
-            out, batch = {"train": train, "val": val}, []
+            out, batch, flushed = {"train": train, "val": val}, [], 0
 
             def write() -> None:
                 first = sum(counts["documents"].values())
@@ -122,8 +127,9 @@ def _shard_batches(tokenizer, path: str, directory: str, job: dict):
             for text in documents.read_documents(path, job["text_field"], bad):
                 batch.append(text)
                 counts["text_bytes"] += len(text.encode("utf-8", "surrogatepass"))
-                if len(batch) == pretrained_tokenizer.BATCH_DOCUMENTS:
+                if len(batch) == pretrained_tokenizer.BATCH_DOCUMENTS or counts["text_bytes"] >= flushed + BATCH_BYTES:
                     write()
+                    flushed = counts["text_bytes"]
                     yield True
             write()
     except BaseException:

@@ -139,11 +139,15 @@ class StreamBatches:
         self._streams: dict[int, ReaderStream] = {}
         self._windows: dict[tuple[int, int], np.ndarray] = {}
 
-    def stream(self, reader: int) -> ReaderStream:
-        if reader not in self._streams:
-            self._streams[reader] = ReaderStream(self.cache, self.reader_shards[reader], self.split, self.seed, reader)
-            self.cache.start({reader: [int(s) for s in self._streams[reader].first]})
-        return self._streams[reader]
+    def streams(self, readers) -> list[ReaderStream]:
+        """The readers' streams; their shards' tokenizing starts with the first batch that asks for
+        them, all at once (the workers share them out)."""
+        new = [j for j in readers if j not in self._streams]
+        for j in new:
+            self._streams[j] = ReaderStream(self.cache, self.reader_shards[j], self.split, self.seed, j)
+        if new:
+            self.cache.start({j: [int(s) for s in self._streams[j].first] for j in new})
+        return [self._streams[j] for j in readers]
 
     def sequence(self, reader: int, position: int) -> int:
         """The sequence of the reader's stream at `position`: shuffled within its window."""
@@ -160,13 +164,12 @@ class StreamBatches:
     def rows(self, step: int, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) of step `step`'s global batch: int32, shape (stop-start, seq_len+1)."""
         readers, positions = np.divmod(np.arange(start, stop), self.per_reader)
-        for j in np.unique(readers):  # every reader's workers start before the first waits
-            self.stream(int(j))
+        streams = dict(zip(mine := np.unique(readers).tolist(), self.streams(mine)))
         out = np.empty((stop - start, self.seq_len + 1), dtype=np.int32)
         try:
             for i, (j, p) in enumerate(zip(readers.tolist(), (positions + step * self.per_reader).tolist())):
                 q = self.sequence(j, p)
-                out[i] = self.stream(j).read(q * self.seq_len, self.seq_len + 1)
+                out[i] = streams[j].read(q * self.seq_len, self.seq_len + 1)
         except ShardError as e:
             raise data.DataError(tokenized_corpus.in_config_keys(e)) from None
         return out

@@ -137,6 +137,7 @@ def test_streamed_rows_equal_the_reference_over_two_epochs_and_the_seed_fixes_th
     for step in range(steps):
         np.testing.assert_array_equal(streamed.train.rows(step, 0, BATCH), reference_rows(train, 0, step, True),
                                       err_msg=f"step {step}")
+    assert len(streamed.train.cache._workers) == 1  # data.tokenize_workers=1: one worker for both readers
     val_steps = max(len(s) for s in val) // 30 // SEQ  # validation cycles its documents
     for step in range(val_steps + 2):
         np.testing.assert_array_equal(streamed.val.rows(step, 0, BATCH), reference_rows(val, 0, step, False))
@@ -224,42 +225,81 @@ def test_readers_the_processes_or_shards_cannot_share_and_a_resume_with_other_re
 # ----------------------------------------------------------------------------- the CLI: resume
 
 
-def run_cli(work, run_dir: str, *extra, steps: int) -> subprocess.CompletedProcess:
-    args = ["--run-dir", run_dir, "data.source=jsonl", "data.path=shards/[abce]*", "data.tokenizer=tok.json",
-            "data.stream=true", "data.cache_dir=cli_cache", "model.vocab=384", "model.layers=2", "model.d_model=64",
-            "model.heads=4", "model.kv_heads=4", f"model.seq_len={SEQ}", "train.global_batch=8", "train.eval_every=3",
+def cli_args(steps: int) -> list[str]:
+    return ["data.source=jsonl", "data.path=shards/[abce]*", "data.tokenizer=tok.json", "data.stream=true",
+            "data.cache_dir=cli_cache", "model.vocab=384", "model.layers=2", "model.d_model=64", "model.heads=4",
+            "model.kv_heads=4", f"model.seq_len={SEQ}", "train.global_batch=8", "train.eval_every=3",
             "train.eval_batches=1", "train.sample_at_end=0", "data.val_fraction=0.2", "checkpoint.every=3",
-            "optim.warmup=1", "optim.min_lr_ratio=1", f"train.steps={steps}", *extra]  # lr the same whatever train.steps
-    return subprocess.run([sys.executable, "-m", "megascale_jax.train", *args], cwd=work, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+            "optim.warmup=1", "optim.min_lr_ratio=1", f"train.steps={steps}"]  # lr the same whatever train.steps
+
+
+def run_cli(work, run_dir: str, *extra, steps: int) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", run_dir, *cli_args(steps), *extra],
+                          cwd=work, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
 
 
 def losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_a_streamed_run_resumed_mid_epoch_is_bitwise_and_on_another_mesh_the_same_batches(corpus, tmp_path):
-    """6 steps at dp 2; 3 steps then resumed to 6 at dp 2 (losses bitwise), and from the same step-3
-    checkpoint at dp 4 (the same batches: losses within the layouts' fp32 contract, rel 1e-5); a
-    resume that asks for other readers is refused before anything compiles."""
-    import shutil
+DP2, DP4 = ["mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2"], ["mesh.dp=4", "mesh.tp=1", "mesh.cpu_devices=4"]
+
+
+@pytest.fixture(scope="module")
+def whole(corpus):
+    """6 steps at dp 2 in one process: the run the resumed ones must equal."""
     import yaml
 
     work, _ = corpus
-    dp2, dp4 = ["mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2"], ["mesh.dp=4", "mesh.tp=1", "mesh.cpu_devices=4"]
-    whole = run_cli(work, "runs/whole", *dp2, steps=6)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    assert "4 jsonl shards streamed" in whole.stdout + whole.stderr and "a.jsonl:3: not JSON" in whole.stderr
+    done = run_cli(work, "runs/whole", *DP2, steps=6)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "4 jsonl shards streamed" in done.stdout + done.stderr and "a.jsonl:3: not JSON" in done.stderr
     assert yaml.safe_load((work / "runs/whole/config.yaml").read_text())["data"]["readers"] == 4  # the default
-    half = run_cli(work, "runs/half", *dp2, steps=3)
+    return losses(work / "runs/whole")
+
+
+@pytest.mark.slow
+def test_a_streamed_run_resumed_mid_epoch_is_bitwise_and_on_another_mesh_the_same_batches(corpus, whole):
+    """3 steps then resumed to 6 at dp 2 (losses bitwise), and from the same step-3 checkpoint at
+    dp 4 (the same batches: losses within the layouts' fp32 contract, rel 1e-5); a resume that asks
+    for other readers is refused before anything compiles."""
+    import shutil
+
+    work, _ = corpus
+    half = run_cli(work, "runs/half", *DP2, steps=3)
     assert half.returncode == 0, half.stderr[-3000:]
     shutil.copytree(work / "runs/half", work / "runs/other_mesh")
-    resumed = run_cli(work, "runs/half", *dp2, steps=6)
-    assert resumed.returncode == 0 and "resumed from checkpoint step 3" in resumed.stdout + resumed.stderr, resumed.stderr[-3000:]
-    assert losses(work / "runs/half") == losses(work / "runs/whole")  # bitwise
-    refused = run_cli(work, "runs/other_mesh", *dp4, "data.readers=2", steps=6)
+    resumed = run_cli(work, "runs/half", *DP2, steps=6)
+    assert resumed.returncode == 0 and "resumed from checkpoint step 3" in resumed.stdout + resumed.stderr, \
+        resumed.stderr[-3000:]
+    assert losses(work / "runs/half") == whole  # bitwise
+    refused = run_cli(work, "runs/other_mesh", *DP4, "data.readers=2", steps=6)
     assert refused.returncode == 2 and "started with data.readers=4" in refused.stderr.strip().splitlines()[-1]
-    moved = run_cli(work, "runs/other_mesh", *dp4, steps=6)
+    moved = run_cli(work, "runs/other_mesh", *DP4, steps=6)
     assert moved.returncode == 0, moved.stderr[-3000:]
-    np.testing.assert_allclose(losses(work / "runs/other_mesh"), losses(work / "runs/whole"), rtol=1e-5)
+    np.testing.assert_allclose(losses(work / "runs/other_mesh"), whole, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_streamed_run_of_two_processes_resumes_on_one(corpus, whole, tmp_path):
+    """3 steps on two processes (each its two readers, its own cache: as on two hosts), resumed on
+    one process to 6: the losses of the one-process run (rel 1e-5: gloo's reductions)."""
+    from megascale_jax.cluster.rendezvous import free_port
+
+    work, _ = corpus
+    address = f"127.0.0.1:{free_port()}"
+    mesh = ["mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MEGASCALE_JOB_KEY": "the job's secret"}
+    procs = [subprocess.Popen([sys.executable, "-m", "megascale_jax.train", "--run-dir", "runs/two", "--coordinator",
+                               address, "--num-processes", "2", "--process-id", str(i), *cli_args(steps=3),
+                               f"data.cache_dir=cache_of_{i}", *mesh], cwd=work, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    caches = [{json.loads(m.read_text())["shard"] for m in (work / f"cache_of_{i}" / "stream").glob("*/meta.json")}
+              for i in range(2)]
+    assert caches[0] and caches[1] and not caches[0] & caches[1]  # each process tokenized its own readers' shards
+    resumed = run_cli(work, "runs/two", *DP2, steps=6)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    np.testing.assert_allclose(losses(work / "runs/two"), whole, rtol=1e-5)
