@@ -10,6 +10,14 @@
 * ``MEGASCALE_FAULT_ABORT="<process>:<step>"`` — that process prints a glog-style fatal line and
   aborts (SIGABRT) right before dispatching `step`, every time it gets there: a native crash
   that repeats deterministically, like an XLA check failure.
+* ``MEGASCALE_FAULT_WEDGE="<process>:<step>"`` — that process's training loop deadlocks right
+  before it dispatches `step` (its main thread waits on a lock it holds), while all its other
+  threads go on: its heartbeats to Redis and to JAX's coordination service keep beating, only the
+  step stops. Its peers block in `step`'s collectives, their threads alive too: a hang that no
+  heartbeat's silence shows, only the steps' (supervise/detect.py's stall; under SLURM,
+  supervise/watch.py). ``MEGASCALE_FAULT_WEDGE="usr1"``: every process, before its next step
+  after a SIGUSR1 (a wedge at a moment, once: a restarted process is not wedged again; not
+  together with ``MEGASCALE_FAULT_NAN="usr1"``, which takes the same signal).
 
 * ``MEGASCALE_FAULT_HOLD="<process>:<step>"`` — that process waits, up to `HOLD_LIMIT_S`, right
   before it dispatches `step`: armed by the driver for a drill that fires when the heartbeats
@@ -70,6 +78,32 @@ class StopProcess(LoopObserver):
 
             jax.block_until_ready(jax.live_arrays())
             os.kill(os.getpid(), signal.SIGSTOP)
+
+
+class WedgeProcess(LoopObserver):
+    """Deadlocks the training loop before dispatching `step` (step None: before the next step
+    after a SIGUSR1). A lock acquired twice, as a Python deadlock in the step would: the wait
+    releases the GIL, so the heartbeat threads and JAX's own go on, and a signal's handler runs and
+    returns to the wait (SIGTERM's stop request is never acted on: only SIGKILL ends it)."""
+
+    def __init__(self, step: int | None):
+        self.step, self.armed = step, False
+        if step is None:
+            signal.signal(signal.SIGUSR1, self.arm)
+
+    def arm(self, *_):
+        self.armed = True
+
+    def before_step(self, step):
+        if self.armed if self.step is None else step == self.step:
+            import sys
+            import threading
+
+            print(f"wedged before step {step} (MEGASCALE_FAULT_WEDGE): the training loop waits forever, its threads "
+                  "go on", file=sys.stderr, flush=True)
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
 
 
 HOLD_LIMIT_S = 60.0
@@ -161,6 +195,10 @@ def from_env() -> list[LoopObserver]:
         found.append(AbortProcess(int(step)))
     if (step := _target("MEGASCALE_FAULT_HOLD", process)) is not None:
         found.append(HoldProcess(int(step)))
+    if os.environ.get("MEGASCALE_FAULT_WEDGE") == "usr1":
+        found.append(WedgeProcess(None))
+    elif (step := _target("MEGASCALE_FAULT_WEDGE", process)) is not None:
+        found.append(WedgeProcess(int(step)))
     return found
 
 
