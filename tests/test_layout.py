@@ -24,7 +24,7 @@ DRIVER = ("megascale_jax.launch", "megascale_jax.diagnose", "megascale_jax.prefl
           "megascale_jax.supervise.supervisor", "megascale_jax.supervise.detect", "megascale_jax.supervise.policy",
           "megascale_jax.supervise.transport", "megascale_jax.supervise.events", "megascale_jax.supervise.workers",
           "megascale_jax.supervise.redis_server", "megascale_jax.supervise.diagnose",
-          "megascale_jax.supervise.drills", "megascale_jax.supervise.placement",
+          "megascale_jax.supervise.drills", "megascale_jax.supervise.placement", "megascale_jax.supervise.watch",
           "megascale_jax.observe.stragglers", "megascale_jax.observe.hangs", "megascale_jax.observe.timings",
           "megascale_jax.run_dir")
 
