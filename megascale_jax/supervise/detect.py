@@ -354,7 +354,10 @@ def log_worker_events(monitor: HeartbeatMonitor, events: EventLog) -> Fault | No
                 monitor.triaged.add((fields["step"], fields["outcome"]))
                 what = ("finite when replayed: a transient fault, training goes on" if fields["outcome"] == "transient"
                         else "non-finite again when replayed: diverged")
-                events.log("nan_triage", f"step {fields['step']} {what}", rank=rank, **fields)
+                # the verdict of a NaN the workers replayed finite on healthy devices (supervise/verdict.py);
+                # a diverged one is a fault, judged by the driver, as is a failed self-test (below)
+                said = {"verdict": "transient NaN"} if fields["outcome"] == "transient" and test.get("ok") else {}
+                events.log("nan_triage", f"step {fields['step']} {what}", rank=rank, **fields, **said)
             if test and not test.get("ok") and fault is None:
                 fault = Fault("device", rank, f"device self-test failed after a transient NaN at step "
                               f"{fields['step']}: {test}", time.time(), time.time())

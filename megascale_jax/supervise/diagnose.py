@@ -19,7 +19,8 @@ which the cluster recipes hand to the scheduler; `--hosts` names each rank's hos
 so that a rank that never reported is still named. When no rank reported at all, nothing is
 excluded: that is a broken diagnostics step (Redis, the launch), not evidence against every node.
 
-Test-only: `MEGASCALE_DIAG_FAULT=<rank>` makes that rank contribute wrong values to every collective.
+Test-only: `MEGASCALE_DIAG_FAULT=<rank>[,<rank>...]` makes those ranks contribute wrong values to every
+collective (the supervisor's `faulty` drill: supervise/drills.py).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def worker_main(args) -> int:
     member = rendezvous.join(args.redis, args.job, args.num_processes, args.process_id)
     if args.num_processes > 1:
         rendezvous.start_distributed(member.coordinator, args.num_processes, member.rank)
-    corrupt = os.environ.get(FAULT_ENV) == str(member.rank)
+    corrupt = str(member.rank) in os.environ.get(FAULT_ENV, "").split(",")
     result = {"rank": member.rank, "host": socket.gethostname(), "pid": os.getpid(), "self_test": device_self_test(),
               "axes": collective_checks(make_mesh(cfg.mesh), corrupt)}
     rendezvous.connect(args.redis).set(rendezvous.key(args.job, "diag", member.rank), json.dumps(result),

@@ -27,8 +27,9 @@ class Drill:
     * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
     * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
       every time they run there;
-    * `host:RANK` loses the rank's whole host: as `faulty`, and the host's memory snapshots are
-      wiped (a machine's RAM goes with it), so its state must come from a peer's copy or disk;
+    * `host:RANK` loses the rank's whole host: SIGKILL now, the host's memory snapshots wiped (a
+      machine's RAM goes with it: its state must come from a peer's copy or disk), and the slot
+      unreachable from then on (`lost_hosts`: no diagnostics run there);
     * `slow:RANK` makes the rank's slot a straggler: from now on whichever worker runs there
       arrives late at every step (it sleeps half a step before each, `MEGASCALE_FAULT_SLOW`);
     * `corrupt` damages the newest committed checkpoint, wipes every host's memory snapshots (the
@@ -92,6 +93,7 @@ class Drills:
         self.pending = list(drills)
         self.cfg, self.run_dir = cfg, run_dir
         self.broken_slots: set[int] = set()  # `faulty`: they fail diagnostics
+        self.lost_slots: set[int] = set()  # `host`: unreachable, no process runs there any more
         self.slow_slots: set[int] = set()  # `slow`: their workers arrive late
         self.slowed: set[int] = set()  # ranks on slow slots signalled in this attempt
         self.started = time.time()  # drills at a time count from here
@@ -114,11 +116,19 @@ class Drills:
         return env
 
     def diagnosis_env(self, placement) -> dict:
-        """A broken slot's rank contributes wrong values to the diagnostics' collectives."""
+        """A broken slot's rank contributes wrong values to the diagnostics' collectives (every
+        broken rank's: two faults at once are two ranks blamed)."""
         from megascale_jax.supervise.diagnose import FAULT_ENV
 
-        broken = [rank for rank, slot in enumerate(placement.active) if slot in self.broken_slots]
-        return {FAULT_ENV: str(broken[0])} if broken else {}
+        broken = [str(rank) for rank, slot in enumerate(placement.active) if slot in self.broken_slots]
+        return {FAULT_ENV: ",".join(broken)} if broken else {}
+
+    def lost_hosts(self, placement) -> dict[int, str]:
+        """Rank -> host, of the active slots whose host a `host` drill took: unreachable, as a
+        lost machine is to the driver's probe — no diagnostics process can run there, so the
+        diagnostics never speak for it (before, the lost slot ran them as a broken one and read as
+        "wrong values in collectives": a silent-data-corruption verdict for a machine that died)."""
+        return {rank: placement.hosts[slot] for rank, slot in enumerate(placement.active) if slot in self.lost_slots}
 
     def fire(self, group, records: dict, step: int, placement, nprocs: int, server, now: float) -> dict | None:
         """Fire the next drill if it is due: the `drill` event's fields (with its `summary`)."""
@@ -138,7 +148,7 @@ class Drills:
             group.signal(rank, signal.SIGKILL)
             what = f"broke the slot of rank {rank} ({host}): killed, and it fails diagnostics from now on"
         elif drill.kind == "host":  # a lost machine: its processes and its RAM
-            self.broken_slots.add(placement.active[rank])
+            self.lost_slots.add(placement.active[rank])
             group.signal(rank, signal.SIGKILL)
             ram = run_dirs.host_snapshot_dir(run_dirs.snapshot_dir(self.cfg, self.run_dir), host)
             shutil.rmtree(ram, ignore_errors=True)

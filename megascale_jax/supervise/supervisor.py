@@ -8,6 +8,7 @@ The supervisor is the loop that ties the steps together, attempt after attempt:
   config_error, a failed device self-test, a straggler), from exit codes, heartbeats and timings;
 * decide — policy.py's pure `decide`: done, give up, or restart — on the same slots, with spares
   for ranks found faulty, or on a smaller mesh — after diagnostics (diagnose.py) when it asks;
+  then one `verdict` event names what happened and what is excluded for it (verdict.py);
 * recover — exclude the faulty slots, promote spares or shrink, set aside what a restart from
   step 0 must not see, and resume from the newest checkpoint or memory snapshot.
 Meanwhile the embedded Redis is restarted if it dies (transport.py) and drills fire (drills.py).
@@ -30,7 +31,7 @@ from megascale_jax.config import Config
 from megascale_jax import run_dir as run_dirs
 from megascale_jax.cli import get_logger, interrupted
 from megascale_jax.observe.hangs import describe_exit
-from megascale_jax.supervise import diagnose, policy
+from megascale_jax.supervise import diagnose, policy, verdict
 from megascale_jax.supervise.detect import (Fault, HeartbeatMonitor, StragglerWatch, exit_fault, log_worker_events,
                                             await_exit, peer_exit, with_explained_exit)
 from megascale_jax.supervise.drills import Drill, Drills
@@ -335,12 +336,29 @@ class Supervisor:
         previous = earlier[-1] if earlier else None
         slots = policy.Slots(len(self.placement.spares), self.placement.healthy(), self.shape,
                              self.devices_per_process)
-        action = policy.decide(fault, previous, restarts, self.job.cfg, slots)
+        action, findings = policy.decide(fault, previous, restarts, self.job.cfg, slots), None
         if isinstance(action, policy.Diagnose):
-            action = policy.decide(fault, previous, restarts, self.job.cfg, slots, faulty=self._diagnose(restarts))
+            findings = self._diagnose(restarts)
+            action = policy.decide(fault, previous, restarts, self.job.cfg, slots, faulty=findings)
+        if fault is not None:
+            excluded = action.evict if isinstance(action, (Spare, Shrink, GiveUp)) else {}
+            said = verdict.judge(fault, findings, excluded)
+            self.events.log("verdict", said.summary, verdict=said.kind, rank=said.rank, cause=fault.cause,
+                            excluded={str(r): why for r, why in excluded.items()},
+                            action=type(action).__name__.lower(), restarts=restarts)
         return action
 
     def _diagnose(self, restarts: int) -> dict[int, str]:
+        """The diagnostics' findings (rank -> why). A lost host is found first, by being
+        unreachable (locally: a `host` drill's slot): the diagnostics need every host of the mesh,
+        so they do not run, and the lost host is the finding — never a stand-in process's
+        collectives read as wrong values (supervise/verdict.py)."""
+        lost = {rank: verdict.host_lost(host) for rank, host in self.drills.lost_hosts(self.placement).items()}
+        if lost:
+            self.events.log("diagnosis", "; ".join(f"rank {r}: {why}" for r, why in lost.items()) +
+                            " (the other ranks not tested: the diagnostics need every host of the mesh)",
+                            faulty={str(r): why for r, why in lost.items()}, duration_s=0.0, restarts=restarts)
+            return lost
         if self.job.diagnose_args is None:
             return {}
         env = {**self.job.env, **self.drills.diagnosis_env(self.placement)}
@@ -350,8 +368,8 @@ class Supervisor:
                               slots=self.placement.active)
         log.info("diagnostics:\n" + report.table())
         faulty = report.faulty()
-        verdict = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
-        self.events.log("diagnosis", verdict, faulty={str(r): why for r, why in faulty.items()},
+        found = ", ".join(f"rank {r}: {why}" for r, why in faulty.items()) or "all ranks healthy"
+        self.events.log("diagnosis", found, faulty={str(r): why for r, why in faulty.items()},
                         duration_s=report.duration_s, restarts=restarts)
         return faulty
 

@@ -36,7 +36,7 @@ class RedisLink:
         self.restarted_at = time.time()
         monitor.grace(self.restarted_at)
         self.events.log("redis_restart", f"embedded Redis died; restarted in {time.time() - died_at:.2f}s",
-                        latency_s=now - died_at, restart_s=time.time() - died_at)
+                        latency_s=now - died_at, restart_s=time.time() - died_at, verdict="Redis lost")
 
     def note_heartbeats_back(self, monitor: HeartbeatMonitor, running: set[int], now: float) -> None:
         """After a restart: one event once every running rank's heartbeat reached the new server."""
