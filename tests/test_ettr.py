@@ -31,19 +31,21 @@ def run(tmp_path):
         {"time": T + 100, "kind": "drill", "drill": "kill", "rank": 2, "step": 30},
         {"time": T + 100.1, "kind": "fault", "cause": "crash", "rank": 2, "step": 30, "latency_s": 0.1},
         {"time": T + 102, "kind": "diagnosis", "duration_s": 1.9},
+        {"time": T + 102.5, "kind": "verdict", "verdict": "process killed", "rank": 2},
         {"time": T + 103, "kind": "restart", "resume_step": 28, "steps_lost": 2},
         {"time": T + 112, "kind": "resumed", "from_step": 28, "since_fault_s": 12.0, "relaunched_after_fault_s": 3.0,
          "phases_s": {"initialising": 1.0, "compiling": 4.0, "training": 8.0}},
         {"time": T + 200, "kind": "drill", "drill": "slow", "rank": 1, "step": 80},
         {"time": T + 209, "kind": "straggler", "rank": 1},
         {"time": T + 209.5, "kind": "fault", "cause": "straggler", "rank": 1, "step": 84, "latency_s": 0.5},
-        {"time": T + 210, "kind": "evict", "rank": 1},
+        {"time": T + 209.6, "kind": "verdict", "verdict": "straggler", "rank": 1},
+        {"time": T + 210, "kind": "evict", "rank": 1, "host": "h/slot1", "reason": "50% of a step late"},
         {"time": T + 210, "kind": "spare_promoted", "rank": 1},
         {"time": T + 212, "kind": "restart", "resume_step": 84, "steps_lost": 0},
         {"time": T + 229.5, "kind": "resumed", "from_step": 84, "since_fault_s": 29.5, "relaunched_after_fault_s": 2.5,
          "phases_s": {"initialising": 2.0, "compiling": 9.0, "training": 16.0}},
         {"time": T + 300, "kind": "drill", "drill": "nan", "rank": 0, "step": 120},
-        {"time": T + 304, "kind": "nan_triage", "outcome": "transient", "step": 121},
+        {"time": T + 304, "kind": "nan_triage", "outcome": "transient", "step": 121, "verdict": "transient NaN"},
         {"time": T + 400, "kind": "done"},
     ]
     saves = [{"step": s, "block_s": 0.5, "total_s": 1.0} for s in (28, 56, 84, 112)]
@@ -66,6 +68,10 @@ def test_each_drill_is_costed_from_its_own_events(run):
     assert (slow["detected_s"], slow["resumed_s"], slow["steps_lost"], slow["evicted"], slow["promoted"]) == \
         (9.0, 29.5, 0, True, True)  # a straggler is detected by its `straggler` event, not the fault
     assert (nan["outcome"], nan["detected_s"], nan["steps_lost"]) == ("transient", 4.0, 0)
+    # what each was judged to be, and the eviction with its reason (issue 64 items 4, 5)
+    assert [kill["verdicts"], slow["verdicts"], nan["verdicts"]] == [["process killed"], ["straggler"], ["transient NaN"]]
+    assert slow["evictions"] == [{"rank": 1, "host": "h/slot1", "reason": "50% of a step late"}]
+    assert kill["evictions"] == nan["evictions"] == []
     assert ettr.per_kind([kill, slow, nan])["kill"] == {"n": 1, "detected_s": 0.1, "relaunched_s": 3.0, "training_s": 11.0,
                                                     "resumed_s": 12.0, "steps_lost": 2}
 

@@ -151,7 +151,12 @@ def consequences(events: list[dict]) -> list[dict]:
                        diagnosis_s=(diagnosis := first("diagnosis")) and diagnosis["duration_s"],
                        restart_phases_s=resumed and resumed.get("phases_s"),
                        training_s=(training := every_rank_training_at(resumed)) and training - drill["time"])
-        row.update(evicted=bool(first("evict")), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
+        # What the driver judged it to be (supervise/verdict.py: the events carrying a `verdict`, in
+        # order; a damaged checkpoint is judged twice, its kill and then the damage) and which slots it
+        # excluded, each with why (issue 64 items 4 and 5).
+        evictions = [{"rank": e["rank"], "host": e["host"], "reason": e["reason"]} for e in after if e["kind"] == "evict"]
+        row.update(verdicts=[e["verdict"] for e in after if "verdict" in e], evictions=evictions,
+                   evicted=bool(evictions), promoted=bool(first("spare_promoted")), shrunk=bool(first("shrink")))
         out.append(row)
     return out
 
@@ -479,6 +484,9 @@ def main(argv=None) -> int:
               f"training {row['training_s']} s, resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
     print("  restored from: " + ", ".join(f"{r['kind']} {r.get('restore_source')}" for r in rows), flush=True)
+    for r in rows:  # what each drill was judged to be, and why a slot was excluded for it
+        print(f"  {r['kind']}:{r['rank']} judged {' then '.join(r['verdicts']) or 'nothing'}"
+              + "".join(f"; excluded rank {e['rank']} ({e['host']}): {e['reason']}" for e in r["evictions"]), flush=True)
     bench.write(result)
     return 0
 
