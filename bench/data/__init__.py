@@ -1,0 +1,1 @@
+"""What the data pipeline costs: streaming (`stream_memory`)."""
