@@ -71,7 +71,7 @@ def judge(fault: Fault, findings: dict[int, str] | None, excluded: dict[int, str
         kind, rank, what = OWN_CAUSES[fault.cause], fault.rank, fault.error or fault.detail
     elif lost:
         rank = fault.rank if fault.rank in lost else min(lost)
-        kind, what = HOST_LOST, _with(lost[rank], process if rank == fault.rank else "")
+        kind, what = HOST_LOST, _with(lost[rank].removeprefix(f"{HOST_LOST}: "), process if rank == fault.rank else "")
     elif broken or fault.cause == "device":
         rank = fault.rank if fault.rank in broken or not broken else min(broken)
         why = broken.get(rank, fault.detail)

@@ -98,7 +98,8 @@ def test_a_lost_host_is_host_lost_and_never_wrong_values(make):
     why = host_lost("h/slot1")
     assert action == Spare({1: why})
     assert (said["verdict"], said["rank"], said["excluded"], said["action"]) == ("host lost", 1, {"1": why}, "spare")
-    assert said["summary"] == f"host lost: rank 1: {why}; its process {KILLED}; excluded: rank 1 ({why})"
+    assert said["summary"] == f"host lost: rank 1: h/slot1 unreachable, its processes and memory gone; its process " \
+                              f"{KILLED}; excluded: rank 1 ({why})"
     assert "wrong values" not in said["summary"]
 
 
