@@ -21,8 +21,8 @@ change how fast the compiled code runs, not what it computes: the HLO passes (sh
 fusion decisions, collectives) are the same, and every numerical test passes unchanged. The
 flags travel to the subprocesses tests start. An unknown flag aborts every process that reads it,
 so a child process tries them first; a jaxlib that no longer knows one runs the suite without them
-and says so in pytest's header. The documented commands (README and docs/) run without them (tests/test_readme.py), as
-a user types them.
+and says so in pytest's header. The README's first command runs without them (tests/test_readme.py), as a user types it;
+the other documented commands keep them.
 """
 
 import contextlib
