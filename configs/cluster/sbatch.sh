@@ -15,10 +15,15 @@
 # Redis, learns rank 0's coordinator address there and starts jax.distributed with it. (Without
 # --redis, `jax.distributed.initialize()` with no arguments auto-detects SLURM itself — cluster
 # auto-detection also covers Kubernetes/GKE and Open MPI — but then there are no heartbeats.)
-# There is no driver process: recovery is this script's and the scheduler's. When the job step
-# fails (a task died, and srun --kill-on-bad-exit ended the others; a hung task, which JAX's
-# coordination service ends the job's processes for once its heartbeats stop for
-# MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S; a checkpoint one process could not read), it
+# There is no driver process: recovery is this script's and the scheduler's. Beside each job step
+# runs its watcher (`python -m megascale_jax.supervise.watch`), which reads the tasks' Redis
+# heartbeats as the local launcher's supervisor does. When the job step fails (a task died, and
+# srun --kill-on-bad-exit ended the others; a stopped task, which JAX's coordination service ends
+# the job's processes for once its heartbeats stop for MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S,
+# or the watcher once its Redis heartbeats stop for supervisor.hang_timeout_s; a task hung with its
+# threads alive — a deadlocked step, a stuck collective — which only the watcher notices, when no
+# step advances for that long; a checkpoint one process could not read, which the watcher ends at
+# once instead of after SLURM's KillWait), it
 # 1. runs the diagnostics on every node of the allocation (`megascale_jax.diagnose --worker`, one
 #    per task, bounded by DIAGNOSE_TIMEOUT_S), then `diagnose --collect` appends the nodes found
 #    faulty to $RUN_DIR/excluded_hosts.txt (nothing, if no node could report at all);
@@ -89,10 +94,21 @@ while :; do
   JOB="slurm-$SLURM_JOB_ID-${SLURM_RESTART_COUNT:-0}"
   [ "$restarts" -gt 0 ] && JOB="$JOB.$restarts"
   status=0
-  srun --label --kill-on-bad-exit=1 bash -c '
+  # The step is named after its job id: the watcher ends it by that name.
+  srun --label --kill-on-bad-exit=1 --job-name="$JOB" bash -c '
     exec python -m megascale_jax.train --config "$0" --run-dir "$1" \
       --redis "$2" --job "$3" --num-processes "$SLURM_NTASKS" --process-id "$SLURM_PROCID" "${@:4}"
-  ' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$JOB" "$@" || status=$?
+  ' "$CONFIG" "$RUN_DIR" "$REDIS_URL" "$JOB" "$@" &
+  srun_pid=$!
+  # Beside it, on this node, the step's hang watcher: it reads the tasks' Redis heartbeats and, on a
+  # hang or stall (supervisor.hang_timeout_s, the local supervisor's rules), records it in
+  # $RUN_DIR/events.jsonl and SIGKILLs the step: srun fails, and the path below takes over.
+  python -m megascale_jax.supervise.watch --config "$CONFIG" --run-dir "$RUN_DIR" --redis "$REDIS_URL" \
+    --job "$JOB" --nprocs "$SLURM_NTASKS" --restarts "$restarts" "$@" &
+  watch_pid=$!
+  wait "$srun_pid" || status=$?
+  kill "$watch_pid" 2>/dev/null || true
+  wait "$watch_pid" 2>/dev/null || true
   [ "$status" -eq 0 ] && exit 0
   echo "sbatch.sh: $(date -u +%T) job step $JOB failed (exit code $status); diagnosing the nodes"
   DIAGNOSE_JOB="$JOB-diagnose"

@@ -321,13 +321,14 @@ def checkpoints(run_dir) -> list[str]:
 @needs_slurm
 @pytest.mark.parametrize("signal_name", ["SIGKILL", "SIGSTOP"])
 def test_a_task_killed_or_stopped_mid_run_ends_at_the_fault_free_loss(slurm_job, fault_free, signal_name):
-    """Task 1 is killed (SIGKILL) or stopped (SIGSTOP: a hang) past step FAULT_STEP. No driver
-    watches the tasks under SLURM: a kill ends its task at once and srun --kill-on-bad-exit ends the
-    other; a stopped task is not noticed by its peer, which waits for it in the step's all-reduce
-    without end, but by JAX's coordination service once its heartbeats stop for
-    MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S (sbatch.sh: 30 s; JAX's default 100 s): it ends
-    both processes. The job then restarts its tasks in the allocation from the newest checkpoint
-    and ends at the fault-free loss."""
+    """Task 1 is killed (SIGKILL) or stopped (SIGSTOP: a hang) past step FAULT_STEP. A kill ends
+    its task at once and srun --kill-on-bad-exit ends the other; a stopped task is not noticed by
+    its peer, which waits for it in the step's all-reduce without end, but by the step's watcher
+    (supervise/watch.py) once its Redis heartbeats stop for supervisor.hang_timeout_s (10 s): it
+    SIGKILLs the step. (Behind it, JAX's coordination service ends both processes once the
+    heartbeats to it stop for MEGASCALE_DISTRIBUTED_HEARTBEAT_TIMEOUT_S, 30 s in sbatch.sh.) The
+    job then restarts its tasks in the allocation from the newest checkpoint and ends at the
+    fault-free loss."""
     job = slurm_job
     job.submit()
     job.wait_until_past(FAULT_STEP)
@@ -339,6 +340,50 @@ def test_a_task_killed_or_stopped_mid_run_ends_at_the_fault_free_loss(slurm_job,
     report(signal_name, fault_at, detected_at, job.first_step_after(detected_at),
            restarts_in_allocation=job.log_text().count("restarting the tasks"),
            requeues=int(job.state().get("Restarts", 0)), queued_s=job.queued_s())
+    assert job.final_losses() == fault_free
+
+
+def watcher_faults(run_dir) -> list[dict]:
+    """The faults the step watcher (supervise/watch.py) recorded in events.jsonl."""
+    path = os.path.join(run_dir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [e for e in map(json.loads, f) if e["kind"] == "fault" and e.get("detected_by") == "watch"]
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@needs_slurm
+def test_a_task_wedged_with_its_threads_alive_is_ended_by_the_watcher(slurm_job, fault_free):
+    """Task 1's training loop deadlocks before its next step (MEGASCALE_FAULT_WEDGE=usr1, armed in
+    every task, fired by a SIGUSR1 past FAULT_STEP), its threads alive: its heartbeats to JAX's
+    coordination service and to Redis go on, task 0 waits in the step's all-reduce without end,
+    and neither srun nor JAX notices anything. The step's watcher sees no step advance for
+    supervisor.hang_timeout_s (10 s) while the heartbeats go on: it records a stall of both ranks
+    in events.jsonl and SIGKILLs the step (a SIGTERM is never acted on by a deadlocked loop); the
+    job restarts its tasks in the allocation from the newest checkpoint and ends at the fault-free
+    loss. The restarted tasks are not wedged again: the signal armed only the first."""
+    job = slurm_job
+    job.env["MEGASCALE_FAULT_WEDGE"] = "usr1"
+    job.submit()
+    job.wait_until_past(FAULT_STEP)
+    fault_at = time.time()
+    os.kill(job.task_pid(1), signal.SIGUSR1)
+    state = job.wait_until_finished()
+    assert state == "COMPLETED", job.log_text()
+    wedged_at, wedged = job.logs[0].first(fault_at - 1, lambda line: "wedged before step" in line)
+    assert wedged and wedged.startswith("1: "), job.log_text()
+    [fault] = watcher_faults(job.run_dir)
+    assert fault["cause"] == "stall" and fault["stuck_ranks"] == [0, 1], fault
+    assert fault["ranks"]["1"]["state"] == "training" and fault["slurm_steps"] == [f"{job.job_id}.0"], fault
+    detected_at = fault["detected_at"]
+    log = job.log_text()
+    assert log.count("restarting the tasks") == 1 and "wedged before step" not in log.split("restarting the tasks")[1]
+    report("task 1 wedged, threads alive", fault_at, detected_at, job.first_step_after(detected_at),
+           wedged_step=int(wedged.split("wedged before step ")[1].split()[0]), stalled_step=fault["step"],
+           watcher_latency_s=round(fault["latency_s"], 1), restarts_in_allocation=1,
+           requeues=int(job.state().get("Restarts", 0)))
     assert job.final_losses() == fault_free
 
 
@@ -389,8 +434,14 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(slurm_job, fau
     assert state == "COMPLETED", job.log_text()
     unreadable_at, _ = job.logs[0].first(fault_at, lambda line: "unreadable" in line)
     assert unreadable_at, job.log_text()
+    # Where process 0 waits for process 1 in the restore's barrier (timing decides: it may find the
+    # checkpoint moved aside and exit 4 itself), no SIGTERM ends it: the watcher, told by process
+    # 1's last heartbeat, SIGKILLs the step instead of SLURM after KillWait (30 s).
     report("damaged newest checkpoint", fault_at, unreadable_at, job.first_step_after(unreadable_at),
-           damaged_step=int(newest), requeues=int(job.state().get("Restarts", 0)))
+           damaged_step=int(newest), requeues=int(job.state().get("Restarts", 0)),
+           ended_by_watcher=[f["cause"] for f in watcher_faults(job.run_dir)],
+           step_ended_s=round(job.logs[0].first(unreadable_at, lambda line: "failed (exit code" in line)[0]
+                              - unreadable_at, 1))
     assert f"{newest}.corrupt" in checkpoints(job.run_dir)
     assert job.final_losses() == fault_free
 
