@@ -25,18 +25,28 @@ from megascale_jax.config_checks import ConfigError, check_process_count, check_
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh (dp, pp, tp). tp is innermost (one host's NVLink domain), then pp, then dp."""
+    """Device mesh (dp, pp, cp, tp). tp is innermost (one host's NVLink domain), then cp, then pp,
+    then dp."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    # Context parallelism: each sequence split into cp contiguous slices, one per rank; attention
+    # fetches the previous ranks' keys/values it needs (parallel/context_parallel.py)
+    cp: int = 1
     # Simulated XLA devices per process when running on the CPU. None (the default) follows the
-    # mesh: dp*pp*tp divided by the number of processes. Give a number only to pin it.
+    # mesh: dp*pp*cp*tp divided by the number of processes. Give a number only to pin it.
     cpu_devices: Optional[int] = None
 
     @property
     def size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def product(self) -> str:
+        """The mesh's device count as the errors spell it: `dp*pp*tp=2*1*2=4` (cp named when > 1)."""
+        axes = ("dp", "pp", "cp", "tp") if self.cp > 1 else ("dp", "pp", "tp")
+        return f"{'*'.join(axes)}={'*'.join(str(getattr(self, a)) for a in axes)}={self.size}"
 
     def cpu_devices_per_process(self, process_count: int = 1) -> int:
         return self.cpu_devices if self.cpu_devices is not None else max(1, self.size // process_count)

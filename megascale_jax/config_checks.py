@@ -38,6 +38,7 @@ def validate(cfg, planning: bool = False) -> None:
     check_model(cfg.model)
     check_tensor_parallel(cfg.model, cfg.mesh, cfg.parallel)
     check_pipeline(cfg.model, cfg.mesh, cfg.parallel)
+    check_context_parallel(cfg.model, cfg.mesh, cfg.parallel)
     check_fp8(cfg.model, cfg.mesh, cfg.parallel)
     check_documents(cfg.model)
     check_optim(cfg.optim)
@@ -63,7 +64,7 @@ def check_documents(mo) -> None:
 
 
 def check_mesh(m) -> None:
-    for key in ("dp", "pp", "tp"):
+    for key in ("dp", "pp", "cp", "tp"):
         require(getattr(m, key) >= 1, f"mesh.{key}={getattr(m, key)} must be >= 1")
     require(m.cpu_devices is None or m.cpu_devices >= 1,
             f"mesh.cpu_devices={m.cpu_devices} must be >= 1 (or null to follow the mesh)")
@@ -122,6 +123,25 @@ def check_tensor_parallel(mo, m, p) -> None:
         require((mo.seq_len // m.tp) % p.tp_chunks == 0,
                 f"collective matmul cuts each device's model.seq_len/mesh.tp={mo.seq_len // m.tp} tokens into "
                 f"parallel.tp_chunks={p.tp_chunks} pieces; choose a seq_len or tp_chunks that divides")
+
+
+def check_context_parallel(mo, m, p) -> None:
+    """mesh.cp > 1: the sequence split into cp slices, and the options that cannot run on them yet
+    (parallel/context_parallel.py says why each is left out)."""
+    if m.cp == 1:
+        return
+    require(mo.seq_len % m.cp == 0, f"model.seq_len={mo.seq_len} must be divisible by mesh.cp={m.cp} "
+                                    "(each cp rank holds seq_len/cp tokens of every sequence)")
+    require(m.pp == 1, f"mesh.cp={m.cp} does not run with mesh.pp={m.pp} yet; use mesh.pp=1 (dp, cp and tp combine)")
+    require(mo.attention == "xla", f"mesh.cp={m.cp} runs with model.attention=xla only yet "
+                                   f"(not {mo.attention}); set model.attention=xla")
+    require(not p.sequence_parallel, f"mesh.cp={m.cp} and parallel.sequence_parallel=true both split the "
+                                     "sequence; not together yet: set parallel.sequence_parallel=false")
+    require(p.microbatches == 1 or m.dp == 1 or m.tp == 1,
+            f"parallel.microbatches={p.microbatches} with mesh.dp={m.dp}, cp={m.cp} and tp={m.tp} all > 1 aborts XLA's "
+            "partitioner (parallel/microbatches.py); use parallel.microbatches=1 or drop one of the three axes")
+    require(mo.loss_chunks == 1, f"model.loss_chunks={mo.loss_chunks} slices the sequence mesh.cp={m.cp} "
+                                 "splits; set model.loss_chunks=1 with context parallelism")
 
 
 def check_fp8(mo, m, p) -> None:
@@ -270,7 +290,7 @@ def check_process_count(m, process_count: int, platform: str | None) -> None:
     if platform == "cpu":
         check_cpu_devices(m, process_count)
     elif m.size % process_count:
-        raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={m.size} devices cannot be split evenly over "
+        raise ConfigError(f"mesh {m.product} devices cannot be split evenly over "
                           f"{process_count} processes (--num-processes, the job's task count); choose a task count "
                           f"that divides {m.size}, or a mesh that {process_count} divides")
 
@@ -285,7 +305,7 @@ def check_cpu_devices(m, process_count: int) -> None:
         fix = ("leave mesh.cpu_devices unset (it follows the mesh)" if m.cpu_devices is not None
                else f"choose a mesh divisible by {process_count}")
         per = f" per process x {process_count} processes" if process_count > 1 and m.cpu_devices else ""
-        raise ConfigError(f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} devices do not match {given}{per}; {fix}")
+        raise ConfigError(f"mesh {m.product} devices do not match {given}{per}; {fix}")
 
 
 def check_runtime(cfg, platform: str, device_count: int, process_count: int = 1) -> None:
@@ -301,7 +321,7 @@ def check_runtime(cfg, platform: str, device_count: int, process_count: int = 1)
                 f"{device_count // process_count}; set mesh.cpu_devices before JAX starts (fresh process)")
     elif product != device_count:
         raise ConfigError(
-            f"mesh dp*pp*tp={m.dp}*{m.pp}*{m.tp}={product} but {device_count} {platform} devices are "
+            f"mesh {m.product} but {device_count} {platform} devices are "
             "visible; choose mesh sizes whose product is the device count")
     if cfg.model.attention == "cudnn":
         if platform != "gpu":

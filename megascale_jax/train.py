@@ -234,7 +234,8 @@ def log_start(cfg: Config, mesh, start, seconds: float, clock) -> None:
     resumed = f"resumed from {start.source} step {start.step}; " if start.resumed else ""
     if start.source == "Hugging Face model":
         logger.info(f"initialised from the Hugging Face model in {cfg.model.init_from}")
-    logger.info(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp} tp={cfg.mesh.tp} on {mesh.devices.size} "
+    cp = f" cp={cfg.mesh.cp}" if cfg.mesh.cp > 1 else ""
+    logger.info(f"mesh dp={cfg.mesh.dp} pp={cfg.mesh.pp}{cp} tp={cfg.mesh.tp} on {mesh.devices.size} "
                 f"{jax.default_backend()} devices; {flops.param_count(cfg.model) / 1e6:.2f}M parameters; "
                 f"{resumed}initialised and compiled in {seconds:.1f}s")
     if jax.process_index():  # every process's own breakdown, in its own log: where a restart waits

@@ -63,7 +63,7 @@ def test_walkthrough_runs_and_matches_one_device(tmp_path, monkeypatch):
 
     # The kernel really simulated 8 devices and built the dp=2 x tp=4 mesh.
     assert "CpuDevice(id=7)" in "".join(str(o.get("data", {}).get("text/plain", "")) for o in outputs)
-    assert "mesh axes: {'dp': 2, 'pp': 1, 'tp': 4}" in text
+    assert "mesh axes: {'dp': 2, 'pp': 1, 'cp': 1, 'tp': 4}" in text
     assert re.search(r"^layers/mlp/w1 +\(2, 64, 256\) -> P\('pp', None, 'tp'\)$", text, re.M), text
 
     steps = [(int(s), float(v)) for s, v in re.findall(r"^step (\d+): loss (\S+)$", text, re.M)]

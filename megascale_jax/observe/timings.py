@@ -45,6 +45,7 @@ from megascale_jax.training.observers import LoopObserver
 
 COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
 DEVICE_COLUMNS = ("process", "host", "device", "dp", "pp", "tp")
+AXIS_COLUMNS = ("dp", "pp", "tp")  # the mesh coordinates the tables carry (a cp coordinate not yet)
 STATE_PREFIX = "state:"
 
 
@@ -57,14 +58,14 @@ class TimingsWriter(LoopObserver):
     rows are dropped meanwhile, training goes on, and rows resume on a fresh line once it has room."""
 
     def __init__(self, run_dir: str, mesh, process: int, warn=print):
-        from megascale_jax.parallel.mesh import AXES, process_device_coords  # the writer runs in a jax process
+        from megascale_jax.parallel.mesh import process_device_coords  # the writer runs in a jax process
 
         self.process = process
         os.makedirs(timings_dir(run_dir), exist_ok=True)
         path = os.path.join(timings_dir(run_dir), f"process-{process}.csv")
         self.failures = WarnOnce(warn, path, "training goes on without its phase timings (the report and the "
                                              "straggler check miss those steps) until the disk has room")
-        self.coords = {device: tuple(c[axis] for axis in AXES) for device, c in process_device_coords(mesh, process)}
+        self.coords = {device: tuple(c[axis] for axis in AXIS_COLUMNS) for device, c in process_device_coords(mesh, process)}
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.torn = False  # a row cut short by a full disk: the next row starts on a new line
         if os.fstat(self.fd).st_size == 0:
@@ -103,14 +104,14 @@ class TimingsWriter(LoopObserver):
 
 def write_device_table(run_dir: str, mesh, process: int) -> None:
     """This process's mesh devices with their (dp, pp, tp) coordinates and host name."""
-    from megascale_jax.parallel.mesh import AXES, process_device_coords
+    from megascale_jax.parallel.mesh import process_device_coords
 
     host = socket.gethostname()
     with open(os.path.join(timings_dir(run_dir), f"devices-{process}.csv"), "w", newline="") as f:
         out = csv.writer(f)
         out.writerow(DEVICE_COLUMNS)
         for device, coords in process_device_coords(mesh, process):
-            out.writerow([process, host, device, *(coords[axis] for axis in AXES)])
+            out.writerow([process, host, device, *(coords[axis] for axis in AXIS_COLUMNS)])
 
 
 class TensorBoardScalars(LoopObserver):

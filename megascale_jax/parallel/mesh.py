@@ -1,7 +1,12 @@
-"""The (dp, pp, tp) device mesh.
+"""The (dp, pp, cp, tp) device mesh.
 
 Device order follows MegaScale's placement: tp is the innermost axis, so a tensor-parallel group
-is made of consecutive devices of one host (NVLink), then pp, then dp across hosts. We build the
+is made of consecutive devices of one host (NVLink), then cp, then pp, then dp across hosts.
+Context parallelism (cp) sits next to tp, inside a host where it fits: it moves little (each
+layer's window of keys/values from the neighbouring slice, forward and backward) but moves it in
+every layer, on the critical path of attention, where pp moves one activation per microbatch
+and stage, and dp one gradient reduction per step. The axis is always there (size 1 unless
+`mesh.cp` says otherwise), so every layout names the same four axes. We build the
 `Mesh` from an explicitly ordered device list instead of `jax.make_mesh`, whose topology-aware
 reordering could split a tp group across hosts.
 """
@@ -16,7 +21,7 @@ from jax.sharding import AxisType, Mesh
 
 from megascale_jax.config import ConfigError, MeshConfig
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 def use_cpu_devices(count: int) -> None:
@@ -52,7 +57,7 @@ def process_device_coords(mesh: Mesh, process: int) -> list[tuple[int, dict[str,
 def make_mesh(cfg: MeshConfig, devices=None) -> Mesh:
     """A classic GSPMD mesh (`AxisType.Auto`): shardings are constraints XLA propagates."""
     devices = mesh_devices(cfg) if devices is None else list(devices)
-    shape = (cfg.dp, cfg.pp, cfg.tp)
+    shape = (cfg.dp, cfg.pp, cfg.cp, cfg.tp)
     if len(devices) != int(np.prod(shape)):
         raise ValueError(f"mesh {shape} needs {int(np.prod(shape))} devices, got {len(devices)}")
     grid = np.array(devices, dtype=object).reshape(shape)

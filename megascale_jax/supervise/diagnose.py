@@ -41,7 +41,7 @@ from megascale_jax.config import ConfigError, load_config
 from megascale_jax.observe.hangs import describe_exit
 from megascale_jax.supervise.workers import StandbyPool, WorkerGroup, per_process_overrides, worker_env
 
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")  # parallel.mesh.AXES, not imported: the driver side never imports jax
 FAULT_ENV = "MEGASCALE_DIAG_FAULT"
 SLOW_FACTOR = 3.0
 BANDWIDTH_BYTES = 1 << 20
@@ -71,14 +71,14 @@ def collective_checks(mesh, corrupt: bool) -> dict[str, dict]:
         ring = [(i, (i + 1) % n) for i in range(n)]
 
         def check(v, axis=axis, ring=ring):
-            gathered = jax.lax.all_gather(v, axis, axis=3, tiled=True)  # (1, 1, 1, n): slot i = member i
+            gathered = jax.lax.all_gather(v, axis, axis=len(AXES), tiled=True)  # (1, 1, 1, 1, n): slot i = member i
             return jax.lax.psum(v, axis), gathered, jax.lax.ppermute(v, axis, ring)
 
         sums, gathered, shifted = jax.jit(jax.shard_map(
             check, mesh=mesh, in_specs=spec, out_specs=(spec, P(*AXES, None), spec), check_vma=False))(x)
         errors, blamed = [], set()
         for s, g, p in zip(sums.addressable_shards, gathered.addressable_shards, shifted.addressable_shards):
-            coord = tuple(sl.start or 0 for sl in s.index[:3])
+            coord = tuple(sl.start or 0 for sl in s.index[:len(AXES)])
             group = [coord[:axis_index] + (i,) + coord[axis_index + 1:] for i in range(n)]
             if not np.isclose(float(np.asarray(s.data).ravel()[0]), sum(values[c] for c in group)):
                 errors.append(f"psum at {coord}")

@@ -23,7 +23,8 @@ def per_process_overrides(cfg: Config, overrides: list[str], nprocs: int) -> lis
     workers simulates its share."""
     total = cfg.mesh.cpu_devices if cfg.mesh.cpu_devices is not None else cfg.mesh.size
     if total % nprocs:
-        name = "mesh.cpu_devices" if cfg.mesh.cpu_devices is not None else "mesh dp*pp*tp"
+        product = "mesh dp*pp*cp*tp" if cfg.mesh.cp > 1 else "mesh dp*pp*tp"
+        name = "mesh.cpu_devices" if cfg.mesh.cpu_devices is not None else product
         raise ConfigError(f"{name}={total} (devices of the whole job) must be divisible by --nprocs={nprocs}")
     return [*overrides, f"mesh.cpu_devices={total // nprocs}"]
 

@@ -104,7 +104,7 @@ def test_eight_gpus_at_tp_8_move_the_ideal_bytes_and_overlap_collective_matmuls_
     code, report = compiled(capsys, *GPT_1B, "--gpu", "h100-sxm", "--gpus", "8", "mesh.tp=8",
                             "parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul",
                             "parallel.microbatches=1", "model.layers=4", "model.scan_unroll=1")
-    assert code == 0 and report["topology"] == "1x1x8" and report["mesh"] == {"dp": 1, "pp": 1, "tp": 8}
+    assert code == 0 and report["topology"] == "1x1x8" and report["mesh"] == {"dp": 1, "pp": 1, "cp": 1, "tp": 8}
     assert report["collective_bytes"]["tp"] == pytest.approx(report["ideal_collective_bytes"]["tp"], rel=0.05)
     permutes = report["overlap"]["tp"]["collective-permute"]
     assert permutes["async"] > 0 and permutes["overlapped"] == permutes["async"]
