@@ -24,8 +24,15 @@ from megascale_jax.model.documents import same_document
 
 def sliding_window_mask(seq_len: int, window: int | None) -> jax.Array:
     """Boolean (seq_len, seq_len) mask: True where query i may attend to key j."""
-    i = jnp.arange(seq_len)[:, None]
-    j = jnp.arange(seq_len)[None, :]
+    positions = jnp.arange(seq_len)
+    return window_mask(positions, positions, window)
+
+
+def window_mask(query_positions: jax.Array, key_positions: jax.Array, window: int | None) -> jax.Array:
+    """Boolean (queries, keys) mask of queries and keys at these positions in their sequence:
+    True where the key is at or before the query and, with a window, less than `window` before."""
+    i = query_positions[:, None]
+    j = key_positions[None, :]
     mask = j <= i
     if window is not None:
         mask &= i - j < window
@@ -47,15 +54,24 @@ def attend(q, k, v, *, window: int | None, implementation: str = "xla", document
 
 
 def _attend_xla(q, k, v, window, documents):
+    mask = sliding_window_mask(q.shape[1], window)
+    if documents is not None:
+        mask = mask & same_document(documents)
+    return masked_attention(q, k, v, mask)
+
+
+def masked_attention(q, k, v, mask):
+    """The XLA reference under any boolean `mask`, (queries, keys) or per row (batch, queries,
+    keys): q (batch, queries, heads, head_dim), k and v (batch, keys, kv_heads, head_dim). Every
+    query must see at least one key."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     # Group query heads by the kv head they share instead of repeating k and v in memory.
     q = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", q, k, preferred_element_type=jnp.float32)
     scores = scores * (head_dim ** -0.5)
-    mask = sliding_window_mask(seq, window)
-    if documents is not None:  # (batch, q, s) -> the scores' (batch, kv head, group, q, s)
-        mask = (mask & same_document(documents))[:, None, None]
+    if mask.ndim == 3:  # (batch, q, s) -> the scores' (batch, kv head, group, q, s)
+        mask = mask[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)

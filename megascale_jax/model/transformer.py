@@ -28,6 +28,7 @@ from megascale_jax.model import documents
 from megascale_jax.model.attention import attend
 from megascale_jax.model.documents import Documents
 from megascale_jax.config import ModelConfig, ParallelConfig
+from megascale_jax.parallel import context_parallel
 from megascale_jax.parallel.sharding import per_device
 from megascale_jax.parallel.tensor_parallel import column_matmul, embed_lookup, row_matmul, vocab_edges_manual, vocab_logits
 
@@ -232,6 +233,8 @@ def self_attention(c: ModelConfig, q, k, v, a: dict, docs: Documents | None = No
         else:
             o = per_device(lambda q, k, v, d: cudnn(q, k, v, documents=d), (heads, kv, kv, ("batch", "seq")),
                            heads)(q, k, v, ids)
+    elif context_parallel.cp_size() > 1:  # the sequence split over mesh.cp: its own collectives
+        o = context_parallel.attend(q, k, v, window=c.window, documents=ids, kv_heads_axis=kv_heads_axis(c))
     else:
         o = attend(q, k, v, window=c.window, implementation=c.attention, documents=ids)
     o = _constrain(o, heads)
@@ -467,7 +470,8 @@ def target_scores(logits, targets, mask):
 def score_fn(model: Transformer, params, batch, mask):
     """`target_scores` of `batch` ((batch, seq_len + 1) tokens: inputs and their next tokens, as
     `loss_fn` takes it) where `mask` (batch, seq_len) is 1."""
-    return target_scores(model.apply({"params": params}, batch[:, :-1]), batch[:, 1:], mask)
+    tokens, targets = inputs_and_targets(batch)
+    return target_scores(model.apply({"params": params}, tokens), targets, mask)
 
 
 def cross_entropy(logits, targets, weights=None):
@@ -516,6 +520,8 @@ class Transformer(nn.Module):
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
         x = embed_tokens(c, embed, tokens, self.parallel)
         docs = None if c.document_eos is None else documents.layout(tokens, c.document_eos)
+        if docs is not None:  # whole rows, as the tokens: the cumulative sums then cross no cp rank
+            docs = Documents(*(_constrain(part, ("batch", None)) for part in docs))
         x, _ = scanned_blocks(c.layers, c.remat, c.scan_unroll)(c, self.parallel, name="layers")(x, docs)
         x = norm(c, NormParams(c, name="final_norm")(), x)
         if self.hidden:
@@ -531,10 +537,18 @@ def lm_head(cfg: ModelConfig, params: dict):
     return params["embed"].T if cfg.tied_embeddings else params["head"]
 
 
+def inputs_and_targets(batch):
+    """(batch, seq_len + 1) tokens -> the inputs (batch, seq_len) and their next tokens."""
+    # Whole rows on every cp rank (sharding.batch_sharding), each cutting its own slice of the
+    # inputs and the targets from them: left to GSPMD, a rank took its 17 of 33 tokens (seq_len 32,
+    # cp 2) and the one it lacked came from its neighbour by a permute
+    return tuple(_constrain(x, ("batch", None)) for x in (batch[:, :-1], batch[:, 1:]))
+
+
 def loss_fn(model: Transformer, params, batch):
     """Mean next-token cross entropy; `batch` is (batch, seq_len + 1) tokens. With
     `model.loss_chunks` > 1 the head runs slice by slice (`chunked_cross_entropy`)."""
-    tokens, targets = batch[:, :-1], batch[:, 1:]
+    tokens, targets = inputs_and_targets(batch)
     eos = model.cfg.document_eos
     weights = None if eos is None else documents.trained_targets(tokens, eos)
     if model.cfg.loss_chunks > 1:

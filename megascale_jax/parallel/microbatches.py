@@ -26,8 +26,15 @@ def loss_and_grads(cfg, model, mesh: Mesh, params, batch: jax.Array, m: int, gra
     time. `grad_specs` (PartitionSpecs like `params`): where each gradient leaves the reduction —
     split over dp where a spec names dp (ZeRO-1), else replicated; its tp split is kept."""
     dp = mesh.shape["dp"]
-    if dp == 1 and m == 1:
-        return jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
+    # One batch, nothing to accumulate: GSPMD reduces the gradients. Also whenever the sequence is
+    # split over cp: a shard_map manual over dp, with cp and tp both automatic and > 1, aborts
+    # XLA's partitioner (spmd_partitioner_util.cc, `partition_group_list.num_replica_groups()`;
+    # config validation refuses microbatches there); GSPMD reduces the gradients over dp and cp
+    if m == 1 and (dp == 1 or mesh.shape["cp"] > 1):
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
+        if mesh.shape["cp"] > 1:  # else GSPMD reduced the tp-split embedding's gradient whole over cp
+            grads = jax.tree.map(jax.lax.with_sharding_constraint, grads, grad_specs)
+        return loss, grads
     is_spec = lambda x: isinstance(x, P)
     # the dimension each gradient leaves split over dp (ZeRO-1), -1 for replicated
     dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), grad_specs, is_leaf=is_spec)

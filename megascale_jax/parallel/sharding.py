@@ -4,8 +4,8 @@ Model code names logical axes (`batch`, `embed`, `heads`, ...) through flax's lo
 partitioning and never builds a `PartitionSpec`. This module maps those names to mesh axes
 (Megatron-style tensor parallelism: column-parallel QKV and first MLP matmul shard their output
 features over tp, the row-parallel output projections shard their input features over tp, the
-vocabulary is split over tp for the embedding and the LM head) and derives the shardings of
-parameters, optimizer state (ZeRO-1 adds dp) and batches.
+vocabulary is split over tp for the embedding and the LM head; the sequence over cp, context
+parallelism) and derives the shardings of parameters, optimizer state (ZeRO-1 adds dp) and batches.
 
 `LOGICAL_RULES` is the table; `rules_for(cfg)` is the table a run actually uses, with the two
 decisions that depend on its config: sequence parallelism puts the residual stream's sequence
@@ -29,8 +29,8 @@ from megascale_jax.config import Config
 
 LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
     ("batch", "dp"),
-    ("seq", None),
-    ("act_seq", None),  # the residual stream's sequence axis: over tp with sequence parallelism
+    ("seq", "cp"),  # context parallelism: each cp rank holds one slice of every sequence
+    ("act_seq", "cp"),  # the residual stream's sequence axis: over tp with sequence parallelism
     ("embed", None),
     ("heads", "tp"),
     ("kv_heads", "tp"),
@@ -129,8 +129,13 @@ def zero1_sharding(sharding: NamedSharding, shape: tuple[int, ...], mesh: Mesh) 
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Token batches (batch, seq): batch over dp, replicated over pp and tp."""
-    return NamedSharding(mesh, logical_to_spec(("batch", "seq")))
+    """Token batches (batch, seq_len + 1): batch over dp, replicated over pp, cp and tp.
+
+    Not split over cp: a row holds the inputs and, one token on, the targets, seq_len + 1 tokens
+    that no cp > 1 dividing seq_len divides. Each cp rank receives whole rows (4 bytes a token:
+    256 KiB for a 64k-token row) and the model's constraints cut its slice out on the device,
+    a local slice with no communication (tests/parallel/test_context_parallel.py)."""
+    return NamedSharding(mesh, logical_to_spec(("batch", None)))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -1,0 +1,128 @@
+"""Context parallelism: every sequence split into mesh.cp contiguous slices, one per cp rank.
+
+Everything in a layer but attention works token by token, so on a sequence split over cp it runs
+as it is: the logical axes `seq` and `act_seq` map to cp (`sharding.LOGICAL_RULES`) and GSPMD
+keeps each token's norms, matmuls, MLP and loss on the rank that holds it. Rotary positions are
+global for free: the model computes them in the global view (`arange(seq_len)`, or each packed
+document's positions), and each rank's slice of them is its own. The weights are replicated over
+cp, as over dp, so their gradients are summed over cp once per step like dp's. Only attention
+looks across tokens, and only attention runs here, in a `shard_map` manual over cp (dp and tp
+stay automatic), on each rank's slice of n = seq_len/cp queries, keys and values:
+
+* Sliding window w (a query sees itself and the previous w-1 keys): rank r, holding positions
+  [r·n, (r+1)·n), needs the h = w-1 keys and values just before r·n — the halo. They arrive by
+  `ppermute` from the ranks before it: from r-1 its last min(h, n) positions, from r-2 the n
+  before those if h > n, and so on, so a window longer than a slice costs one permute more per
+  slice it reaches back, not a refusal. h is capped at (cp-1)·n, all that any rank can need.
+  Rank 0 (and a rank whose halo reaches before the sequence's start) receives zeros there, which
+  the mask drops (key positions < 0). Autodiff's transpose of a permute is the reverse permute,
+  so the backward sends each halo's gradient back to the rank that owns those keys: the same
+  bytes the other way. Per layer and direction every rank but the last sends 2·h·b·kv_heads·
+  head_dim values (k and v; `halo_bytes`), and attention moves nothing else over cp.
+* Full attention (window=null): k and v all-gathered over cp (tiled; the backward's transpose is
+  the gradients' reduce-scatter). Chosen over ring attention for a first slice because it is the
+  reference softmax as it stands, exact with no online-softmax rescaling, and moves the same
+  bytes as a ring ((cp-1)/cp of the sequence's k and v each way). What it gives up: memory (each
+  rank holds the whole sequence's k and v — small with GQA — and n x seq_len scores) and overlap
+  (a ring hides each hop behind a block's compute). A causal mask also leaves rank cp-1 with cp
+  times rank 0's visible scores; zigzag slicing would balance that. Neither is done yet.
+* Packed documents (`model.document_eos`): the keys' document ids travel with them (the halo's,
+  or all-gathered), 4 bytes a key beside the keys' and values' 2·kv_heads·head_dim values.
+
+The mask uses global positions: query i of rank r is at r·n + i, halo key j at r·n - h + j.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+from megascale_jax.model.attention import masked_attention, window_mask
+
+AXIS = "cp"
+
+
+def cp_size() -> int:
+    """The cp axis' size in the mesh in scope (1 outside a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
+def halo_length(window: int, seq_len: int, cp: int) -> int:
+    """Keys (and values) a rank receives per layer from the ranks before it: window-1, at most
+    what the ranks before the last hold."""
+    return min(window - 1, (cp - 1) * (seq_len // cp))
+
+
+def halo_bytes(window: int, seq_len: int, cp: int, batch: int, kv_width: int, itemsize: int) -> int:
+    """Bytes one rank sends over cp per layer and direction (forward: keys and values; backward:
+    their gradients): the ideal `bench`/tests hold the compiled step's permutes to. `kv_width`:
+    kv_heads x head_dim on the rank (its tp share), `batch` the rows on the rank."""
+    return 2 * halo_length(window, seq_len, cp) * batch * kv_width * itemsize
+
+
+def attend(q, k, v, *, window: int | None, documents=None, kv_heads_axis: str = "kv_heads"):
+    """Attention over a sequence split over cp: q (b, s, heads, head_dim), k and v (b, s,
+    kv_heads, head_dim; their heads' logical axis `kv_heads_axis`), `documents` (b, s) ids or
+    None, in the global view -> (b, s, heads, head_dim), laid out as q is.
+
+    Manual over cp and every automatic axis the rows and heads are split over (as
+    `sharding.per_device`): each device attends with its own rows and heads, as the model laid
+    them out, and GSPMD has nothing to decide here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Auto)
+    axes = [("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads_axis, "head_dim"),
+            ("batch", "seq", kv_heads_axis, "head_dim"), ("batch", "seq")]
+    args = (q, k, v) if documents is None else (q, k, v, documents)
+    specs = [nn.logical_to_mesh_axes(a) for a in axes[:len(args)]]
+    if q.shape[0] % _size(mesh, specs[0][0]):  # the init's one dummy row: every device has it whole
+        specs = [P(None, *spec[1:]) for spec in specs]
+    manual = {AXIS, *(a for spec in specs for entry in spec for a in _names(entry))} & auto
+    body = functools.partial(_local, cp=cp_size(), window=window, seq_len=q.shape[1])
+    return jax.shard_map(body, in_specs=tuple(specs), out_specs=specs[0], axis_names=manual, check_vma=False)(*args)
+
+
+def _names(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name or a tuple of names)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _size(mesh, entry) -> int:
+    return math.prod(mesh.shape[a] for a in _names(entry))
+
+
+def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int):
+    """One rank's slice: its n queries against the keys it holds and those it receives."""
+    n = q.shape[1]
+    first = jax.lax.axis_index(AXIS) * n  # this slice's first position in the sequence
+    if window is None:
+        gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
+        keys, values, key_ids = gather(k), gather(v), None if ids is None else gather(ids)
+        key_positions = jnp.arange(seq_len)
+    else:
+        halo = halo_length(window, seq_len, cp)
+        keys, values = with_halo(k, halo, cp), with_halo(v, halo, cp)
+        key_ids = None if ids is None else with_halo(ids, halo, cp)
+        key_positions = first - halo + jnp.arange(halo + n)
+    mask = window_mask(first + jnp.arange(n), key_positions, window) & (key_positions >= 0)[None, :]
+    if ids is not None:
+        mask = mask[None] & (ids[:, :, None] == key_ids[:, None, :])
+    return masked_attention(q, keys, values, mask)
+
+
+def with_halo(x, halo: int, cp: int):
+    """x (b, n, ...), this rank's slice -> (b, halo + n, ...): the `halo` positions before the
+    slice, received from the ranks before it (zeros where there are none), then the slice."""
+    n = x.shape[1]
+    pieces = [x]
+    for hop in range(1, cp):
+        take = min(n, halo - (hop - 1) * n)  # from rank r - hop: its last `take` positions
+        if take <= 0:
+            break
+        pieces.insert(0, jax.lax.ppermute(x[:, n - take:], AXIS, [(i, i + hop) for i in range(cp - hop)]))
+    return jnp.concatenate(pieces, axis=1) if len(pieces) > 1 else x

@@ -1,0 +1,173 @@
+"""Context parallelism (mesh.cp; parallel/context_parallel.py): every sequence split over cp
+trains exactly as on one device, and the cp axis moves the attention halo and nothing else but
+the gradients' reduction (the weights are replicated over cp, as over dp).
+
+Exact: the loss and every gradient of one step against one device's, float32, rel 1e-6 (a
+gradient: the norm of its difference over its own norm), from the same initial parameters and
+batch. Bytes: the compiled step's collectives over cp, read from its HLO text as
+`observe.collectives` reads them for the benches, against `context_parallel.halo_bytes` — each
+layer's permutes of keys and values forward and of their gradients backward — and against the
+gradient bytes a device holds for the all-reduce.
+"""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from megascale_jax.config import ConfigError, load_config
+from megascale_jax.observe import collectives
+from megascale_jax.parallel import context_parallel
+from megascale_jax.parallel.mesh import make_mesh
+from megascale_jax.training import data
+from megascale_jax.training.trainer import build_trainer
+
+# window 6: a halo of 5 keys, within a slice at cp 2 and 4 (16 and 8 tokens), two hops at cp 8 (4)
+SMALL = ["model.layers=2", "model.d_model=64", "model.heads=4", "model.kv_heads=2", "model.seq_len=32",
+         "model.window=6", "train.global_batch=4", "mesh.pp=1", "mesh.cpu_devices=8", "parallel.zero1=false"]
+ONE = ["mesh.dp=1", "mesh.cp=1", "mesh.tp=1"]
+
+
+def _config(overrides):
+    return load_config(None, SMALL + list(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_params(model_overrides: tuple[str, ...]):
+    """One device's initial parameters, on the host (initialisation does not depend on the mesh:
+    tests/parallel/test_parity.py)."""
+    cfg = _config(ONE + list(model_overrides))
+    return jax.device_get(build_trainer(cfg, make_mesh(cfg.mesh)).init().params)
+
+
+def step(overrides):
+    """(loss, gradients on the host, the compiled program's HLO text, config, mesh, params) of one
+    `loss_and_grads` on the configured mesh, from the shared initial parameters and step 0's batch."""
+    cfg = _config(overrides)
+    mesh = make_mesh(cfg.mesh)
+    trainer = build_trainer(cfg, mesh)
+    params = jax.device_put(_initial_params(tuple(o for o in overrides if o.startswith("model."))),
+                            trainer.state_shardings.params)
+    batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
+    batch = data.make_global_batch(batches, 0, trainer.batch_sharding)
+    compiled = trainer.loss_and_grads.lower(params, batch).compile()
+    loss, grads = compiled(params, batch)
+    return float(loss), jax.device_get(grads), compiled.as_text(), cfg, mesh, params
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_overrides: tuple[str, ...]):
+    loss, grads, *_ = step(ONE + list(model_overrides))
+    return loss, grads
+
+
+def assert_matches_one_device(overrides):
+    loss, grads, *_ = step(overrides)
+    ref_loss, ref_grads = _reference(tuple(o for o in overrides if o.startswith("model.")))
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), (loss, ref_loss)
+    flat, ref_flat = jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads)
+    assert len(flat) == len(ref_flat)
+    for (path, g), r in zip(flat, ref_flat):
+        assert np.linalg.norm(r) > 0
+        rel = np.linalg.norm(g - r) / np.linalg.norm(r)
+        assert rel <= 1e-6, (jax.tree_util.keystr(path), rel)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["mesh.cp=2"],
+    ["mesh.cp=4"],
+    ["mesh.cp=8"],  # the window reaches back over two slices: two permutes a layer
+    ["mesh.cp=2", "mesh.tp=2"],
+    ["mesh.cp=2", "mesh.dp=2"],
+    ["mesh.cp=4", "model.window=null"],  # full attention: k and v all-gathered
+], ids=lambda o: " ".join(o))
+def test_context_parallel_matches_one_device(overrides):
+    assert_matches_one_device(["mesh.dp=1", "mesh.tp=1", *overrides])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.zero1=true"],
+    ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.document_eos=10"],  # packed documents kept apart
+    ["mesh.dp=1", "mesh.cp=2", "mesh.tp=2", "model.block=serial", "model.window=null"],
+    ["mesh.dp=2", "mesh.cp=4", "mesh.tp=1", "model.kv_heads=1", "model.window=20"],  # GQA 4:1, three hops
+    ["mesh.dp=2", "mesh.cp=2", "mesh.tp=1", "parallel.microbatches=2"],
+], ids=lambda o: " ".join(o))
+def test_context_parallel_layouts_match_one_device(overrides):
+    assert_matches_one_device(overrides)
+
+
+def _cp_collectives(hlo: str, mesh):
+    shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
+    return [c for c in collectives.collectives(hlo) if collectives.group_axes(c.groups[0], shape, names) == "cp"]
+
+
+@pytest.mark.parametrize("overrides", [["mesh.cp=2"], ["mesh.cp=8"], ["mesh.cp=4", "mesh.tp=2"]],
+                         ids=lambda o: " ".join(o))
+def test_cp_moves_the_halo_and_the_gradient_reduction_only(overrides):
+    """Per layer and direction each rank sends 2 x halo x rows x kv width bytes (k and v forward,
+    their gradients backward), in permutes; the other collectives over cp are the gradients'
+    all-reduce (and the loss's 4 bytes): nothing gathers the sequence, the tokens or the targets."""
+    _, _, hlo, cfg, mesh, params = step(["mesh.dp=1", "mesh.tp=1", *overrides])
+    found = _cp_collectives(hlo, mesh)
+    assert {c.op for c in found} == {"collective-permute", "all-reduce"}, found
+    mo, cp = cfg.model, cfg.mesh.cp
+    kv_width = mo.kv_heads * mo.head_dim // cfg.mesh.tp
+    ideal = 2 * mo.layers * context_parallel.halo_bytes(mo.window, mo.seq_len, cp, cfg.train.global_batch, kv_width, 4)
+    assert sum(c.sent_bytes * c.executions for c in found if c.op == "collective-permute") == ideal
+    # the gradients a device holds, each all-reduced once, and the loss; the parallel block's two
+    # output biases get one gradient (both add to the same sum), which XLA reduces once
+    held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) * 4 for x in jax.tree.leaves(params))
+    shared = int(np.prod(params["layers"]["attn"]["bo"].sharding.shard_shape(params["layers"]["attn"]["bo"].shape))) * 4
+    assert sum(c.nbytes * c.executions for c in found if c.op == "all-reduce") == held - shared + 4
+
+
+def test_full_attention_all_gathers_keys_and_values():
+    """window=null: per layer k and v all-gathered over cp, their gradients reduce-scattered."""
+    _, _, hlo, cfg, mesh, _ = step(["mesh.dp=1", "mesh.tp=1", "mesh.cp=4", "model.window=null"])
+    found = _cp_collectives(hlo, mesh)
+    mo = cfg.model
+    whole = cfg.train.global_batch * mo.seq_len * mo.kv_heads * mo.head_dim * 4  # one of k, v: every rank's
+    for op in ("all-gather", "reduce-scatter"):
+        assert sum(c.nbytes * c.executions for c in found if c.op == op) == 2 * mo.layers * whole
+    assert {c.op for c in found} == {"all-gather", "reduce-scatter", "all-reduce"}
+
+
+def test_the_batch_is_whole_rows_on_every_cp_rank():
+    """Rows of seq_len + 1 tokens (inputs and targets) do not split over a cp dividing seq_len:
+    every cp rank gets whole rows, and each process still reads whole rows."""
+    cfg = _config(["mesh.dp=2", "mesh.cp=4", "mesh.tp=1"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    assert tuple(trainer.batch_sharding.spec) == ("dp", None)
+    assert data.process_row_range(trainer.batch_sharding, (4, 33)) == (0, 4)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["mesh.cp=3"], "model.seq_len=32 must be divisible by mesh.cp=3"),
+    (["mesh.cp=2", "mesh.pp=2", "parallel.microbatches=2"], "mesh.cp=2 does not run with mesh.pp=2 yet"),
+    (["mesh.cp=2", "model.attention=pallas"], "mesh.cp=2 runs with model.attention=xla only yet"),
+    (["mesh.cp=2", "parallel.sequence_parallel=true"], "both split the sequence"),
+    (["mesh.cp=2", "model.loss_chunks=2"], "set model.loss_chunks=1 with context parallelism"),
+    (["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2"], "aborts XLA's partitioner"),
+    (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"], r"mesh dp\*pp\*cp\*tp=2\*1\*4\*2=16 devices do not match mesh.cpu_devices=8"),
+])
+def test_bad_context_parallel_configs_are_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        cfg = _config(overrides)
+        from megascale_jax.config import check_runtime
+        check_runtime(cfg, "cpu", 8)
+    assert "\n" not in str(e.value)
+
+
+def test_the_step_lowers_for_cuda():
+    """The train step on dp2 x cp2 x tp2 lowered for CUDA on this CPU-only machine (nothing
+    compiled): the halo's permutes are in the GPU program, forward and backward."""
+    cfg = _config(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(trainer.init), trainer.state_shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.collective_permute") == 4  # k and v, forward and backward, in the layer loops
