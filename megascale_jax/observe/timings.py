@@ -65,7 +65,8 @@ class TimingsWriter(LoopObserver):
         path = os.path.join(timings_dir(run_dir), f"process-{process}.csv")
         self.failures = WarnOnce(warn, path, "training goes on without its phase timings (the report and the "
                                              "straggler check miss those steps) until the disk has room")
-        self.coords = {device: tuple(c[axis] for axis in AXIS_COLUMNS) for device, c in process_device_coords(mesh, process)}
+        self.coords = {device: tuple(c[axis] for axis in AXIS_COLUMNS)
+                       for device, c in process_device_coords(mesh, process)}
         self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.torn = False  # a row cut short by a full disk: the next row starts on a new line
         if os.fstat(self.fd).st_size == 0:

@@ -90,7 +90,7 @@ def test_rules_replicate_kv_heads_only_when_tp_does_not_divide_them():
 
     assert rules(8, 8)["kv_heads"] == rules(4, 2)["kv_heads"] == "tp"
     assert rules(1, 2)["kv_heads"] is rules(2, 8)["kv_heads"] is None
-    assert rules(2, 8)["heads"] == "tp" and rules(2, 8)["act_seq"] is None
+    assert rules(2, 8)["heads"] == "tp" and rules(2, 8)["act_seq"] == "cp"  # over cp (size 1 here), not tp
     assert rules(2, 8, "parallel.sequence_parallel=true")["act_seq"] == "tp"
     assert dict(sharding.rules_for()) == dict(sharding.LOGICAL_RULES)
 

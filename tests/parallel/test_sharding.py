@@ -175,7 +175,7 @@ def test_activation_specs(monkeypatch):
 
 
 def test_logical_rules_table():
-    assert sharding.logical_to_spec(("batch", "seq", "embed")) == P("dp", None, None)
+    assert sharding.logical_to_spec(("batch", "seq", "embed")) == P("dp", "cp", None)  # cp: context parallelism
     assert sharding.logical_to_spec(("embed", "mlp")) == P(None, "tp")
     assert sharding.logical_to_spec(("vocab", "embed")) == P("tp", None)
 
