@@ -17,8 +17,8 @@ stay automatic), on each rank's slice of n = seq_len/cp queries, keys and values
   Rank 0 (and a rank whose halo reaches before the sequence's start) receives zeros there, which
   the mask drops (key positions < 0). Autodiff's transpose of a permute is the reverse permute,
   so the backward sends each halo's gradient back to the rank that owns those keys: the same
-  bytes the other way. Per layer and direction every rank but the last sends 2·h·b·kv_heads·
-  head_dim values (k and v; `halo_bytes`), and attention moves nothing else over cp.
+  bytes the other way. Per layer and direction each rank receives 2·h·b·kv_heads·head_dim
+  values (k and v; `halo_bytes`), and attention moves nothing else over cp.
 * Full attention (window=null): k and v all-gathered over cp (tiled; the backward's transpose is
   the gradients' reduce-scatter). Chosen over ring attention for a first slice because it is the
   reference softmax as it stands, exact with no online-softmax rescaling, and moves the same
@@ -60,9 +60,11 @@ def halo_length(window: int, seq_len: int, cp: int) -> int:
 
 
 def halo_bytes(window: int, seq_len: int, cp: int, batch: int, kv_width: int, itemsize: int) -> int:
-    """Bytes one rank sends over cp per layer and direction (forward: keys and values; backward:
-    their gradients): the ideal `bench`/tests hold the compiled step's permutes to. `kv_width`:
-    kv_heads x head_dim on the rank (its tp share), `batch` the rows on the rank."""
+    """Bytes a rank receives over cp per layer and direction (forward: keys and values; backward:
+    their gradients; rank 0 forward and rank cp-1 backward receive zeros in the same permutes):
+    the ideal the compiled step's permutes are held to, each permute's buffer counted once as
+    `observe.collectives` counts it. `kv_width`: kv_heads x head_dim on the rank (its tp share),
+    `batch` the rows on the rank."""
     return 2 * halo_length(window, seq_len, cp) * batch * kv_width * itemsize
 
 

@@ -11,6 +11,7 @@ gradient bytes a device holds for the all-reduce.
 """
 
 import functools
+import json
 
 import jax
 import numpy as np
@@ -150,7 +151,8 @@ def test_the_batch_is_whole_rows_on_every_cp_rank():
     (["mesh.cp=2", "parallel.sequence_parallel=true"], "both split the sequence"),
     (["mesh.cp=2", "model.loss_chunks=2"], "set model.loss_chunks=1 with context parallelism"),
     (["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2"], "aborts XLA's partitioner"),
-    (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"], r"mesh dp\*pp\*cp\*tp=2\*1\*4\*2=16 devices do not match mesh.cpu_devices=8"),
+    (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"],
+     r"mesh dp\*pp\*cp\*tp=2\*1\*4\*2=16 devices do not match mesh.cpu_devices=8"),
 ])
 def test_bad_context_parallel_configs_are_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as e:
@@ -171,3 +173,26 @@ def test_the_step_lowers_for_cuda():
                                  sharding=trainer.batch_sharding)
     text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.collective_permute") == 4  # k and v, forward and backward, in the layer loops
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_across_a_change_of_cp(run_main, tmp_path):
+    """3 steps on cp4 x tp2, resumed for 3 more on dp2 x cp2: the losses of one device's 6 steps
+    (the state does not depend on cp: parameters are replicated over it, checkpoints canonical)."""
+    from megascale_jax import train
+
+    common = ["model.layers=2", "model.seq_len=64", "model.window=20", "train.global_batch=4", "train.log_every=1",
+              "train.eval_every=0", "train.eval_batches=0", "data.val_fraction=0", "checkpoint.every=3",
+              "train.sample_at_end=0", "observe.tensorboard=false"]
+    runs = [("cp", "mesh.dp=1 mesh.cp=4 mesh.tp=2 mesh.cpu_devices=8", 3),
+            ("cp", "mesh.dp=2 mesh.cp=2 mesh.tp=1 mesh.cpu_devices=4", 6),
+            ("one", "mesh.dp=1 mesh.cp=1 mesh.tp=1 mesh.cpu_devices=1", 6)]
+    for run, mesh, steps in runs:
+        code, _, err = run_main(train.main, ["--run-dir", run, *common, *mesh.split(), f"train.steps={steps}"], tmp_path)
+        assert code == 0, err
+
+    def losses(run):
+        return [json.loads(line)["loss"] for line in open(tmp_path / run / "metrics.jsonl")]
+
+    assert len(losses("cp")) == 6
+    np.testing.assert_allclose(losses("cp"), losses("one"), rtol=1e-5)
