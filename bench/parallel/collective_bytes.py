@@ -13,10 +13,16 @@ The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` ho
 rest are the layouts issue 38 names. `ideal` is the planner's formula per axis with one gradient
 reduction per step (`planner/traffic.py`): dp, ring all-reduce of the gradient bytes P once per
 step (P: every parameter one device holds, counted from the compiled state), 2(dp-1)/dp x P (with ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the
-parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them.
+parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them;
+cp (context parallelism, which the planner does not price yet: tp, pp and dp are planned for a
+cp rank's share, seq_len/cp tokens a row on 8/cp devices): per layer and direction the halo's
+keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
+gradients' reduce-scatter), plus the gradients' all-reduce, 2(cp-1)/cp x P, since the weights
+are replicated over cp.
 Writes bench/results/collective_bytes_cpu.json.
 """
 
+import dataclasses
 import json
 import shlex
 import sys
@@ -63,7 +69,10 @@ LAYOUTS = {
     "Llama-style dp2 tp4 (serial, RMSNorm, SwiGLU, GQA kv_heads=2)": [
         "mesh.dp=2", "mesh.tp=4", "model.block=serial", "model.norm=rmsnorm", "model.activation=swiglu",
         "model.kv_heads=2"],
+    "dp2 cp2 tp2, window 64": ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.zero1=false"],
+    "cp8, window 24 (two hops)": ["mesh.dp=1", "mesh.cp=8", "mesh.tp=1", "model.window=24", "parallel.zero1=false"],
 }
+AXES = ("tp", "pp", "cp", "dp")
 
 
 def measure(overrides: list[str]) -> dict:
@@ -77,12 +86,32 @@ def measure(overrides: list[str]) -> dict:
     cfg = compiled.cfg
     runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
-    planned = traffic.bytes_per_axis(from_config(cfg, gpus=8))
+    # The planner knows no cp: it plans a cp rank's share, seq_len/cp tokens a row on 8/cp devices
+    share = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, cp=1),
+                                model=dataclasses.replace(cfg.model, seq_len=cfg.model.seq_len // cfg.mesh.cp))
+    gpus = 8 // cfg.mesh.cp
+    planned = traffic.bytes_per_axis(from_config(share, gpus=gpus))
     # the ideal's gradient bytes: exactly the parameters one device holds (norms and biases too)
     held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(compiled.state.params))
-    ideal = traffic.ideal_bytes_per_axis(cfg, 8, held)
-    ratio = {axis: measured[axis] / ideal[axis] for axis in ("tp", "pp", "dp") if measured.get(axis) and ideal.get(axis)}
+    ideal = {**traffic.ideal_bytes_per_axis(share, gpus, held), "cp": cp_ideal_bytes(cfg, held)}
+    ratio = {axis: measured[axis] / ideal[axis] for axis in AXES if measured.get(axis) and ideal.get(axis)}
     return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal, "measured_over_ideal": ratio}
+
+
+def cp_ideal_bytes(cfg, held: int) -> float:
+    """Bytes one device sends over cp per step (the module docstring): 0 at cp = 1."""
+    from megascale_jax.parallel.context_parallel import halo_bytes
+
+    m, mo = cfg.mesh, cfg.model
+    if m.cp == 1:
+        return 0.0
+    rows, itemsize = cfg.train.global_batch // m.dp, np.dtype(mo.dtype).itemsize
+    kv_width = mo.kv_heads * mo.head_dim // m.tp if mo.kv_heads % m.tp == 0 else mo.head_dim
+    if mo.window is None:  # k and v gathered, their gradients reduce-scattered: (cp-1)/cp of the whole each
+        per_layer = 2 * (m.cp - 1) / m.cp * rows * mo.seq_len * kv_width * itemsize
+    else:
+        per_layer = halo_bytes(mo.window, mo.seq_len, m.cp, rows, kv_width, itemsize)
+    return 2 * mo.layers * per_layer + 2 * (m.cp - 1) / m.cp * held * 4  # both directions; float32 gradients
 
 
 def measure_given(layouts: list[str], bench: Bench) -> int:
@@ -115,11 +144,11 @@ def main(argv=None) -> int:
     print(f"{'layout':<42}{'axis':>5}{'measured B':>12}{'planned B':>12}{'error':>8}{'ideal B':>12}{'measured/ideal':>16}")
     for name, overrides in LAYOUTS.items():
         r = rows[name] = measure(overrides)
-        for axis in ("tp", "pp", "dp"):
-            got, planned, ideal = r["measured"].get(axis, 0.0), r["planned"][axis], r["ideal"][axis]
+        for axis in AXES:
+            got, planned, ideal = r["measured"].get(axis, 0.0), r["planned"].get(axis, 0.0), r["ideal"][axis]
             if got or planned:
-                print(f"{name:<42}{axis:>5}{got:>12.0f}{planned:>12.0f}{planned / got - 1:>+8.1%}{ideal:>12.0f}"
-                      f"{got / ideal:>15.2f}x", flush=True)
+                plan = f"{planned:>12.0f}{planned / got - 1:>+8.1%}" if axis in r["planned"] else f"{'-':>12}{'-':>8}"
+                print(f"{name:<42}{axis:>5}{got:>12.0f}{plan}{ideal:>12.0f}{got / ideal:>15.2f}x", flush=True)
     bench.write({"devices": "8 simulated CPU devices", "rows": rows})
     return 0
 
