@@ -75,13 +75,16 @@ def assert_matches_one_device(overrides):
         assert rel <= 1e-6, (jax.tree_util.keystr(path), rel)
 
 
+SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the full suite runs all
+
+
 @pytest.mark.parametrize("overrides", [
     ["mesh.cp=2"],
-    ["mesh.cp=4"],
+    pytest.param(["mesh.cp=4"], marks=SLOW),
     ["mesh.cp=8"],  # the window reaches back over two slices: two permutes a layer
-    ["mesh.cp=2", "mesh.tp=2"],
-    ["mesh.cp=2", "mesh.dp=2"],
-    ["mesh.cp=4", "model.window=null"],  # full attention: k and v all-gathered
+    pytest.param(["mesh.cp=2", "mesh.tp=2"], marks=SLOW),
+    pytest.param(["mesh.cp=2", "mesh.dp=2"], marks=SLOW),
+    pytest.param(["mesh.cp=4", "model.window=null"], marks=SLOW),  # full attention: k and v all-gathered
 ], ids=lambda o: " ".join(o))
 def test_context_parallel_matches_one_device(overrides):
     assert_matches_one_device(["mesh.dp=1", "mesh.tp=1", *overrides])
@@ -104,7 +107,8 @@ def _cp_collectives(hlo: str, mesh):
     return [c for c in collectives.collectives(hlo) if collectives.group_axes(c.groups[0], shape, names) == "cp"]
 
 
-@pytest.mark.parametrize("overrides", [["mesh.cp=2"], ["mesh.cp=8"], ["mesh.cp=4", "mesh.tp=2"]],
+@pytest.mark.parametrize("overrides", [["mesh.cp=2"], pytest.param(["mesh.cp=8"], marks=SLOW),
+                                       pytest.param(["mesh.cp=4", "mesh.tp=2"], marks=SLOW)],
                          ids=lambda o: " ".join(o))
 def test_cp_moves_the_halo_and_the_gradient_reduction_only(overrides):
     """Per layer and direction each rank sends 2 x halo x rows x kv width bytes (k and v forward,
