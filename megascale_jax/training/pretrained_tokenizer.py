@@ -30,7 +30,25 @@ from megascale_jax.training import documents
 from megascale_jax.training.tokenizer import TOKENIZER_FILE, TokenizerError, output_files, sha256, token_dtype
 
 EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+# A worker encodes documents in batches of at most this many, or this much text, whichever comes
+# first: `tokenizers`' encodings hold ~100 bytes a token (ids, offsets, the token strings), so 256
+# long documents (5 MB of text) held ~1 GB while encoded; 1 MiB holds tens of MB. Both the cached
+# and the streamed mode's workers batch this way.
 BATCH_DOCUMENTS = 256
+BATCH_BYTES = 1 << 20
+
+
+def document_batches(path: str, field: str, bad: documents.BadLines):
+    """A shard's documents in batches of at most BATCH_DOCUMENTS or ~BATCH_BYTES of text:
+    (texts, their bytes of UTF-8), the last batch possibly empty."""
+    batch, size = [], 0
+    for text in documents.read_documents(path, field, bad):
+        batch.append(text)
+        size += len(text.encode("utf-8", "surrogatepass"))
+        if len(batch) == BATCH_DOCUMENTS or size >= BATCH_BYTES:
+            yield batch, size
+            batch, size = [], 0
+    yield batch, size
 
 
 def tokenizer_file(path: str) -> str:
@@ -91,14 +109,9 @@ def _encode_shard(job: tuple) -> tuple[str, int, int, int, str, int]:
     bad = documents.BadLines(stop_at_bad_line)
     tokens = docs = text_bytes = 0
     with open(part, "wb") as out:
-        batch = []
-        for text in documents.read_documents(shard, field, bad):
-            batch.append(text)
-            text_bytes += len(text.encode("utf-8", "surrogatepass"))
-            if len(batch) == BATCH_DOCUMENTS:
-                tokens, docs = _write(out, tokenizer, batch, eos, dtype, tokens, docs)
-                batch = []
-        tokens, docs = _write(out, tokenizer, batch, eos, dtype, tokens, docs)
+        for batch, size in document_batches(shard, field, bad):
+            text_bytes += size
+            tokens, docs = _write(out, tokenizer, batch, eos, dtype, tokens, docs)
     return part, tokens, docs, bad.count, bad.first, text_bytes
 
 

@@ -50,10 +50,6 @@ from megascale_jax.training.tokenizer import TokenizerError
 
 KEY_VERSION = 1  # bump when a shard key's files would be written differently
 SPLITS = ("train", "val")
-# A batch is 256 documents or 1 MiB of text, whichever comes first: `tokenizers`' encodings hold
-# ~100 bytes a token (ids, offsets, the token strings), so 256 long documents (5 MB of text) held
-# ~1 GB while they were encoded; 1 MiB holds tens of MB.
-BATCH_BYTES = 1 << 20
 META = "meta.json"
 _POLL_S = (0.002, 0.05)  # the loader's wait for a worker: first and longest sleep between looks
 
@@ -111,9 +107,8 @@ def _shard_batches(tokenizer, path: str, directory: str, job: dict):
     name, dtype, eos = os.path.basename(path), job["dtype"], job["eos"]
     try:
         with open(parts["train"], "wb") as train, open(parts["val"], "wb") as val:
-            out, batch, flushed = {"train": train, "val": val}, [], 0
-
-            def write() -> None:
+            out = {"train": train, "val": val}
+            for batch, size in pretrained_tokenizer.document_batches(path, job["text_field"], bad):
                 first = sum(counts["documents"].values())
                 for i, ids in enumerate(pretrained_tokenizer.encode_documents(tokenizer, batch, eos) if batch else []):
                     split = "val" if is_validation(name, first + i, job["val_fraction"]) else "train"
@@ -122,16 +117,8 @@ def _shard_batches(tokenizer, path: str, directory: str, job: dict):
                     counts["documents"][split] += 1
                 for f in out.values():
                     f.flush()  # the loader reads what is written so far
-                batch.clear()
-
-            for text in documents.read_documents(path, job["text_field"], bad):
-                batch.append(text)
-                counts["text_bytes"] += len(text.encode("utf-8", "surrogatepass"))
-                if len(batch) == pretrained_tokenizer.BATCH_DOCUMENTS or counts["text_bytes"] >= flushed + BATCH_BYTES:
-                    write()
-                    flushed = counts["text_bytes"]
-                    yield True
-            write()
+                counts["text_bytes"] += size
+                yield True
     except BaseException:
         for part in parts.values():
             _remove(part)
