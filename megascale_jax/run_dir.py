@@ -134,18 +134,19 @@ def host_snapshot_dir(root: str, host: str | None) -> str:
 
 
 def recoverable_snapshot_steps(directory: str, processes: int | None = None) -> list[int]:
-    """Steps for which each of `processes` processes (None: any process) has a memory snapshot
-    file — its own or a peer copy (training/peer_copy.py) — in `directory` or in a simulated
-    host's directory below it."""
-    owners: dict[int, set[int]] = {}
+    """Steps for which each of `processes` processes has a memory snapshot file — its own or a
+    peer copy (training/peer_copy.py) — in `directory` or in a simulated host's directory below
+    it; `processes` None: of any one process count (after a shrink or a grow, the previous count's
+    files are resharded onto the new mesh)."""
+    owners: dict[tuple[int, int], set[int]] = {}  # (process count, step) -> owners found
     hosts = [directory] + [os.path.join(directory, d) for d in _listdir(directory) if not d.isdigit()]
     for host in hosts:
         for step in committed_steps(host):
             for name in _listdir(os.path.join(host, str(step))):
                 match = SNAPSHOT_FILE.match(name)
                 if match and processes in (None, int(match.group(2))):
-                    owners.setdefault(step, set()).add(int(match.group(1)))
-    return sorted(step for step, found in owners.items() if processes is None or len(found) == processes)
+                    owners.setdefault((int(match.group(2)), step), set()).add(int(match.group(1)))
+    return sorted({step for (count, step), found in owners.items() if len(found) == count})
 
 
 def _listdir(directory: str) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import time
 
@@ -144,6 +145,7 @@ class Supervisor:
             action = self._decide(fault, restarts)
             if isinstance(action, Done):
                 self.events.log("done", action.reason, restarts=restarts)
+                self._free_excluded_snapshots()
                 return 0
             if isinstance(action, (Spare, Shrink, GiveUp)) and action.evict:
                 self._exclude(action.evict)
@@ -393,6 +395,15 @@ class Supervisor:
                             rank=rank, slot=slot, host=self.placement.hosts[slot],
                             spares_left=len(self.placement.spares))
 
+    def _free_excluded_snapshots(self) -> None:
+        """The job is done: the memory snapshots on slots it excluded (which no worker of it runs
+        on any more, to remove them at its end) are removed; its slots are this machine's."""
+        cfg = self.job.cfg
+        if cfg.checkpoint.memory_every:
+            root = run_dirs.snapshot_dir(cfg, self.job.run_dir)
+            for slot in self.placement.excluded:
+                shutil.rmtree(run_dirs.host_snapshot_dir(root, self.placement.hosts[slot]), ignore_errors=True)
+
     def _shrink(self, shape: Shape) -> None:
         """The next attempts run on `shape`, fewer data-parallel replicas (policy.Shrink)."""
         self.events.log("shrink", f"no spare left: resuming on dp={shape.dp} x {shape.microbatches} microbatches "
@@ -421,11 +432,12 @@ class Supervisor:
     def _prepare_restart(self, restarts: int) -> tuple[int, str | None]:
         """The step the next attempt resumes from and what from ("checkpoint", "memory snapshot",
         None for step 0): the newest of the committed checkpoints and of the memory snapshots
-        of which every process of the next attempt has a file or a peer's copy (training/snapshot.py;
-        the workers may still reject one and fall back)."""
+        of which every process of one attempt has a file or a peer's copy — the last attempt's
+        after a shrink, resharded onto the smaller mesh (training/snapshot.py; the workers may
+        still reject one and fall back)."""
         cfg = self.job.cfg
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
-        held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), self.shape.nprocs) \
+        held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir)) \
             if cfg.checkpoint.memory_every else []
         if held and (not steps or held[-1] >= steps[-1]):  # as new as the checkpoint: RAM, not disk
             return held[-1], "memory snapshot"

@@ -70,13 +70,22 @@ def sha256_file(path: str) -> str:
 
 
 def inventory(directory: str, processes: int) -> dict[int, list[int]]:
-    """{owner process: [steps]} of every snapshot file (its own or a peer copy) in `directory`."""
-    held: dict[int, list[int]] = {}
+    """{owner process: [steps]} of every snapshot file (its own or a peer copy) in `directory`
+    written by a job of `processes` processes."""
+    return inventory_by_count(directory).get(processes, {})
+
+
+def inventory_by_count(directory: str) -> dict[int, dict[int, list[int]]]:
+    """{process count: {owner process: [steps]}} of every snapshot file in `directory`: after a
+    shrink (or a grow) the files of the job's previous process count are a source too."""
+    held: dict[int, dict[int, list[int]]] = {}
     for step in committed_steps(directory):
-        for name in os.listdir(os.path.join(directory, str(step))):
+        for name in sorted(os.listdir(os.path.join(directory, str(step)))):
             match = SNAPSHOT_FILE.match(name)
-            if match and int(match.group(2)) == processes:
-                held.setdefault(int(match.group(1)), []).append(step)
+            if match:
+                steps = held.setdefault(int(match.group(2)), {}).setdefault(int(match.group(1)), [])
+                if step not in steps:
+                    steps.append(step)
     return held
 
 
@@ -95,12 +104,32 @@ def copy_name(owner: int, processes: int) -> str:
 RECORD = ".record"  # beside a copy: the owner's signed put header (its SHA-256 among its fields)
 
 
-def check_meta(meta: dict, step: int, config: dict) -> None:
-    """A copy's own record against what was asked for: the step and the exact config."""
+# What a shrink (or a grow) changes in a run's config: the data-parallel replicas, the microbatches
+# that keep the global batch, and the simulated devices a process has. None of them changes the
+# state's shapes or its stored order (ZeRO-1 shards a dimension, it pads none), so a snapshot
+# written before the change is resharded onto the new mesh rather than read from disk.
+RESHARDABLE = (("mesh", "dp"), ("parallel", "microbatches"), ("mesh", "cpu_devices"))
+
+
+def check_meta(meta: dict, step: int, config: dict, reshard: bool = False) -> None:
+    """A copy's own record against what was asked for: the step and the exact config (with
+    `reshard`, the config up to the keys a shrink changes, RESHARDABLE)."""
     if meta.get("step") != step:
         raise Refused(f"stale: it holds step {meta.get('step')}, not step {step}")
-    if meta.get("config") != config:
-        raise Refused("stale: written with another config")
+    written = meta.get("config")
+    if reshard and isinstance(written, dict):
+        written, config = _without_reshardable(written), _without_reshardable(config)
+    if written != config:
+        raise Refused("stale: written with another config" + (" (beyond mesh.dp and parallel.microbatches)"
+                                                              if reshard else ""))
+
+
+def _without_reshardable(config: dict) -> dict:
+    out = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
+    for section, key in RESHARDABLE:
+        if isinstance(out.get(section), dict):
+            out[section].pop(key, None)
+    return out
 
 
 class PeerLink:
@@ -160,12 +189,15 @@ class PeerLink:
             raise OSError(f"process {holder} did not store it: {reply[:200]!r}")
         return f"process {holder} ({self.peers()[holder][0]})"
 
-    def fetch(self, source: int, owner: int, step: int, target: str) -> None:
+    def fetch(self, source: int, owner: int, step: int, target: str, processes: int | None = None) -> None:
         """Copy `owner`'s snapshot of `step`, as held by process `source`, to `target` (written to
-        `.tmp`, renamed only once whole and its checksum matches); Refused or OSError if not."""
+        `.tmp`, renamed only once whole and its checksum matches); Refused or OSError if not.
+        `processes`: the process count of the job that wrote it (this job's unless a shrink or a
+        grow came between)."""
+        processes = self.processes if processes is None else processes
         with _connect(self.peers()[source][1]) as conn:
             conn.sendall(json.dumps(self.request({"op": "get", "owner": owner, "step": step,
-                                                  "processes": self.processes})).encode() + b"\n")
+                                                  "processes": processes})).encode() + b"\n")
             stream = conn.makefile("rb")
             header = json.loads(stream.readline(MAX_HEADER + 1) or b"{}")
             record = header.get("record")
@@ -173,7 +205,7 @@ class PeerLink:
                 raise Refused(f"process {source} has no copy of step {step}: {header.get('error', 'no answer')}")
             if not job_key.authentic(self.key, record):
                 raise Refused(f"process {source}'s record of it is not signed with the job's key")
-            if (record.get("owner"), record.get("step"), record.get("processes")) != (owner, step, self.processes):
+            if (record.get("owner"), record.get("step"), record.get("processes")) != (owner, step, processes):
                 raise Refused(f"process {source} sent the record of another file: {record.get('owner')}, "
                               f"step {record.get('step')}")
             arrived, digest = _receive(stream, record["size"], target + ".tmp")

@@ -27,12 +27,21 @@ Restore (`restore`, before the checkpoint's): each process lists every file its 
 through the coordination service's key-value store on the newest step for which a file of every
 process exists somewhere; each reads its own file — or, where its host lost it, fetches the copy
 from the peer that holds it (the log names the peer) — checks the CRCs (the zip's), the step and
-that it was written with this exact config (a changed config, or a shrunk mesh, uses the
-checkpoint), and places its shards with `make_array_from_callback` (no collective). A second
+that it was written with this exact config (a changed config uses the checkpoint), and places its
+shards with `make_array_from_callback` (no collective).
+
+After a shrink (or a grow) the files of the previous process count are a source too
+(`_reshard`): a step counts when every old process's file is held somewhere; the processes agree
+on which shards each old file holds (the shard table in each file's meta), each reads — from its
+host or fetched from a peer's — only the old files that cover its new shards, and cuts each new
+shard out of the old pieces that overlap it. Only a change of `peer_copy.RESHARDABLE` (mesh.dp,
+parallel.microbatches, mesh.cpu_devices) is resharded: none changes the state's shapes or its
+stored order. The old files go once the new layout has written its second snapshot. A second
 round agrees that every process succeeded; otherwise that step is given up — one warning, a bad
 own file removed — and the next source is tried: an older step every process holds, then the
 checkpoint. Two hosts lost with each other's copies leave a process with no file: the checkpoint. The state is the stored
-(pipeline-ordered) one, not the canonical: it is only ever restored into the same config.
+(pipeline-ordered) one, not the canonical: it is only ever restored into the same config, up to
+the data-parallel shape.
 
 Whatever it resumes from, a run first removes its snapshots past that step: they belong to a
 timeline whose metrics it dropped. A finished (or interrupted and checkpointed) run removes its
@@ -82,6 +91,7 @@ class Snapshots:
         self._writer: threading.Thread | None = None
         self._error: str | None = None
         self._failing = False  # the last write failed and was said: the next failure is not said again
+        self._old_layout = False  # restored from another process count's files: remove them once replaced
         self.link = None
         try:  # what the processes agree on through jax.distributed's store is signed with it
             self.key = job_key.job_key() if self.processes > 1 else None
@@ -175,8 +185,14 @@ class Snapshots:
             with open(path + ".tmp", "wb") as f:  # a zip: each member's CRC-32 is checked on reading
                 np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
             os.replace(path + ".tmp", path)
-            oldest_kept = sorted(self._own_steps())[-KEEP:][0]
-            self._remove(lambda s: s < oldest_kept)
+            own = sorted(self._own_steps())
+            self._remove(lambda s: s < own[-KEEP:][0])
+            if self._old_layout and len(own) >= 2:
+                # This layout's second snapshot: every process has written its first one (each
+                # step's collectives keep them in step), so the previous layout's files, restored
+                # from at the start, are no longer anyone's newest source: their RAM goes back.
+                self._remove(lambda s: True, own=False, other_counts=True)
+                self._old_layout = False
         except OSError as e:  # RAM disk full or not writable: training goes on, on checkpoints
             with contextlib.suppress(OSError):
                 os.remove(path + ".tmp")  # a part-written file would hold the room the next one needs
@@ -205,21 +221,29 @@ class Snapshots:
     def _own_steps(self) -> list[int]:
         return [s for s in snapshot_steps(self.root) if os.path.exists(self._file(s))]
 
-    def _remove(self, which: Callable[[int], bool], copies: bool = False) -> None:
-        """This process's files (and leftover .tmp) of the steps `which` picks, with `copies` also
-        the peer copies this host holds; a step directory goes when its last file does."""
+    def _remove(self, which: Callable[[int], bool], copies: bool = False, own: bool = True,
+                other_counts: bool = False) -> None:
+        """This process's files (and leftover .tmp) of the steps `which` picks (unless not `own`),
+        with `copies` also the peer copies this host holds, with `copies` or `other_counts` every
+        file this host holds of a job of another process count (before a shrink or a grow); a
+        step directory goes when its last file does."""
         for s in snapshot_steps(self.root):
             if not which(s):
                 continue
-            held = [os.path.join(self.root, str(s), name) for name in os.listdir(os.path.join(self.root, str(s)))
-                    if name.startswith("peer_")] if copies else []
-            for name in (self._file(s), self._file(s) + ".tmp", *held):
+            folder = os.path.join(self.root, str(s))
+            names = os.listdir(folder)
+            held = [os.path.join(folder, name) for name in names if name.startswith("peer_")] if copies else []
+            if other_counts or copies:
+                held += [os.path.join(folder, name) for name in names
+                         if (m := run_dirs.SNAPSHOT_FILE.match(name.removesuffix(peer_copy.RECORD)))
+                         and int(m.group(2)) != self.processes]
+            for name in ((self._file(s), self._file(s) + ".tmp") if own else ()) + tuple(held):
                 try:
                     os.remove(name)
                 except FileNotFoundError:
                     pass
             try:
-                os.rmdir(os.path.dirname(self._file(s)))
+                os.rmdir(folder)
             except OSError:
                 pass  # a peer's file is still there
 
@@ -242,27 +266,35 @@ class Snapshots:
     # ------------------------------------------------------------------ restore
 
     def restore(self, abstract_state, newer_than: int, up_to: int | None = None) -> tuple[Any, dict] | None:
-        """(state, {"step", "data_state"}) of the newest snapshot of which every process can read
-        its own file or a peer's copy, newer than step `newer_than`; None when there is none, or
-        every such step failed somewhere (then the caller uses the checkpoint)."""
-        given_up: set[int] = set()  # steps that failed on some process: every process skips them
+        """(state, {"step", "data_state"}) of the newest snapshot of which every process of one
+        job (this one's, or the previous process count's after a shrink or a grow) has a file
+        somewhere — its host's or a peer's copy — newer than step `newer_than`; None when there is
+        none, or every such step failed somewhere (then the caller uses the checkpoint)."""
+        given_up: set[tuple[int, int]] = set()  # (process count, step) that failed on some process: all skip it
         while True:
-            mine = {p: [s for s in steps if s > newer_than and (up_to is None or s <= up_to)]
-                    for p, steps in peer_copy.inventory(self.root, self.processes).items()}
+            mine = {count: {owner: [s for s in steps if s > newer_than and (up_to is None or s <= up_to)]
+                            for owner, steps in owners.items()}
+                    for count, owners in peer_copy.inventory_by_count(self.root).items()}
             try:
-                reports = [{int(p): steps for p, steps in json.loads(r).items()} for r in self._agree(json.dumps(mine))]
+                reports = [{int(c): {int(p): steps for p, steps in owners.items()} for c, owners in json.loads(r).items()}
+                           for r in self._agree(json.dumps(mine))]
             except peer_copy.Refused as e:  # every process reads the same forged record: all take the checkpoint
                 self.warn(f"warning: memory snapshots not used: {e}; the checkpoint is")
                 return None
-            step = peer_copy.newest_recoverable(reports, self.processes, given_up)
-            if step is None:
+            found = newest_source(reports, self.processes, given_up)
+            if found is None:
                 return None
-            holder = next((q for q, r in enumerate(reports) if q != self.process and step in r.get(self.process, [])), None)
+            count, step = found
             source, problem = "its own file", ""
             try:
-                if not os.path.exists(self._file(step)):
-                    source = self._fetch(step, holder)
-                state, meta = self._load(step, abstract_state)
+                if count == self.processes:
+                    holder = next((q for q, r in enumerate(reports)
+                                   if q != self.process and step in r.get(count, {}).get(self.process, [])), None)
+                    if not os.path.exists(self._file(step)):
+                        source = self._fetch(step, holder)
+                    state, meta = self._load(step, abstract_state)
+                else:
+                    state, meta, source = self._reshard(count, step, reports, abstract_state)
             except (OSError, ValueError, KeyError, zipfile.BadZipFile, peer_copy.Refused) as e:
                 problem = f"memory snapshot at step {step} ({source}) unusable: {cli.one_line(e)}"
             try:
@@ -274,12 +306,83 @@ class Snapshots:
                 for process, (_, where) in enumerate(verdicts):  # said once, by the process that logs
                     if where != "its own file" and self.process == 0:
                         logger.info(f"process {process} restored its memory snapshot of step {step} from {where}")
+                self._old_layout = count != self.processes
                 return state, {"step": step, "data_state": {"next_index": meta["next_index"]}}
-            given_up.add(step)
+            given_up.add((count, step))
             if problem:
-                self.warn(f"warning: {problem}; removed, trying the next source (an older snapshot, then the checkpoint)")
-                if os.path.exists(self._file(step)):
+                self.warn(f"warning: {problem}; removed, trying the next source (an older snapshot, then the checkpoint)"
+                          if count == self.processes else
+                          f"warning: {problem}; trying the next source (an older snapshot, then the checkpoint)")
+                if count == self.processes and os.path.exists(self._file(step)):
                     os.remove(self._file(step))
+
+    def _reshard(self, count: int, step: int, reports: list[dict], abstract_state) -> tuple[Any, dict, str]:
+        """This process's shards of `abstract_state` assembled from the snapshot files of step
+        `step` written by a job of `count` processes (before a shrink or a grow): the processes
+        first agree on which shards each old file holds (each lists the files its host has),
+        then each reads — from its host, or fetched from a peer's host — only the old files that
+        cover its new shards, and cuts each new shard out of the old ones that overlap it."""
+        here = self._old_files(count, step)
+        catalog: dict[int, list[dict]] = {}
+        for owner, path in here.items():
+            with contextlib.suppress(OSError, ValueError, KeyError, zipfile.BadZipFile):
+                with np.load(path, allow_pickle=False) as f:
+                    catalog[owner] = [{"leaf": e["leaf"], "index": e["index"]} for e in json.loads(str(f["meta"]))["shards"]]
+        listed: dict[int, list[dict]] = {}
+        for value in self._agree(json.dumps(catalog)):
+            for owner, entries in json.loads(value).items():
+                listed.setdefault(int(owner), entries)
+        missing = [o for o in range(count) if o not in listed]
+        if missing:
+            raise ValueError(f"no readable file of the {count}-process job's process(es) {missing} at step {step}")
+        wanted = {(jax.tree_util.keystr(path), _index(index, leaf.shape))
+                  for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+                  for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values()}
+        owners = covering_owners(wanted, listed, prefer=set(here))
+        fetched_dir = os.path.join(self.root, f".reshard-{step}-of-{count}")
+        sources, pieces, meta = [], {}, None
+        try:
+            for owner in owners:
+                path = here.get(owner)
+                if path is None:
+                    holder = next((q for q, r in enumerate(reports)
+                                   if q != self.process and step in r.get(count, {}).get(owner, [])), None)
+                    if self.link is None or holder is None:
+                        raise peer_copy.Refused(f"no peer holds process {owner} of {count}'s file")
+                    os.makedirs(fetched_dir, exist_ok=True)
+                    path = os.path.join(fetched_dir, f"process_{owner}-of-{count}.npz")
+                    self.link.fetch(holder, owner, step, path, processes=count)
+                    sources.append(f"process {owner}'s via process {holder}")
+                with np.load(path, allow_pickle=False) as f:
+                    meta = json.loads(str(f["meta"]))
+                    peer_copy.check_meta(meta, step, self.cfg.to_dict(), reshard=True)
+                    for i, entry in enumerate(meta["shards"]):
+                        key = entry["leaf"], entry["index"]
+                        if key not in pieces and any(_overlap(key, w) for w in wanted):
+                            pieces[key] = f[f"shard_{i}"].view(jnp.dtype(entry["dtype"])).reshape(_extent(entry["index"]))
+        finally:
+            shutil.rmtree(fetched_dir, ignore_errors=True)
+
+        def place(path, abstract):
+            leaf = jax.tree_util.keystr(path)
+            mine = [(index, data) for (name, index), data in pieces.items() if name == leaf]
+
+            def shard(index):
+                return _cut(_index(index, abstract.shape), mine, abstract.dtype, leaf)
+            return jax.make_array_from_callback(abstract.shape, abstract.sharding, shard)
+
+        state = jax.tree_util.tree_map_with_path(place, abstract_state)
+        return state, meta, (f"the {count}-process job's files, resharded"
+                             + (f" ({', '.join(sources)})" if sources else ""))
+
+    def _old_files(self, count: int, step: int) -> dict[int, str]:
+        """{owner: path} of the files of step `step` of a `count`-process job on this host."""
+        folder, found = os.path.join(self.root, str(step)), {}
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+            match = run_dirs.SNAPSHOT_FILE.match(name)
+            if match and int(match.group(2)) == count:
+                found.setdefault(int(match.group(1)), os.path.join(folder, name))
+        return found
 
     def _fetch(self, step: int, holder: int | None) -> str:
         """This process's file of `step`, fetched from the peer `holder` that holds a copy; which
@@ -339,6 +442,80 @@ class Snapshots:
                                         "with the job's key")
             out.append(record["value"])
         return out
+
+
+def newest_source(reports: list[dict[int, dict[int, list[int]]]], processes: int,
+                  skip: set[tuple[int, int]] = frozenset()) -> tuple[int, int] | None:
+    """(process count, step) of the newest snapshot every process of one job's count has a file
+    of somewhere (each process's {count: {owner: steps}}, in process order), this job's count
+    first among equals; None: the checkpoint."""
+    counts = {c for r in reports for c in r}
+    found = []
+    for count in counts:
+        step = peer_copy.newest_recoverable([r.get(count, {}) for r in reports], count,
+                                            {s for c, s in skip if c == count})
+        if step is not None:
+            found.append((step, count == processes, count))
+    if not found:
+        return None
+    step, _, count = max(found)
+    return count, step
+
+
+def covering_owners(wanted: set[tuple[str, str]], listed: dict[int, list[dict]], prefer: set[int]) -> list[int]:
+    """The old processes whose files together hold every piece of the old layout that overlaps a
+    `wanted` (leaf, index) shard: files on this host (`prefer`) first, then the lowest process.
+    ValueError when some wanted shard is not covered."""
+    holders: dict[tuple[str, str], list[int]] = {}
+    for owner in sorted(listed, key=lambda o: (o not in prefer, o)):
+        for entry in listed[owner]:
+            key = entry["leaf"], entry["index"]
+            if any(_overlap(key, w) for w in wanted):
+                holders.setdefault(key, []).append(owner)
+    chosen: list[int] = []
+    for key, owners in sorted(holders.items()):
+        if not any(o in chosen for o in owners):
+            chosen.append(owners[0])
+    for leaf, index in wanted:  # every element of each wanted shard in some old piece
+        volume = sum(_volume(_intersect(index, k[1])) for k in holders if k[0] == leaf and _overlap(k, (leaf, index)))
+        if volume != _volume(_ranges(index)):
+            raise ValueError(f"the old layout's files do not cover {leaf}[{index}]: another state shape")
+    return chosen
+
+
+def _ranges(index: str) -> list[tuple[int, int]]:
+    return [tuple(int(x) for x in part.split(":")) for part in index.split(",")] if index else []
+
+
+def _extent(index: str) -> list[int]:
+    return [stop - start for start, stop in _ranges(index)]
+
+
+def _intersect(a: str, b: str) -> list[tuple[int, int]] | None:
+    out = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(_ranges(a), _ranges(b))]
+    return out if all(lo < hi for lo, hi in out) or not out else None
+
+
+def _volume(ranges) -> int:
+    return 0 if ranges is None else int(np.prod([hi - lo for lo, hi in ranges]))
+
+
+def _overlap(a: tuple[str, str], b: tuple[str, str]) -> bool:
+    return a[0] == b[0] and len(_ranges(a[1])) == len(_ranges(b[1])) and _intersect(a[1], b[1]) is not None
+
+
+def _cut(index: str, pieces: list[tuple[str, np.ndarray]], dtype, leaf: str) -> np.ndarray:
+    """The block `index` of a leaf, copied out of the old layout's `pieces` that overlap it."""
+    lows = [lo for lo, _ in _ranges(index)]
+    out = np.empty(_extent(index), dtype)
+    for old, data in pieces:
+        common = _intersect(index, old)
+        if common is None:
+            continue
+        old_lows = [lo for lo, _ in _ranges(old)]
+        out[tuple(slice(lo - base, hi - base) for (lo, hi), base in zip(common, lows))] = \
+            data[tuple(slice(lo - base, hi - base) for (lo, hi), base in zip(common, old_lows))]
+    return out
 
 
 def state_bytes(abstract_state) -> int:

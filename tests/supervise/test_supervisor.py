@@ -499,11 +499,15 @@ def test_an_outsider_at_the_live_snapshot_server_is_refused_and_training_is_unaf
 @pytest.mark.slow
 def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_same_checkpoint(tmp_path):
     """dp=2 on 2 processes, rank 1's slot breaks: dp=1 with 2 microbatches on 1 process (the same
-    global batch). Every step after the resume equals a fault-free dp=1 run started from the
-    same checkpoint, bitwise."""
+    global batch), restored from the 2-process job's memory snapshot (its own file and the peer
+    copy of rank 1's, resharded: issue 64 item 3), not from disk. Every step after the resume
+    equals a fault-free dp=1 run started from the checkpoint of the same step, bitwise: the
+    resharded snapshot is that state. Snapshots every 4 steps, as checkpoints, so that the
+    resume step has a checkpoint for the reference to start from."""
     shrunk_dir, reference_dir = tmp_path / "shrunk", tmp_path / "reference"
     done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(shrunk_dir), "--drill", "faulty:1@6",
-                                               *JOB, "checkpoint.keep=10"])
+                                               *JOB, "checkpoint.keep=10", "checkpoint.memory_every=4",
+                                               f"checkpoint.memory_dir={tmp_path / 'shm'}"])
     assert done.returncode == 0, done.stdout + done.stderr
     log = events(shrunk_dir)
     verdict, _ = after(log, "verdict")
@@ -512,6 +516,10 @@ def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_s
     assert (shrink["dp"], shrink["microbatches"], shrink["nprocs"]) == (1, 2, 1)
     restart, _ = after(rest, "restart")
     resume = restart["resume_step"]
+    assert restart["resume_from"] == "memory snapshot", restart
+    with open(shrunk_dir / "logs" / "worker0.log") as f:
+        restored = [line for line in f if f"restored its memory snapshot of step {resume}" in line]
+    assert restored and "the 2-process job's files, resharded" in restored[-1], restored
     shutil.copytree(shrunk_dir / "checkpoints" / str(resume), reference_dir / "checkpoints" / str(resume))
     done = run_module("megascale_jax.launch", ["--nprocs", "1", "--run-dir", str(reference_dir), *JOB,
                                                "checkpoint.keep=10", "mesh.dp=1", "parallel.microbatches=2",
@@ -521,6 +529,7 @@ def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_s
     expected = run_dir_metrics(reference_dir)
     assert [r["step"] for r in shrunk] == [r["step"] for r in expected] == list(range(resume + 1, 21))
     assert [(r["loss"], r["grad_norm"]) for r in shrunk] == [(r["loss"], r["grad_norm"]) for r in expected]
+    assert not list((tmp_path / "shm").rglob("*.npz"))  # the finished job gave the RAM back
 
 
 def run_dir_metrics(run_dir) -> list[dict]:

@@ -147,6 +147,78 @@ def test_a_snapshot_of_another_config_is_not_used(tmp_path, capsys):
     assert "written with another config" in capsys.readouterr().out
 
 
+def split_among(root: Path, step: int, owners: int) -> None:
+    """Rewrite the one-process file of `step` as the files of an `owners`-process job: the
+    distinct shards dealt out in turn, a shard held by every device (replicated) in each file."""
+    path = root / str(step) / "process_0-of-1.npz"
+    with np.load(path) as f:
+        meta, arrays = json.loads(str(f["meta"])), {k: f[k] for k in f.files if k != "meta"}
+    files = [[] for _ in range(owners)]
+    counts: dict[str, int] = {}
+    for i, entry in enumerate(meta["shards"]):
+        counts[entry["leaf"]] = counts.get(entry["leaf"], 0) + 1
+    dealt: dict[str, int] = {}
+    for i, entry in enumerate(meta["shards"]):
+        if counts[entry["leaf"]] == 1:
+            targets = range(owners)
+        else:
+            targets = [dealt.get(entry["leaf"], 0) % owners]
+            dealt[entry["leaf"]] = dealt.get(entry["leaf"], 0) + 1
+        for t in targets:
+            files[t].append((entry, arrays[f"shard_{i}"]))
+    for owner, held in enumerate(files):
+        with open(root / str(step) / f"process_{owner}-of-{owners}.npz", "wb") as f:
+            np.savez(f, meta=np.array(json.dumps({**meta, "shards": [e for e, _ in held]})),
+                     **{f"shard_{i}": a for i, (_, a) in enumerate(held)})
+    path.unlink()
+
+
+def test_after_a_shrink_the_previous_jobs_snapshot_is_resharded_onto_the_smaller_mesh_bitwise(tmp_path, capsys):
+    """Issue 64 item 3. A 2-process job at dp=4 x tp=2 snapshotted steps 3 and 4 (each file a
+    share of w's eight distinct shards, the replicated leaves in both); the job shrinks to one
+    process at dp=2 x tp=2 with 2 microbatches: it restores step 4 from those files, every leaf
+    equal to the saved state bitwise and laid out as the new mesh asks; the old files are removed
+    once the new layout has written its second snapshot. A config that differs beyond dp and
+    microbatches (another learning rate) is not resharded: one warning, the checkpoint."""
+    _, _, states = saved(tmp_path, [3, 4])
+    for step in (3, 4):
+        split_among(tmp_path, step, 2)
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path)) == [3, 4]  # the supervisor's count, any layout
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path), 1) == []
+    smaller = cfg_with("mesh.dp=2", "parallel.microbatches=2")
+    mesh = make_mesh(smaller.mesh, devices=jax.devices()[:4])
+    like = {"w": jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("dp", "tp"))),
+            "b": jax.ShapeDtypeStruct((32,), jnp.bfloat16, sharding=NamedSharding(mesh, P())),
+            "m": jax.ShapeDtypeStruct((16, 8), jnp.float32, sharding=NamedSharding(mesh, P("tp", None))),
+            "step": jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))}
+    other = snapshot.Snapshots(cfg_with("mesh.dp=2", "parallel.microbatches=2", "optim.lr=0.5"), str(tmp_path), warn=print)
+    assert other.restore(like, newer_than=0) is None
+    out = capsys.readouterr().out
+    assert out.count("warning:") == 2 and "beyond mesh.dp and parallel.microbatches" in out, out  # steps 4, then 3
+    snaps = snapshot.Snapshots(smaller, str(tmp_path), warn=print)
+    state, meta = snaps.restore(like, newer_than=0)
+    assert meta == {"step": 4, "data_state": {"next_index": 104}}
+    for name, want in states[4].items():
+        assert state[name].sharding == like[name].sharding and state[name].dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(state[name]), want)
+    for step in (5, 6):
+        snaps.save(step, random_state(mesh, step), next_index=100 + step)
+        snaps.wait()
+    left = sorted(p.name for p in tmp_path.rglob("*.npz"))
+    assert left == ["process_0-of-1.npz"] * 2, left  # steps 5 and 6 of the new layout only
+
+
+def test_a_reshard_refuses_files_that_do_not_cover_a_shard():
+    wanted = {("['w']", "0:32,0:16")}
+    listed = {0: [{"leaf": "['w']", "index": "0:16,0:16"}], 1: [{"leaf": "['w']", "index": "0:16,16:32"}]}
+    with pytest.raises(ValueError, match=r"do not cover \['w'\]\[0:32,0:16\]"):
+        snapshot.covering_owners(wanted, listed, prefer=set())
+    listed[2] = [{"leaf": "['w']", "index": "16:32,0:16"}, {"leaf": "['w']", "index": "16:32,16:32"}]
+    listed[3] = [{"leaf": "['w']", "index": "0:16,0:16"}]  # the same piece as process 0's
+    assert snapshot.covering_owners(wanted, listed, prefer=set()) == [0, 2]
+    assert snapshot.covering_owners(wanted, listed, prefer={3}) == [3, 2]  # a file on this host first
+
+
 class KeyValueStore:
     """The coordination service's key-value store as snapshot uses it, in one process; the other
     process's answers are set beforehand."""
@@ -170,14 +242,14 @@ def test_processes_agree_on_the_newest_step_all_hold(tmp_path, monkeypatch, peer
         os.replace(tmp_path / str(step) / "process_0-of-1.npz", tmp_path / str(step) / "process_0-of-2.npz")
     snaps.processes = 2
     rounds = snapshot._rounds[0]
-    inventory, fine = json.dumps({"1": [2, 3, 4]}), json.dumps(["", "its own file"])
+    inventory, fine = json.dumps({"2": {"1": [2, 3, 4]}}), json.dumps(["", "its own file"])
     peer = {f"megascale_jax/snapshot/{rounds + 1}/1": inventory,
             f"megascale_jax/snapshot/{rounds + 2}/1": json.dumps(["unreadable", "its own file"]) if peer_fails else fine,
             f"megascale_jax/snapshot/{rounds + 3}/1": inventory, f"megascale_jax/snapshot/{rounds + 4}/1": fine}
     store = KeyValueStore(peer)
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
-    assert store.values[f"megascale_jax/snapshot/{rounds + 1}/0"] == json.dumps({"0": [3, 4, 5]})
+    assert store.values[f"megascale_jax/snapshot/{rounds + 1}/0"] == json.dumps({"2": {"0": [3, 4, 5]}})
     step = 3 if peer_fails else 4
     assert restored[1]["step"] == step
     np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[step]["w"])
@@ -205,12 +277,12 @@ def test_with_the_jobs_key_only_signed_records_of_the_other_processes_are_believ
         signed_slot = slot if record == "signed" else f"megascale_jax/snapshot/{round_ + 7}/1"
         return json.dumps(job_key.signed(snaps.key, {"slot": signed_slot, "value": value}))
 
-    store = KeyValueStore({f"megascale_jax/snapshot/{rounds + 1}/1": peer(rounds + 1, json.dumps({"1": [3, 4]})),
+    store = KeyValueStore({f"megascale_jax/snapshot/{rounds + 1}/1": peer(rounds + 1, json.dumps({"2": {"1": [3, 4]}})),
                            f"megascale_jax/snapshot/{rounds + 2}/1": peer(rounds + 2, json.dumps(["", "its own file"]))})
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
     restored = snaps.restore(abstract(random_state(mesh, 0)), newer_than=1)
     mine = json.loads(store.values[f"megascale_jax/snapshot/{rounds + 1}/0"])
-    assert job_key.authentic(snaps.key, mine) and mine["value"] == json.dumps({"0": [3, 4]})  # its own, signed
+    assert job_key.authentic(snaps.key, mine) and mine["value"] == json.dumps({"2": {"0": [3, 4]}})  # its own, signed
     if record == "signed":
         assert restored[1]["step"] == 4
         np.testing.assert_array_equal(np.asarray(restored[0]["w"]), states[4]["w"])
@@ -325,7 +397,7 @@ def test_a_refused_peer_copy_is_one_warning_and_the_next_source_is_used(tmp_path
     os.remove(tmp_path / "5" / "process_0-of-2.npz")
     snaps.processes, snaps.link = 2, RefusingLink()
     rounds = snapshot._rounds[0]
-    inventory, fine = json.dumps({"0": [5], "1": [4, 5]}), json.dumps(["", "its own file"])
+    inventory, fine = json.dumps({"2": {"0": [5], "1": [4, 5]}}), json.dumps(["", "its own file"])
     store = KeyValueStore({f"megascale_jax/snapshot/{rounds + 1}/1": inventory, f"megascale_jax/snapshot/{rounds + 2}/1": fine,
                            f"megascale_jax/snapshot/{rounds + 3}/1": inventory, f"megascale_jax/snapshot/{rounds + 4}/1": fine})
     monkeypatch.setattr(compile_cache, "coordination_client", lambda: store)
