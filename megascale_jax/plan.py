@@ -3,7 +3,7 @@
 
 Predicts the iteration time of the config's layout on N GPUs before a GPU-hour is spent: its
 breakdown (compute, pipeline bubble, exposed tp/pp/dp communication, optimizer, data), MFU,
-tokens/s and memory per device (`megascale_jax.planner`). dp is N / (tp·pp); a `mesh.dp=`
+tokens/s and memory per device (`megascale_jax.planner`). dp is N / (tp·pp·cp); a `mesh.dp=`
 override must agree with it (a config file's own mesh.dp is replaced). `--search` ranks every
 valid layout for N GPUs; `--plot` draws MFU and iteration time against GPU count for the layout's
 family (the same tp, pp, v and microbatch size, dp varied). `--explain` prints one prediction's
@@ -43,7 +43,7 @@ GIB = 2**30
 
 def layout_name(p: Plan) -> str:
     c, par = p.cfg.mesh, p.cfg.parallel
-    name = f"dp={c.dp} pp={c.pp} tp={c.tp}"
+    name = f"dp={c.dp} pp={c.pp}" + (f" cp={c.cp}" if c.cp > 1 else "") + f" tp={c.tp}"  # the mesh's order
     if c.pp > 1:
         name += f" {par.pp_schedule} v={par.pp_virtual}"
     name += f" m={par.microbatches}"
@@ -87,10 +87,11 @@ def explain(p: Plan) -> str:
             "compute gradient accumulation": "each microbatch's weight gradients added into the fp32 accumulator",
             "tp layers": "tp collectives of the layers not hidden (collective matmul, Megatron's async backward)",
             "tp embedding+head": "tp collectives of the embedding lookup and the LM head",
+            "cp keys+values": "attention's keys and values from the other cp ranks (halo or all-gather), both ways",
             "bubble": "pipeline warm-up and cool-down",
             "pp sends": "pipeline sends not hidden behind a tick's compute",
             "pp edge gradients": "the embedding's and head's gradients summed over pp after the backward",
-            "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute",
+            "dp gradients+parameters": "dp reduction (and ZeRO-1 gather) not hidden behind compute; cp's too",
             "optimizer": "the update's HBM passes and the gradients' global norm (and Megatron's over its buffers)",
             "data": "loader time on the critical path (charged 0: prefetched)"}
     lines = [f"explain: {layout_name(p)}, iteration {pr.iteration_s:.3f} s"]
@@ -103,14 +104,15 @@ def draw(plans: list[Plan], out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpus = [p.cfg.mesh.dp * p.cfg.mesh.pp * p.cfg.mesh.tp for p in plans]
+    gpus = [p.cfg.mesh.size for p in plans]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     a.plot(gpus, [100 * p.prediction.mfu for p in plans], marker="o")
     a.set(xscale="log", xlabel="GPUs", ylabel="predicted MFU (%)", ylim=(0, None))
     b.plot(gpus, [p.prediction.iteration_s for p in plans], marker="o")
     b.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="predicted iteration (s)")
     c = plans[-1].cfg
-    fig.suptitle(f"pp={c.mesh.pp} tp={c.mesh.tp} v={c.parallel.pp_virtual}, global batch {c.train.global_batch}")
+    cp = f" cp={c.mesh.cp}" if c.mesh.cp > 1 else ""
+    fig.suptitle(f"pp={c.mesh.pp}{cp} tp={c.mesh.tp} v={c.parallel.pp_virtual}, global batch {c.train.global_batch}")
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
@@ -180,14 +182,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = load_config(args.config, [o for o in args.overrides if not o.startswith("mesh.dp=")], planning=True)
     except ConfigError as e:
         return cli.user_error(e)
-    tp, pp = cfg.mesh.tp, cfg.mesh.pp
-    if args.gpus % (tp * pp):
-        return cli.user_error(f"--gpus={args.gpus} is not divisible by mesh.tp x mesh.pp = {tp} x {pp}; "
-                              f"use a multiple of {tp * pp} GPUs or change the layout")
-    dp = args.gpus // (tp * pp)
+    tp, pp, cp = cfg.mesh.tp, cfg.mesh.pp, cfg.mesh.cp
+    # the axes dp multiplies, as the errors name them (cp only where it is set)
+    axes, sizes = ("mesh.tp x mesh.pp", f"{tp} x {pp}")
+    if cp > 1:
+        axes, sizes = f"{axes} x mesh.cp", f"{sizes} x {cp}"
+    if args.gpus % (tp * pp * cp):
+        return cli.user_error(f"--gpus={args.gpus} is not divisible by {axes} = {sizes}; "
+                              f"use a multiple of {tp * pp * cp} GPUs or change the layout")
+    dp = args.gpus // (tp * pp * cp)
     given = [o for o in args.overrides if o.startswith("mesh.dp=")]
     if given and given[-1] != f"mesh.dp={dp}":
-        return cli.user_error(f"{given[-1]} disagrees with --gpus={args.gpus} / (mesh.tp x mesh.pp = {tp * pp}) = "
+        return cli.user_error(f"{given[-1]} disagrees with --gpus={args.gpus} / ({axes} = {tp * pp * cp}) = "
                               f"{dp}; drop mesh.dp or make it {dp}")
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, dp=dp))
     try:
@@ -210,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not chosen.fits and not args.search:
         return cli.user_error(f"layout {layout_name(chosen)} needs {chosen.memory['total'] / GIB:.1f} GiB per GPU, more "
                               f"than the {0.75 * gpu.hbm_bytes / GIB:.1f} GiB XLA may use on a {gpu.name}; "
-                              f"raise mesh.pp or mesh.tp, or try --search")
+                              f"raise mesh.pp or mesh.tp (mesh.cp for long sequences), or try --search")
     if args.json:
         out = {**as_json(chosen), "notes": notes(cfg)}
         if args.explain:

@@ -13,16 +13,15 @@ The first four layouts (`CHECKED`) are those `tests/planner -k planned_bytes` ho
 rest are the layouts issue 38 names. `ideal` is the planner's formula per axis with one gradient
 reduction per step (`planner/traffic.py`): dp, ring all-reduce of the gradient bytes P once per
 step (P: every parameter one device holds, counted from the compiled state), 2(dp-1)/dp x P (with ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the
-parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them;
-cp (context parallelism, which the planner does not price yet: tp, pp and dp are planned for a
-cp rank's share, seq_len/cp tokens a row on 8/cp devices): per layer and direction the halo's
-keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
+parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them
+(for a cp rank's seq_len/cp tokens a row); cp (context parallelism): per layer and direction the
+halo's keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
 gradients' reduce-scatter), plus the gradients' all-reduce, 2(cp-1)/cp x P, since the weights
-are replicated over cp.
+are replicated over cp, written here apart from the planner's `traffic.cp_bytes` (tests/planner
+holds the two equal).
 Writes bench/results/collective_bytes_cpu.json.
 """
 
-import dataclasses
 import json
 import shlex
 import sys
@@ -86,14 +85,10 @@ def measure(overrides: list[str]) -> dict:
     cfg = compiled.cfg
     runs = trainer_module.branch_runs(cfg, stage=cfg.mesh.pp - 1)
     measured = collectives.bytes_per_axis(compiled.step.as_text(), make_mesh(cfg.mesh), runs)
-    # The planner knows no cp: it plans a cp rank's share, seq_len/cp tokens a row on 8/cp devices
-    share = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, cp=1),
-                                model=dataclasses.replace(cfg.model, seq_len=cfg.model.seq_len // cfg.mesh.cp))
-    gpus = 8 // cfg.mesh.cp
-    planned = traffic.bytes_per_axis(from_config(share, gpus=gpus))
+    planned = traffic.bytes_per_axis(from_config(cfg, gpus=8))
     # the ideal's gradient bytes: exactly the parameters one device holds (norms and biases too)
     held = sum(int(np.prod(x.sharding.shard_shape(x.shape))) for x in jax.tree.leaves(compiled.state.params))
-    ideal = {**traffic.ideal_bytes_per_axis(share, gpus, held), "cp": cp_ideal_bytes(cfg, held)}
+    ideal = {**traffic.ideal_bytes_per_axis(cfg, 8, held), "cp": cp_ideal_bytes(cfg, held)}
     ratio = {axis: measured[axis] / ideal[axis] for axis in AXES if measured.get(axis) and ideal.get(axis)}
     return {"overrides": overrides, "measured": measured, "planned": planned, "ideal": ideal, "measured_over_ideal": ratio}
 

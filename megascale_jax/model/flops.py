@@ -129,6 +129,28 @@ XLA_SCORE_VALUES = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
+def halo_length(window: int, seq_len: int, cp: int) -> int:
+    """Keys (and values) a cp rank receives per sequence and layer under a sliding window: the
+    window−1 positions before its slice, at most what the ranks before the last hold. The same as
+    `parallel.context_parallel.halo_length` (tested equal), here without JAX for the planner."""
+    return min(window - 1, (cp - 1) * (seq_len // cp))
+
+
+def cp_received_positions(m: ModelConfig, cp: int) -> int:
+    """Positions of keys and values one cp rank receives per sequence and layer besides its own
+    seq_len/cp: the halo under a window, every other rank's slice under full attention (k and v
+    all-gathered over cp). 0 at cp = 1."""
+    if cp == 1:
+        return 0
+    return halo_length(m.window, m.seq_len, cp) if m.window is not None else m.seq_len - m.seq_len // cp
+
+
+def kv_width_per_device(m: ModelConfig, tp: int) -> int:
+    """kv_heads × head_dim on one tp rank: 1/tp of them, or one head where tp does not divide the
+    kv heads (each rank computes the kv head its query heads use)."""
+    return m.kv_heads * m.head_dim // tp if m.kv_heads % tp == 0 else m.head_dim
+
+
 def memory_estimate(cfg: Config) -> dict:
     """Rough bytes per device for the busiest device: parameters and gradients (fp32, sharded over
     tp and pp; k/v whole on every tp rank with fewer kv heads than tp ranks), two fp32 optimizer
@@ -139,7 +161,10 @@ def memory_estimate(cfg: Config) -> dict:
     gpipe) each hold one chunk's input (`pp_stash=inputs`, plus one chunk's residuals live while
     its backward recomputes it) or one chunk's residuals and output (`pp_stash=residuals`). The
     fp32 logits of one microbatch are added for the last stage (one sequence slice's with
-    `model.loss_chunks`). With `train.donate=false` the step's output state is a second copy.
+    `model.loss_chunks`). Context parallelism (`mesh.cp`) splits every sequence: the values per
+    token, the scores and the logits are those of a rank's seq_len/cp positions, plus the keys and
+    values it receives (`cp_received_positions`); parameters, gradients and moments are replicated
+    over cp and do not shrink. With `train.donate=false` the step's output state is a second copy.
     Gradient accumulation (several microbatches, dp > 1, or a pipeline) holds a float32
     accumulator beside the gradients; sequence parallelism splits the values
     tensor parallelism would replicate. The weight copies the compiled step holds besides (a rolled
@@ -156,7 +181,7 @@ def memory_estimate(cfg: Config) -> dict:
     params = m.layers // mesh.pp * layer_params_per_device(m, mesh.tp) + edge / mesh.tp
     optimizer = 2 * params * 4 / (mesh.dp if par.zero1 else 1)
 
-    tokens = cfg.train.global_batch // (mesh.dp * par.microbatches) * m.seq_len
+    tokens = cfg.train.global_batch // (mesh.dp * par.microbatches) * (m.seq_len // mesh.cp)  # this rank's slice
     chunk, chunk_io = _chunk_values(cfg)
     if mesh.pp == 1:
         values = chunk
@@ -167,9 +192,10 @@ def memory_estimate(cfg: Config) -> dict:
     activations += tokens * m.vocab / mesh.tp * 4 / m.loss_chunks  # fp32 logits for the loss: one slice's
     parts = {"parameters": params * 4, "gradients": params * 4, "optimizer": optimizer,
              "activations": activations}
-    if mesh.pp > 1 or mesh.dp > 1 or par.microbatches > 1:
+    if mesh.pp > 1 or par.microbatches > 1 or (mesh.dp > 1 and mesh.cp == 1):
         # each microbatch's gradients are summed into a float32 accumulator (parallel/microbatches.py,
-        # the pipeline's): whole on every dp replica, the dp reduction coming after the last one
+        # the pipeline's): whole on every dp replica, the dp reduction coming after the last one.
+        # With cp > 1 and one microbatch GSPMD reduces jax.value_and_grad's gradients directly
         parts["gradient accumulator"] = params * 4
     if not cfg.train.donate:  # the step's new state beside the one it was given
         parts["undonated state"] = params * 4 + optimizer
@@ -199,14 +225,18 @@ def _chunk_values(cfg: Config) -> tuple[float, float]:
     passed between chunks), per device for one microbatch; at pp = 1 the chunk is every layer."""
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
     micro_seqs = cfg.train.global_batch // (mesh.dp * par.microbatches)
-    tokens = micro_seqs * m.seq_len
+    queries = m.seq_len // mesh.cp  # positions of each sequence this rank holds (all of it at cp = 1)
+    received = cp_received_positions(m, mesh.cp)
+    tokens = micro_seqs * queries
     replicated, sharded = ((KEPT_DOTS_REPLICATED, KEPT_DOTS_TP_SHARDED) if m.remat == "dots"
                            else (KEPT_VALUES_REPLICATED, KEPT_VALUES_TP_SHARDED))
     if par.sequence_parallel and mesh.tp > 1:
         replicated = replicated / mesh.tp + KEPT_SP_GATHERED
     per_layer = tokens * m.d_model * (replicated + sharded / mesh.tp)
-    if m.attention == "xla":
-        per_layer += micro_seqs * m.heads / mesh.tp * m.seq_len * m.seq_len * XLA_SCORE_VALUES
+    # cp: the keys and values received from the other ranks, kept for the attention's backward
+    per_layer += 2 * micro_seqs * received * kv_width_per_device(m, mesh.tp)
+    if m.attention == "xla":  # every score of the rank's queries against every key it holds
+        per_layer += micro_seqs * m.heads / mesh.tp * queries * (queries + received) * XLA_SCORE_VALUES
     # model.remat=full keeps only each layer's input, plus one layer's activations while its
     # backward recomputes it (dots: its GEMMs' outputs, above).
     kept = tokens * m.d_model if m.remat == "full" else per_layer
@@ -305,7 +335,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return cli.user_error(e)
 
     m, mesh = cfg.model, cfg.mesh
-    n_devices = mesh.dp * mesh.pp * mesh.tp
+    n_devices = mesh.size
     params, per_token = param_count(m), model_flops_per_token(m)
     step_flops = per_token * cfg.train.global_batch * m.seq_len
     h100 = peak_flops("NVIDIA H100 80GB HBM3")
@@ -314,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"FLOPs/step (train):   {step_flops:.4g}  (global_batch {cfg.train.global_batch} x seq_len {m.seq_len})")
     print(f"step time at {args.target_mfu:.0%} MFU on {n_devices} x H100 SXM ({h100 / 1e12:.0f} TFLOP/s bf16): "
           f"{step_flops / (args.target_mfu * h100 * n_devices):.3g} s")
-    print(f"memory per device (rough), mesh dp={mesh.dp} pp={mesh.pp} tp={mesh.tp}, "
+    cp = f" cp={mesh.cp}" if mesh.cp > 1 else ""
+    print(f"memory per device (rough), mesh dp={mesh.dp} pp={mesh.pp}{cp} tp={mesh.tp}, "
           f"microbatches={cfg.parallel.microbatches}, zero1={cfg.parallel.zero1}:")
     for part, nbytes in memory_estimate(cfg).items():
         print(f"  {part:<12} {format_bytes(nbytes):>10}")  # a tiny model's MiB, not 0.00 GiB

@@ -2,7 +2,7 @@
 
 One iteration on the busiest stage (the last: it also runs the LM head), lockstep:
 
-    iteration = compute + tp + bubble + pp + dp + optimizer + data
+    iteration = compute + tp + cp + bubble + pp + dp + optimizer + data
 
 * compute: m microbatches × the stage's layers × (forward + backward + recompute), each
   layer's GEMMs (forward, input and weight gradient, each at its own shape) at the calibrated
@@ -14,12 +14,17 @@ One iteration on the busiest stage (the last: it also runs the LM head), lockste
   ring all-reduces on NVLink, minus what collective matmul hides behind the GEMMs, or what
   Megatron-LM's asynchronous backward hides behind the weight- and input-gradient GEMMs
   (`async_backward_tp_s`); and the LM head's and embedding's (`edge_tp_s`).
-* bubble: (compute + tp) · b/(1−b), b read off the schedule's table (`costs.bubble_fraction`).
+* cp (context parallelism, mesh.cp): every layer's keys and values received from the other cp
+  ranks (the window's halo, or all of them by all-gather) and their gradients sent back,
+  exposed (`cp_attention_s`). Compute, tp and the memory of activations are those of a rank's
+  seq_len/cp positions; the weights are replicated over cp.
+* bubble: (compute + tp + cp) · b/(1−b), b read off the schedule's table (`costs.bubble_fraction`).
 * pp: boundary sends; blocking ones cost 2 per tick, asynchronous ones only what a tick's
   compute cannot hide.
 * dp: the gradient reduction over dp (a reduce-scatter and the parameters' all-gather with
   ZeRO-1), over the NICs once a dp group leaves the node, minus what overlaps one microbatch's
-  backward when the reduction runs inside the backward. With gradients kept sharded across the
+  backward when the reduction runs inside the backward; then over cp, whose ranks hold the same
+  weights (`cp_gradients_s`). With gradients kept sharded across the
   microbatches (`reduce_scatter_every_microbatch`, Llama 3's FSDP) every microbatch
   reduce-scatters its gradients; that traffic runs on the link's own timeline from the stage's
   first gradient on (`sharded_gradient_nic`), and dp is what it runs past the stage's compute.
@@ -55,7 +60,7 @@ LAMB_EXTRA_BYTES_PER_PARAM = 12  # write the update (4); read it and the paramet
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     iteration_s: float
-    breakdown: dict[str, float]  # seconds: compute, tp, bubble, pp, dp, optimizer, data
+    breakdown: dict[str, float]  # seconds: compute, tp, cp, bubble, pp, dp, optimizer, data
     tokens_per_s: float
     model_flops: float  # per iteration: 3 × forward, window-aware (MFU's numerator)
     mfu: float
@@ -73,7 +78,7 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     same work split by kind (gemm, attention, elementwise: forward + backward + recompute) for
     `--explain`. Each linear's three GEMMs (forward, input and weight gradient) are priced at their
     own shapes (`costs.linear_s`: the size curve and wave quantization)."""
-    tokens = w.microbatch_seqs * w.seq_len
+    tokens = w.microbatch_tokens  # with cp: this rank's slice of each sequence, so everything per token is 1/cp
     d, h, k, hd, f, tp = w.d_model, w.heads, w.kv_heads, w.head_dim, w.mlp_dim, w.tp
     up_matrices = 2 if w.gated_mlp else 1  # SwiGLU's gate and up projections
     # Each linear as (k, n) per tp rank: x (tokens × k) · W (k × n); the GEMMs' own shapes decide
@@ -90,27 +95,32 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
     gemm_input_gradient = sum(p["input_gradient"] for p in passes)
     wave_forward = sum(p["forward_wave_loss"] for p in passes)
     wave_backward = sum(p["backward_wave_loss"] for p in passes)
-    ctx = context(w)
     heads_here = h / tp
-    attention_flops = 4 * tokens * ctx * heads_here * hd  # q·kᵀ and p·v, counted over ctx keys
+    queries = w.seq_len // w.cp  # each sequence's positions on this rank
     replicated, sharded = flops.ACT_VALUES_REPLICATED, flops.ACT_VALUES_TP_SHARDED
     act_values = tokens * d * (replicated + sharded / tp)
     if w.sequence_parallel:
         act_values = tokens * d * (replicated + sharded) / tp
     if w.fused_attention:  # only the visible (query, key) pairs: the kernel skips masked blocks
-        pairs = w.microbatch_seqs * heads_here * costs.visible_pairs(w.seq_len, w.window)
+        # With cp, those of the last slice's queries: the busiest rank, which the step waits for
+        # (under a window every rank whose slice starts past the first w positions has n·w pairs,
+        # about 1/cp of the sequence's; under full attention the last has (2cp−1)/cp², rank 0 1/cp²)
+        pairs = w.microbatch_seqs * heads_here * (costs.visible_pairs(w.seq_len, w.window)
+                                                  - costs.visible_pairs(w.seq_len - queries, w.window))
         attention = costs.fused_attention_s(4 * hd * pairs, tokens * heads_here, gpu)
         attention_backward = (costs.FLASH_FWD_BWD - 1) * attention  # it recomputes the scores in its backward
         score_bytes = 0.0
     else:  # batched GEMMs per (sequence, head) and the scores written and read back from HBM.
         # Every (query, key) score is computed and then masked (on an H200, XLA attention ran
         # 0.331 s/step with a 512 window and 0.335 s without), unless the implementation computes
-        # only the band inside the window (`banded_window`).
-        keys = ctx if w.banded_window else w.seq_len
-        per_head = 2 * w.seq_len * keys * hd
+        # only the band inside the window (`banded_window`). With cp (context_parallel.py) a rank
+        # scores its seq_len/cp queries against every key it holds: its own and those it received
+        # (the window's halo, or all of them under full attention), the same count on every rank.
+        keys = context(w) if w.banded_window else queries + flops.cp_received_positions(model_config(w), w.cp)
+        per_head = 2 * queries * keys * hd
         attention = 2 * costs.matmul_s(w.microbatch_seqs * heads_here * per_head, gpu)  # one batched GEMM each
         attention_backward = 2 * attention
-        score_bytes = w.microbatch_seqs * heads_here * w.seq_len * keys * flops.XLA_SCORE_VALUES \
+        score_bytes = w.microbatch_seqs * heads_here * queries * keys * flops.XLA_SCORE_VALUES \
             * w.activation_bytes
     # The scores' passes are the attention's; the rest (norms, GeLU, dropout, residuals) elementwise.
     score_pass = costs.hbm_s(gpu.elementwise_passes * score_bytes, gpu)
@@ -189,7 +199,7 @@ def async_backward_tp_s(w: Workload, gpu: Gpu) -> float:
     if w.tp == 1:
         return 0.0
     link = gpu.nvlink if w.tp <= gpu.gpus_per_node else gpu.nic
-    a, tokens = traffic.activation_bytes(w), w.microbatch_seqs * w.seq_len
+    a, tokens = traffic.activation_bytes(w), w.microbatch_tokens
     all_reduce, gather = costs.ring_all_reduce_s(a, w.tp, link), costs.ring_all_gather_s(a, w.tp, link)
     groups = column_parallel_groups(w)
     forwards = 2 if w.recompute == "full" else 1
@@ -217,7 +227,7 @@ def edge_tp_s(w: Workload, gpu: Gpu) -> float:
 
 def head_wave_loss_s(w: Workload, gpu: Gpu) -> float:
     """The part of `head_s` lost to the logits GEMMs' wave quantization."""
-    logits = costs.linear_s(w.microbatch_seqs * w.seq_len, w.d_model, w.vocab // w.tp, gpu)
+    logits = costs.linear_s(w.microbatch_tokens, w.d_model, w.vocab // w.tp, gpu)
     return logits["forward_wave_loss"] + logits["backward_wave_loss"]
 
 
@@ -230,7 +240,7 @@ def head_s(w: Workload, gpu: Gpu) -> float:
       (`Gpu.fp32_gemm_flops`; the calibration must have one: `require_priced`). On the H200
       profile of 2026-11-27 that GEMM alone ran in float32 (15.5 ms); the rest of the head's
       30.4 ms fits a bf16 input gradient."""
-    tokens = w.microbatch_seqs * w.seq_len
+    tokens = w.microbatch_tokens
     logits = costs.linear_s(tokens, w.d_model, w.vocab // w.tp, gpu)
     backward = logits["backward"]
     if w.head_grad_float32:
@@ -259,7 +269,7 @@ def pp_s(w: Workload, gpu: Gpu, tick_compute: float) -> float:
     (MegaScale §3.2, this project's ppermute) only what the tick's compute cannot hide."""
     if w.pp == 1:
         return 0.0
-    link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    link = gpu.nvlink if w.tp * w.cp * w.pp <= gpu.gpus_per_node else gpu.nic  # mesh (dp, pp, cp, tp)
     send = costs.p2p_s(traffic.boundary_bytes(w), link)
     ticks = w.microbatches * w.virtual + w.pp - 1
     return ticks * (costs.overlapped_s(send, tick_compute, gpu) if w.pp_async else 2 * send)
@@ -274,7 +284,7 @@ def edge_gradients_s(w: Workload, gpu: Gpu) -> float:
       bytes each) over the first and the last stage (`reduce_model_grads`)."""
     if w.pp == 1 or not (w.edge_on_every_stage or w.tied_embedding):
         return 0.0
-    link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    link = gpu.nvlink if w.tp * w.cp * w.pp <= gpu.gpus_per_node else gpu.nic  # mesh (dp, pp, cp, tp)
     if w.edge_on_every_stage:
         return costs.ring_all_reduce_s(traffic.edge_gradient_bytes(w), w.pp, link)
     return costs.ring_all_reduce_s(w.vocab * w.d_model / w.tp * w.grad_bytes, 2, link)
@@ -309,6 +319,48 @@ def optimizer_s(w: Workload, gpu: Gpu) -> float:
 
 
 def dp_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
+    """Seconds of exposed gradient synchronisation per iteration: over dp (`dp_axis_s`) and, the
+    weights being replicated over cp too, over cp (`cp_gradients_s`): the reduction group is
+    dp × cp, reduced as the step does it, over dp and then over cp."""
+    return dp_axis_s(w, gpu, backward_s, compute_s) + cp_gradients_s(w, gpu)
+
+
+def cp_link(w: Workload, gpu: Gpu):
+    """The link a cp group's ranks share: the mesh is (dp, pp, cp, tp), so a cp group spans tp·cp
+    adjacent GPUs, inside a node where those fit (as tp's test), else across the NICs."""
+    return gpu.nvlink if w.tp * w.cp <= gpu.gpus_per_node else gpu.nic
+
+
+def cp_gradients_s(w: Workload, gpu: Gpu) -> float:
+    """The gradients' all-reduce over cp (`traffic.cp_bytes`: after the dp reduction, once per
+    step, or per microbatch with `cp_reduce_per_microbatch`), priced exposed: it runs after the
+    backward (or each microbatch's backward), which has nothing left to hide it behind. 0 at cp = 1."""
+    if w.cp == 1:
+        return 0.0
+    reductions = w.microbatches if w.cp_reduce_per_microbatch else 1
+    return reductions * costs.ring_all_reduce_s(stage_params(w) * w.grad_bytes, w.cp, cp_link(w, gpu))
+
+
+def cp_attention_s(w: Workload, gpu: Gpu) -> float:
+    """Seconds of one layer's key/value transfers over cp for one microbatch, exposed
+    (`traffic.cp_bytes` says what moves): forward, its rerun where recomputed
+    (`traffic.cp_forward_passes`) and backward, each:
+    * window: the halo's permutes, one a slice it reaches back, α + bytes/β each (`costs.p2p_s`);
+    * full attention: the all-gather of k and of v (backward: their gradients' reduce-scatters).
+    Exposed: context_parallel.py permutes (or gathers) the keys and values as soon as the
+    projection has made them and attends at once, so no compute is independent of the transfer;
+    no ring overlaps a hop with a block's compute yet (docs/design.md, "Not yet")."""
+    if w.cp == 1:
+        return 0.0
+    link, k = cp_link(w, gpu), traffic.kv_position_bytes(w)
+    if w.window is None:
+        one = 2 * costs.ring_all_gather_s(w.seq_len * k, w.cp, link)
+    else:
+        one = sum(costs.p2p_s(2 * positions * k, link) for positions in traffic.halo_hops(w))
+    return (traffic.cp_forward_passes(w) + 1) * one
+
+
+def dp_axis_s(w: Workload, gpu: Gpu, backward_s: float, compute_s: float) -> float:
     """Seconds of exposed dp communication per iteration: the gradients' reduction (a
     reduce-scatter with ZeRO-1, else an all-reduce) and, with ZeRO-1, the parameters' all-gather.
     * "none": both after the backward, exposed;
@@ -387,7 +439,7 @@ def sharded_gradient_nic(w: Workload, gpu: Gpu, chunk_forward_s: float, chunk_ba
     they leave over the same link (pp across nodes, as dp). Returns the latest stage's times:
     {first_gradient_s, reduce_scatter_s (m·v·RS), pp_sends_s, end_s, stage}."""
     link = gpu.nvlink if w.gpus <= gpu.gpus_per_node else gpu.nic
-    pp_link = gpu.nvlink if w.tp * w.pp <= gpu.gpus_per_node else gpu.nic
+    pp_link = gpu.nvlink if w.tp * w.cp * w.pp <= gpu.gpus_per_node else gpu.nic
     send = traffic.boundary_bytes(w) / link.bandwidth if w.pp > 1 and pp_link == link else 0.0
     if w.pp == 1:  # microbatches one after another: the first gradient after one forward and backward
         order = [((True,), (None,)), ((None,), (True,))] * w.microbatches
@@ -449,9 +501,10 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     compute = m * per_microbatch
     tp_layers, tp_edges = m * stage_layers * tp_exposed, edge_tp_s(w, gpu)
     tp = tp_layers + tp_edges
+    cp = m * stage_layers * cp_attention_s(w, gpu)
     bubble_share = costs.bubble_fraction(w.schedule, w.pp, w.virtual, m,
                                          t["forward"], t["backward"] + t["recompute"])
-    bubble = (compute + tp) * bubble_share / (1 - bubble_share)
+    bubble = (compute + tp + cp) * bubble_share / (1 - bubble_share)
     pp = pp_s(w, gpu, (per_microbatch + stage_layers * tp_exposed) / w.virtual)
     dp = dp_s(w, gpu, stage_layers * t["backward"], compute)
     if w.reduce_scatter_every_microbatch and w.dp > 1:
@@ -463,8 +516,8 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
     edges = edge_gradients_s(w, gpu)
     pp += edges
     optimizer = optimizer_s(w, gpu)
-    breakdown = {"compute": compute, "tp": tp, "bubble": bubble, "pp": pp, "dp": dp, "optimizer": optimizer,
-                 "data": 0.0}
+    breakdown = {"compute": compute, "tp": tp, "cp": cp, "bubble": bubble, "pp": pp, "dp": dp,
+                 "optimizer": optimizer, "data": 0.0}
     runs = m * stage_layers
     head_waves = head_wave_loss_s(w, gpu) if head else 0.0
     head_accumulation = head_accumulation_s(w, gpu) if head else 0.0
@@ -474,8 +527,8 @@ def predict(w: Workload, gpu: Gpu) -> Prediction:
              "compute attention": runs * kind["attention"], "compute elementwise": runs * kind["elementwise"],
              "compute lm head": m * (head - head_waves - head_accumulation),
              "compute gradient accumulation": runs * kind["gradient accumulation"] + m * head_accumulation,
-             "tp layers": tp_layers, "tp embedding+head": tp_edges, "bubble": bubble, "pp sends": pp - edges,
-             "pp edge gradients": edges,
+             "tp layers": tp_layers, "tp embedding+head": tp_edges, "cp keys+values": cp, "bubble": bubble,
+             "pp sends": pp - edges, "pp edge gradients": edges,
              "dp gradients+parameters": dp, "optimizer": optimizer, "data": 0.0}
     iteration = sum(breakdown.values())
     tokens = w.global_batch * w.seq_len

@@ -1,10 +1,20 @@
 """Every layout this project can run on N GPUs for one model and global batch, predicted.
 
-A layout is the config's mesh and parallel section: tp (within a node, dividing the heads), pp
-(dividing the layers), v (interleaving, 1/2/4), the microbatch count (for a pipeline a multiple
-of pp from pp up, else gradient-accumulation steps), ZeRO-1 on or off, and sequence parallelism
-with collective matmul on or off. Each candidate passes `config.validate` (planning) exactly as a
-user's config would, so the search never proposes a layout the trainer refuses.
+A layout is the config's mesh and parallel section: tp (within a node, dividing the heads), cp
+(context parallelism: 1, 2, 4, ... dividing seq_len), pp (dividing the layers), v (interleaving,
+1/2/4), the microbatch count (for a pipeline a multiple of pp from pp up, else
+gradient-accumulation steps), ZeRO-1 on or off, and sequence parallelism with collective matmul
+on or off. Each candidate passes `config.validate` (planning) exactly as a user's config would,
+so the search never proposes a layout the trainer refuses (cp > 1 today: pp = 1, XLA attention,
+no sequence parallelism, not microbatches with dp, cp and tp all > 1).
+
+Every power-of-two cp is a candidate, not only long sequences': what cp costs (each layer's halo
+or k/v gather, and the gradients' all-reduce over cp) and what it saves (activations and scores
+1/cp or less, and a batch of fewer sequences than GPUs/tp can still use every GPU) are both
+priced, so the ranking decides. On a short sequence of full attention a cp layout loses to dp
+by its transfers and ranks below it (tested); with a window, XLA's attention on a slice scores
+n × (n + w − 1) keys instead of seq_len², which the ranking weighs too. The candidates cp adds
+are pp = 1 ones only, a few per tp.
 """
 
 from __future__ import annotations
@@ -37,8 +47,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def with_layout(cfg: Config, gpus: int, tp: int, pp: int, **parallel) -> Config:
-    mesh = dataclasses.replace(cfg.mesh, dp=gpus // (tp * pp), pp=pp, tp=tp)
+def with_layout(cfg: Config, gpus: int, tp: int, pp: int, cp: int = 1, **parallel) -> Config:
+    mesh = dataclasses.replace(cfg.mesh, dp=gpus // (tp * pp * cp), pp=pp, tp=tp, cp=cp)
     return dataclasses.replace(cfg, mesh=mesh, parallel=dataclasses.replace(cfg.parallel, **parallel))
 
 
@@ -68,26 +78,44 @@ def microbatch_counts(per_replica: int, pp: int, v: int) -> list[int]:
     return counts
 
 
+def cp_sizes(seq_len: int, gpus: int) -> list[int]:
+    """Context-parallel sizes to try: 1, 2, 4, ... dividing both the sequence and the GPUs."""
+    sizes, cp = [], 1
+    while cp <= gpus and seq_len % cp == 0:
+        if gpus % cp == 0:
+            sizes.append(cp)
+        cp *= 2
+    return sizes
+
+
 def candidates(cfg: Config, gpus: int, gpus_per_node: int) -> Iterator[Config]:
     m = cfg.model
     for tp in [d for d in divisors(gpus) if d <= gpus_per_node]:
-        for pp in [d for d in divisors(gpus // tp) if m.layers % d == 0]:
-            dp = gpus // (tp * pp)
-            if cfg.train.global_batch % dp:
-                continue
-            for v in ((1, 2, 4) if pp > 1 else (1,)):
-                schedule = "interleaved_1f1b" if v > 1 else "1f1b"
-                for micro in microbatch_counts(cfg.train.global_batch // dp, pp, v):
-                    for zero1 in ((True, False) if dp > 1 else (False,)):
-                        for sp in ((True, False) if tp > 1 else (False,)):
-                            layout = with_layout(cfg, gpus, tp, pp, pp_virtual=v, pp_schedule=schedule,
-                                                 microbatches=micro, zero1=zero1, sequence_parallel=sp,
-                                                 tp_overlap="collective_matmul" if sp else "none")
-                            try:
-                                validate(layout, planning=True)
-                            except ConfigError:
-                                continue
-                            yield layout
+        for cp in cp_sizes(m.seq_len, gpus // tp):
+            # cp > 1 runs without a pipeline (config_checks.check_context_parallel)
+            for pp in [d for d in divisors(gpus // (tp * cp)) if m.layers % d == 0 and (cp == 1 or d == 1)]:
+                yield from _layouts(cfg, gpus, tp, cp, pp)
+
+
+def _layouts(cfg: Config, gpus: int, tp: int, cp: int, pp: int) -> Iterator[Config]:
+    """Every schedule, microbatch count, ZeRO-1 and sequence-parallel choice for one mesh that
+    `validate` accepts."""
+    dp = gpus // (tp * pp * cp)
+    if cfg.train.global_batch % dp:
+        return
+    for v in ((1, 2, 4) if pp > 1 else (1,)):
+        schedule = "interleaved_1f1b" if v > 1 else "1f1b"
+        for micro in microbatch_counts(cfg.train.global_batch // dp, pp, v):
+            for zero1 in ((True, False) if dp > 1 else (False,)):
+                for sp in ((True, False) if tp > 1 else (False,)):
+                    layout = with_layout(cfg, gpus, tp, pp, cp, pp_virtual=v, pp_schedule=schedule,
+                                         microbatches=micro, zero1=zero1, sequence_parallel=sp,
+                                         tp_overlap="collective_matmul" if sp else "none")
+                    try:
+                        validate(layout, planning=True)
+                    except ConfigError:
+                        continue
+                    yield layout
 
 
 def search(cfg: Config, gpus: int, gpu: Gpu) -> list[Plan]:
@@ -98,15 +126,16 @@ def search(cfg: Config, gpus: int, gpu: Gpu) -> list[Plan]:
 
 
 def family(base: Plan, gpu: Gpu, up_to: int) -> list[Plan]:
-    """The layout's family (`--plot`): the same tp, pp, v, schedule and sequences per microbatch,
-    with dp = 1, 2, 4, ... while the GPUs stay within `up_to` and the global batch splits evenly."""
+    """The layout's family (`--plot`): the same tp, cp, pp, v, schedule and sequences per
+    microbatch, with dp = 1, 2, 4, ... while the GPUs stay within `up_to` and the global batch
+    splits evenly."""
     c, batch = base.cfg.mesh, base.cfg.train.global_batch
     per_micro = batch // (c.dp * base.cfg.parallel.microbatches)
     out, dp = [], 1
-    while dp * c.tp * c.pp <= up_to:
-        gpus = dp * c.tp * c.pp
+    while dp * c.tp * c.pp * c.cp <= up_to:
+        gpus = dp * c.tp * c.pp * c.cp
         if batch % (dp * per_micro) == 0:
-            cfg = with_layout(base.cfg, gpus, c.tp, c.pp, microbatches=batch // (dp * per_micro))
+            cfg = with_layout(base.cfg, gpus, c.tp, c.pp, c.cp, microbatches=batch // (dp * per_micro))
             try:
                 validate(cfg, planning=True)
             except ConfigError:  # e.g. fewer microbatches than stages at this dp

@@ -7,8 +7,10 @@ For a buffer of B bytes over a group of n: an all-reduce sends 2(n−1)/n·B, an
 reduce-scatter (n−1)/n·B, a point-to-point send B. Sequence parallelism's all-gather +
 reduce-scatter and collective matmul's ring of permutes send what one all-reduce sends.
 
-Symbols: A = one microbatch's activation (seqs × seq_len × d_model × activation bytes), m the
-microbatches, L the layers, P the stage's parameters per GPU (`workload.stage_params`).
+Symbols: A = one microbatch's activation on one GPU (seqs × seq_len/cp × d_model × activation
+bytes), m the microbatches, L the layers, P the stage's parameters per GPU
+(`workload.stage_params`), K = one microbatch's keys (or values) of one position on one GPU
+(seqs × kv_heads·head_dim/tp × activation bytes).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 
 from megascale_jax import pipeline_schedule
+from megascale_jax.model import flops
 from megascale_jax.planner import costs
-from megascale_jax.planner.workload import Workload, edge_matrices, from_config, stage_params
+from megascale_jax.planner.workload import Workload, edge_matrices, from_config, model_config, stage_params
 
 LOSS_BYTES = 4  # the loss's vocab-split reductions (max, sum, the target's logit) are float32
 
@@ -27,7 +30,7 @@ all_reduce, gather = costs.ring_all_reduce_bytes, costs.ring_all_gather_bytes
 
 def activation_bytes(w: Workload) -> float:
     """A: one microbatch's residual stream on one GPU (whole over tp)."""
-    return w.microbatch_seqs * w.seq_len * w.d_model * w.activation_bytes
+    return w.microbatch_tokens * w.d_model * w.activation_bytes
 
 
 def boundary_bytes(w: Workload) -> float:
@@ -79,7 +82,7 @@ def tp_bytes(w: Workload) -> dict[str, float]:
         layers += layer_runs(w) * (1 if w.block == "parallel" else 2) * gather(a, n)
     head_backward = all_reduce(a, n) if not w.sequence_parallel or w.gspmd_edges else gather(a, n)
     head = m * (head_backward + (gather(a, n) if w.sequence_parallel else 0.0)
-                + 3 * all_reduce(w.microbatch_seqs * w.seq_len * LOSS_BYTES, n))
+                + 3 * all_reduce(w.microbatch_tokens * LOSS_BYTES, n))
     embedding = 0.0
     if w.pp == 1:
         table = w.vocab * w.d_model * w.param_bytes
@@ -130,16 +133,74 @@ def dp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
     return {"gradients": all_reduce(grads, w.dp), "parameters": 0.0}
 
 
+def kv_position_bytes(w: Workload) -> float:
+    """K: the keys (or the values) of one position for one microbatch on one GPU, its tp share of
+    the kv heads (one head where tp does not divide them: `flops.kv_width_per_device`)."""
+    return w.microbatch_seqs * flops.kv_width_per_device(model_config(w), w.tp) * w.activation_bytes
+
+
+def cp_forward_passes(w: Workload) -> int:
+    """Forwards of a layer's attention per microbatch: 2 where the backward reruns it (full
+    recompute, or selective: the attention core; the keys the dots need are recomputed, halo
+    and gather included, since a collective's output is not what the remat policy saves).
+    Measured: the compiled step at cp 8, window 24, moved 376,832 bytes more over cp with
+    model.remat=full or dots than without, exactly one direction of its 4 layers' halos."""
+    return 2 if w.recompute in ("full", "selective") else 1
+
+
+def cp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
+    """cp, per iteration (parallel/context_parallel.py; 0 at cp = 1):
+    * attention, per layer run and direction (forward: keys and values; backward: their
+      gradients), m·L/pp runs, the forward again where recomputed (`cp_forward_passes`):
+      - window w: the halo, the h = min(w−1, (cp−1)·seq_len/cp) positions before the slice by
+        ppermute from the ranks before it, 2·h·K (k and v); a window longer than a slice takes
+        one permute a slice it reaches back, the same positions in all;
+      - full attention: k and v all-gathered (their gradients reduce-scattered), 2·gather(seq_len·K);
+    * gradients: the weights are replicated over cp, so their gradients are all-reduced over cp,
+      all_reduce(P · grad bytes, cp), after the dp reduction (not once over dp × cp), and with
+      `cp_reduce_per_microbatch` once per microbatch, m times: this project's accumulation
+      (m > 1) is manual over dp only and GSPMD reduces over cp inside it
+      (parallel/microbatches.py; the compiled step at dp2 cp2 m2 moved 1.44× the once-a-step
+      bytes over cp, 1.62 P where this prices 2 P)."""
+    if w.cp == 1:
+        return {"attention": 0.0, "gradients": 0.0}
+    k = kv_position_bytes(w)
+    if w.window is None:
+        per_direction = 2 * gather(w.seq_len * k, w.cp)
+    else:
+        per_direction = 2 * halo_positions(w) * k
+    attention = layer_runs(w) * (cp_forward_passes(w) + 1) * per_direction
+    params = stage_params(w) if params is None else params
+    reductions = w.microbatches if w.cp_reduce_per_microbatch else 1
+    return {"attention": attention, "gradients": reductions * all_reduce(params * w.grad_bytes, w.cp)}
+
+
+def halo_positions(w: Workload) -> int:
+    """h: the positions of keys a rank receives per sequence and layer under a window."""
+    return flops.halo_length(w.window, w.seq_len, w.cp)
+
+
+def halo_hops(w: Workload) -> list[int]:
+    """The halo's positions by permute: from rank r−1 its last min(h, seq_len/cp), from r−2 the
+    slice before those, ... (`context_parallel.with_halo`)."""
+    n, left, hops = w.seq_len // w.cp, halo_positions(w), []
+    while left > 0:
+        hops.append(min(n, left))
+        left -= hops[-1]
+    return hops
+
+
 def bytes_per_axis(w: Workload, params: float | None = None) -> dict[str, float]:
-    """{'tp': ..., 'pp': ..., 'dp': ...}: each axis's components summed; `params`: the parameters
-    one device holds, where known exactly (else the workload's count, which leaves out norms and
-    biases)."""
-    return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()), "dp": sum(dp_bytes(w, params).values())}
+    """{'tp': ..., 'pp': ..., 'cp': ..., 'dp': ...}: each axis's components summed; `params`: the
+    parameters one device holds, where known exactly (else the workload's count, which leaves out
+    norms and biases)."""
+    return {"tp": sum(tp_bytes(w).values()), "pp": sum(pp_bytes(w).values()),
+            "cp": sum(cp_bytes(w, params).values()), "dp": sum(dp_bytes(w, params).values())}
 
 
 def ideal_bytes_per_axis(cfg, gpus: int, params: float) -> dict[str, float]:
     """The ideal a compiled step's collectives are set beside (`bench.parallel.collective_bytes`,
     `plan --compile`): these formulas for `cfg` on `gpus` GPUs with one gradient reduction per
     step, over `params`, the parameters one device holds (counted from the compiled state)."""
-    w = dataclasses.replace(from_config(cfg, gpus), dp_reduce_per_microbatch=False)
+    w = dataclasses.replace(from_config(cfg, gpus), dp_reduce_per_microbatch=False, cp_reduce_per_microbatch=False)
     return bytes_per_axis(w, params=params)

@@ -114,18 +114,32 @@ class Workload:
     # The LM head's backward in float32 (this project's model.head_grad_float32): its weight-gradient
     # GEMM priced at the calibration's measured float32 GEMM rate (`fp32_gemm_tflops`; predict.head_s)
     head_grad_float32: bool = False
+    # Context parallelism (this project's mesh.cp; parallel/context_parallel.py): every sequence
+    # split into cp slices of seq_len/cp positions, one per rank; each layer's attention receives
+    # the other ranks' keys and values it needs (the window's halo, or all of them by all-gather);
+    # the weights are replicated over cp, so their gradients are reduced over dp and cp
+    cp: int = 1
+    # With m > 1 the gradients are all-reduced over cp once per microbatch, not once per step
+    # (this project's accumulation is manual over dp only and GSPMD reduces over cp inside it;
+    # traffic.cp_bytes)
+    cp_reduce_per_microbatch: bool = False
 
     @property
     def dp(self) -> int:
-        return self.gpus // (self.tp * self.pp)
+        return self.gpus // (self.tp * self.pp * self.cp)
 
     @property
     def microbatch_seqs(self) -> int:
         return self.global_batch // (self.dp * self.microbatches)
 
+    @property
+    def microbatch_tokens(self) -> int:
+        """Positions of one microbatch one GPU holds: its sequences' cp slices (whole at cp = 1)."""
+        return self.microbatch_seqs * (self.seq_len // self.cp)
+
 
 def from_config(cfg: Config, gpus: int) -> Workload:
-    """This project's run of `cfg` on `gpus` GPUs (dp = gpus / (tp·pp)).
+    """This project's run of `cfg` on `gpus` GPUs (dp = gpus / (tp·pp·cp)).
 
     * Recompute: the pipeline's default `pp_stash=inputs` reruns each chunk's forward in its
       backward ("full"); `residuals` and pp = 1 recompute nothing, unless `model.remat` asks:
@@ -147,8 +161,11 @@ def from_config(cfg: Config, gpus: int) -> Workload:
     * Overlap: pipeline sends are asynchronous ppermutes; at pp > 1 each chunk's dp reduction runs
       inside the tick loop's cool-down ("backward"); at pp = 1 the gradients are reduced after
       the backward. Collective matmul (`tp_overlap=collective_matmul`) hides tp transfers.
+    * Context parallelism: `mesh.cp` (dp = gpus / (tp·pp·cp)); with one microbatch and cp > 1 the
+      step takes jax.value_and_grad's gradients directly and GSPMD reduces them (no accumulator).
     """
     m, mesh, par = cfg.model, cfg.mesh, cfg.parallel
+    dp = gpus // (mesh.tp * mesh.pp * mesh.cp)
     return Workload(
         layers=m.layers, d_model=m.d_model, heads=m.heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
         mlp_dim=m.mlp_dim, vocab=m.vocab, seq_len=m.seq_len, window=m.window, block=m.block,
@@ -164,12 +181,13 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla",
         gspmd_edges=par.tp_overlap == "xla",  # else Megatron's vocab-parallel edges (tensor_parallel.embed_lookup)
         dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
-        # parallel/microbatches.py: dp = m = 1 takes jax.value_and_grad's gradients as they are,
-        # otherwise a scan adds each microbatch's into zeros_like(params)
-        grad_accumulator=not (mesh.pp == 1 and gpus // (mesh.tp * mesh.pp) == 1 and par.microbatches == 1),
+        # parallel/microbatches.py: m = 1 with dp = 1 or cp > 1 takes jax.value_and_grad's
+        # gradients as they are, otherwise a scan adds each microbatch's into zeros_like(params)
+        grad_accumulator=not (mesh.pp == 1 and par.microbatches == 1 and (dp == 1 or mesh.cp > 1)),
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu",
         optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32,
-        tied_embedding=m.tied_embeddings, gradient_norm=True)
+        tied_embedding=m.tied_embeddings, gradient_norm=True, cp=mesh.cp,
+        cp_reduce_per_microbatch=True)
 
 
 def notes(cfg: Config) -> list[str]:

@@ -529,7 +529,8 @@ def test_the_report_breaks_the_iteration_down_and_the_json_has_the_keys(capsys):
     code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "h100-sxm", "--json")
     data = json.loads(out)
     assert {"iteration_s", "mfu", "tokens_per_s", "memory_gib", "breakdown"} <= set(data)
-    assert set(data["breakdown"]) == {"compute", "tp", "bubble", "pp", "dp", "optimizer", "data"}
+    assert set(data["breakdown"]) == {"compute", "tp", "cp", "bubble", "pp", "dp", "optimizer", "data"}
+    assert data["breakdown"]["cp"] == 0.0  # no context parallelism in this layout
     assert sum(data["breakdown"].values()) == pytest.approx(data["iteration_s"])
     # tokens/s and MFU follow from the iteration time: an independent recomputation
     tokens = 1536 * 2048
@@ -545,7 +546,8 @@ def test_explain_prints_every_part_and_the_parts_add_up(capsys):
     data = json.loads(out)
     assert {"compute gemm", "compute gemm wave quantization", "compute attention", "compute elementwise",
             "compute lm head", "compute gradient accumulation", "tp layers",
-            "tp embedding+head", "bubble", "pp sends", "pp edge gradients", "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
+            "tp embedding+head", "cp keys+values", "bubble", "pp sends", "pp edge gradients",
+            "dp gradients+parameters", "optimizer", "data"} == set(data["parts"])
     assert sum(data["parts"].values()) == pytest.approx(data["iteration_s"])
     code, out, err = run(capsys, *GPT_175B, "--gpus", "1536", "--gpu", "a100-80g", "--explain")
     assert code == 0 and "explain:" in out and "dp gradients+parameters" in out and "gemm wave quantization" in out
