@@ -26,7 +26,6 @@ def on_small_disk(tmp_path, size: str, *overrides: str, filled_kib: int = 0) -> 
     run_dir = [] if "--run-dir" in overrides else ["--run-dir", "run"]
     train = " ".join([sys.executable, "-m", "megascale_jax.train", *run_dir, *TINY, *overrides])
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    env.pop("XLA_FLAGS", None)
     done = subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size={size} tmpfs small || exit 97; "
                            f"head -c {filled_kib * 1024} /dev/zero > small/filler; "
                            f"exec {train}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
