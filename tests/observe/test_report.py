@@ -249,15 +249,17 @@ def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
 
 # ============================================================================ two real processes
 
-SLOW, STOP_AT = 0.3, 45
+# Windows of 8 steps and a stop at 37: the first window (warm-up) and 4 judged ones, the last
+# partial, as 10 and 45 gave, 8 steps sooner.
+SLOW, STOP_AT, WINDOW = 0.3, 37, 8
 
 
 @pytest.mark.slow
 def test_two_processes_straggler_then_hang(tmp_path):
-    """Rank 1 sleeps 30% of a step before each dispatch; rank 0 finishes step 44 and stops itself
-    (SIGSTOP) before step 45. Rank 1 runs on until it needs rank 0: it dispatches 45, and may
-    dispatch 46 too (the loop reads step k-1's metrics after dispatching k) before it blocks; where
-    exactly depends on XLA:CPU's thread pool, whose threads step 45's stuck collectives hold. The
+    """Rank 1 sleeps 30% of a step before each dispatch; rank 0 finishes step 36 and stops itself
+    (SIGSTOP) before step 37. Rank 1 runs on until it needs rank 0: it dispatches 37, and may
+    dispatch 38 too (the loop reads step k-1's metrics after dispatching k) before it blocks; where
+    exactly depends on XLA:CPU's thread pool, whose threads step 37's stuck collectives hold. The
     report names rank 1 the straggler, rank 0 hung, rank 1 waiting where it arrived."""
     from megascale_jax.cluster.rendezvous import free_port
 
@@ -290,10 +292,10 @@ def test_two_processes_straggler_then_hang(tmp_path):
 
     rank_1_at = _last_arrival(run_dir, 1)  # read from the rows, before the report reads them
     assert rank_1_at in [(STOP_AT, "dispatch"), (STOP_AT + 1, "data_wait"), (STOP_AT + 1, "dispatch")]
-    report.write_report(str(run_dir), window=10, hang_after=0)
+    report.write_report(str(run_dir), window=WINDOW, hang_after=0)
     dispatched = rank_1_at[0] - (rank_1_at[1] == "data_wait")  # the heat map's columns: dispatches
     summary, view = check_report_files(run_dir, [0, 1], dispatched)
-    flagged = stragglers.find_stragglers(str(run_dir), threshold=0.05, window=10)
+    flagged = stragglers.find_stragglers(str(run_dir), threshold=0.05, window=WINDOW)
     assert {s["rank"] for s in flagged} == {1}, summary
     assert len(flagged) >= 3, summary  # of the 4 judged windows (the first is warm-up)
     assert "rank 0 on" in summary and "never arrived" in summary, summary
