@@ -9,7 +9,6 @@ from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from bench.campaign import ladder, model, op_table, profile

@@ -60,18 +60,21 @@ def full(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def partial(tmp_path_factory):
-    """A run whose first section fails on purpose, then `--only` reruns of that section into the
-    same file (refused, then with --overwrite). Its own xdist group, so that it runs beside the
-    full dry run on the other worker. The failing and rerun section is the quickest one (kernels,
-    ~9 s in the dry run); the one that runs on after it, checkpoints, the next quickest."""
-    path = tmp_path_factory.mktemp("campaign") / "partial" / "result.json"
-    failed = campaign("--dry-run", "--only", "kernels,checkpoints", "--fail-section", "kernels",
-                      "--out", str(path))
+    """A run without --out whose first section fails on purpose, then `--only` reruns of the
+    section after it into the same file (refused, then with --overwrite). Its own xdist group, so
+    that it runs beside the full dry run on the other worker. The failing section fails before it
+    imports anything; the one that runs on after it, and is rerun, is the quickest (rates, ~3 s of
+    CPU in the dry run)."""
+    tmpdir = tmp_path_factory.mktemp("partial_tmpdir")
+    failed = campaign("--dry-run", "--only", "checkpoints,rates", "--fail-section", "checkpoints", tmpdir=tmpdir)
+    (folder,) = os.listdir(tmpdir)  # no --out: a new temporary directory, left for the user
+    (name,) = [f for f in os.listdir(tmpdir / folder) if f.endswith(".json")]
+    path = tmpdir / folder / name
     after_failure = path.read_text()
-    refused = campaign("--dry-run", "--only", "kernels", "--out", str(path))
+    refused = campaign("--dry-run", "--only", "rates", "--out", str(path))
     unchanged = path.read_text() == after_failure
-    rerun = campaign("--dry-run", "--only", "kernels", "--overwrite", "--out", str(path))
-    return failed, json.loads(after_failure), refused, unchanged, rerun, path
+    rerun = campaign("--dry-run", "--only", "rates", "--overwrite", "--out", str(path))
+    return failed, json.loads(after_failure), refused, unchanged, rerun, path, tmpdir
 
 
 @pytest.mark.slow
@@ -103,6 +106,9 @@ def test_dry_run_runs_every_section_and_records_provenance(full):
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign")
 def test_dry_run_ladder_rows(full):
+    """Every row in the dry run: two trained (the serial baseline through XLA, the Pallas attention
+    in interpret mode), the others validated (their configs checked, their estimates traced) or
+    skipped, each saying why. Which row the ladder carries on is test_the_ladder_carries_*'s."""
     path = full[1]
     ladder = json.loads(path.read_text())["sections"]["mfu_ladder"]
     rows = ladder["rows"]
@@ -112,42 +118,106 @@ def test_dry_run_ladder_rows(full):
     assert by_name["xla_flags"]["skipped"].startswith("skipped in the dry run: XLA:CPU ignores XLA:GPU flags")
     for name in ("parallel_block", "sliding_window"):  # the levers' base runs their code
         assert by_name[name]["skipped"] == "skipped in the dry run: the levers' base runs this configuration's code"
-    for r in (r for r in rows if r["name"] not in ("xla_flags", "parallel_block", "sliding_window")):
+    fused = by_name["fused_attention"]
+    candidates = {c["name"]: c for c in fused["candidates"]}
+    trained = [by_name["serial_dense_adamw"], fused]
+    for r in trained:
         assert r["tokens_per_s"] > 0 and math.isfinite(r["tokens_per_s"]), r
         # the tokens of one step over its median time (not a median of running averages)
         assert r["tokens_per_s"] == pytest.approx(r["global_batch"] * 64 / r["step_time_s"], rel=1e-12)
         assert "mfu" in r and r["mfu"] is None  # no known peak FLOP/s for the CPU
         assert 0 <= r["data_wait_s"] < r["step_time_s"]  # the loader's wait, measured (the planner charges 0)
+        assert math.isfinite(r["final_loss"]) and r["steps_measured"] == campaign_ladder.STEPS[True][0] - 1
         assert r["estimate_bytes"] > 0 and r["batch"] == campaign_model.MAX_BATCH[True]
-    fused = by_name["fused_attention"]
-    candidates = {c["name"]: c for c in fused["candidates"]}
     assert candidates["fused_attention_cudnn"]["skipped"] == "skipped: needs a GPU"
     assert fused["config"]["model.attention"] == "pallas" and candidates["fused_attention_pallas"]["tokens_per_s"] > 0
-    assert by_name["fused_norm_gelu"]["config"]["model.attention"] == "pallas"  # the next rows keep the winner
-    assert by_name["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     remat = by_name["remat"]
     tried = {c["name"]: c for c in remat["candidates"]}
+    validated = {"fused_norm_gelu": "fused_norm_gelu", "remat_elementwise": "remat", "remat_dots": "remat",
+                 "lamb_4x_batch": "lamb_4x_batch", "dense_twin": "dense_twin"}
+    for name, why in validated.items():  # not trained: checked and estimated, and saying so
+        r = by_name.get(name) or tried[name]
+        assert "tokens_per_s" not in r and r["validated"] == campaign_ladder.VALIDATED, r
+        assert r["skipped"] == f"skipped in the dry run: {campaign_ladder.CPU_VALIDATE[why]}"
+        assert r["estimate_bytes"] > 0 and r["global_batch"] == r["batch"] * r["microbatches"]
+    assert by_name["fused_norm_gelu"]["config"]["model.attention"] == "pallas"  # the next rows keep the winner
+    assert by_name["fused_norm_gelu"]["batch"] == campaign_model.MAX_BATCH[True]  # the largest that fits
+    assert by_name["xla_flags"]["xla_flags"] == list(campaign_ladder.TUNED_XLA_FLAGS)
     assert list(tried) == ["remat_elementwise", "remat_dots"]
     assert [c["config"]["model.remat"] for c in tried.values()] == ["elementwise", "dots"]
-    faster = max(tried.values(), key=lambda c: c["tokens_per_s"])
-    assert remat["config"] == faster["config"] and remat["tokens_per_s"] == faster["tokens_per_s"]
-    # each row is judged against the configuration carried so far: the fused kernels' row where
-    # they won, else the attention row; the flags (not run in the dry run) are not carried
-    carried = by_name["fused_norm_gelu"] if by_name["fused_norm_gelu"]["kept"] else fused
-    assert by_name["fused_norm_gelu"]["kept"] == (by_name["fused_norm_gelu"]["tokens_per_s"] > fused["tokens_per_s"])
-    assert by_name["xla_flags"]["kept"] is False and by_name["xla_flags"]["batch"] == carried["batch"]
-    assert remat["kept"] == (remat["tokens_per_s"] > carried["tokens_per_s"])
+    assert remat["skipped"] == "skipped in the dry run: every candidate validated, none trained"
+    # rows not trained are never kept: the configuration carried on is the attention row's
+    assert [by_name[n]["kept"] for n in ("fused_norm_gelu", "xla_flags", "remat")] == [False, False, False]
+    assert by_name["xla_flags"]["batch"] == fused["batch"] and remat["config"] == fused["config"]
     assert all(c["xla_flags"] == [] for c in tried.values())
     lamb = by_name["lamb_4x_batch"]
-    before = remat if remat["kept"] else carried  # the rows below carry remat only if it won
-    assert lamb["xla_flags"] == []
-    assert lamb["config"]["optim.name"] == "lamb" and lamb["microbatches"] == 4
-    assert lamb["config"].get("model.remat") == before["config"].get("model.remat")
-    assert lamb["global_batch"] == 4 * before["global_batch"]
+    assert lamb["xla_flags"] == [] and lamb["config"] == {**fused["config"], "optim.name": "lamb"}
+    assert lamb["microbatches"] == 4 and lamb["global_batch"] == 4 * fused["global_batch"]
     # the best row (the fastest: no MFU on the CPU) again with full causal attention
-    twin, best = by_name["dense_twin"], max((r for r in rows[:-1] if "tokens_per_s" in r), key=lambda r: r["tokens_per_s"])
+    twin, best = by_name["dense_twin"], max(trained, key=lambda r: r["tokens_per_s"])
     assert twin["twin_of"] == best["name"] and twin["config"] == {**best["config"], "model.window": "null"}
     assert (twin["batch"], twin["microbatches"], twin["xla_flags"]) == (best["batch"], best["microbatches"], best["xla_flags"])
+
+
+class MadeUpRows:
+    """The ladder's row runner with made-up speeds (`tokens_per_s` by row name, MFU in proportion;
+    a `largest` row gets 16 sequences, another 8 or its `batch`): `climb`'s choices without training."""
+
+    dry_run, settings = False, {"device": {"backend": "gpu"}}
+
+    def __init__(self, speeds):
+        self.speeds = speeds
+
+    def row(self, name, changes, microbatches=1, batch=None, xla_flags=(), largest=False, **why_not):
+        batch = batch or (16 if largest else 8)
+        return {"name": name, "config": dict(changes), "microbatches": microbatches, "batch": batch,
+                "global_batch": batch * microbatches, "xla_flags": list(xla_flags),
+                "tokens_per_s": self.speeds.get(name, 100.0), "mfu": self.speeds.get(name, 100.0) / 1000}
+
+
+def test_the_ladder_carries_a_technique_on_only_where_its_row_was_faster():
+    """Each of the fused kernels, the flags and remat is kept for the rows below only where its row
+    beat the configuration carried so far; LAMB runs at the carried row's batch x 4; the dense twin
+    repeats the best row. Both ways, with made-up speeds (the dry run trains two rows only)."""
+    flags = list(campaign_ladder.TUNED_XLA_FLAGS)
+    wins = {"fused_attention_cudnn": 120, "fused_attention_pallas": 110, "fused_norm_gelu": 130, "xla_flags": 140,
+            "remat_elementwise": 150, "remat_dots": 145, "lamb_4x_batch": 160, "dense_twin": 90}
+    rows = {r["name"]: r for r in campaign_ladder.climb(MadeUpRows(wins))["rows"]}
+    assert list(rows) == LADDER_ROWS
+    assert rows["fused_attention"]["config"]["model.attention"] == "cudnn"  # the faster candidate
+    assert rows["fused_norm_gelu"]["kept"] and rows["fused_norm_gelu"]["batch"] == 16
+    assert rows["xla_flags"]["kept"] and rows["xla_flags"]["batch"] == 16  # the carried row's batch
+    assert rows["xla_flags"]["config"]["model.fused_norm"] == "true"
+    remat = rows["remat"]
+    assert remat["kept"] and remat["config"]["model.remat"] == "elementwise" and remat["xla_flags"] == flags
+    assert [c["name"] for c in remat["candidates"]] == ["remat_elementwise", "remat_dots"]
+    lamb = rows["lamb_4x_batch"]
+    assert lamb["config"] == {**remat["config"], "optim.name": "lamb"} and lamb["xla_flags"] == flags
+    assert (lamb["batch"], lamb["microbatches"]) == (remat["batch"], 4)
+    twin = rows["dense_twin"]
+    assert twin["twin_of"] == "lamb_4x_batch" and twin["config"] == {**lamb["config"], "model.window": "null"}
+    assert (twin["batch"], twin["microbatches"], twin["xla_flags"]) == (16, 4, flags)
+
+    loses = {"fused_attention_cudnn": 120, "fused_attention_pallas": 110, "fused_norm_gelu": 115, "xla_flags": 119,
+             "remat_elementwise": 100, "remat_dots": 90, "lamb_4x_batch": 130}
+    rows = {r["name"]: r for r in campaign_ladder.climb(MadeUpRows(loses))["rows"]}
+    fused = rows["fused_attention"]
+    assert [rows[n]["kept"] for n in ("fused_norm_gelu", "xla_flags", "remat")] == [False, False, False]
+    assert rows["xla_flags"]["batch"] == fused["batch"] == 8  # judged against the attention row
+    assert rows["xla_flags"]["config"] == fused["config"]  # not the fused kernels' that lost
+    assert all(c["xla_flags"] == [] and c["config"]["model.fused_norm"] == "false" for c in rows["remat"]["candidates"])
+    lamb = rows["lamb_4x_batch"]
+    assert lamb["config"] == {**fused["config"], "optim.name": "lamb"} and lamb["xla_flags"] == []
+    assert (lamb["batch"], lamb["microbatches"]) == (8, 4) and rows["dense_twin"]["twin_of"] == "lamb_4x_batch"
+
+
+def test_a_validated_row_whose_config_the_checks_refuse_is_its_one_line_error():
+    """A dry-run row that is not trained still has its overrides checked as the trainer would."""
+    good = campaign_ladder.row_overrides(True, campaign_ladder.BASELINE) + ["train.global_batch=4"]
+    assert campaign_ladder.validated(good, "why") == {"skipped": "skipped in the dry run: why",
+                                                     "validated": campaign_ladder.VALIDATED}
+    bad = campaign_ladder.validated([*good, "model.remat=sometimes"], "why")
+    assert list(bad) == ["error"] and bad["error"].startswith("config check: ConfigError: ") and one_line(bad["error"])
 
 
 @pytest.mark.slow
@@ -181,12 +251,15 @@ def test_dry_run_levers_each_alone_against_one_base(full):
         assert rows[name]["skipped"] == "skipped: needs a GPU (XLA:GPU flags)"
     assert rows["head_grad_float32"]["config"]["model.head_grad_float32"] == "true"
     assert rows["head_grad_float32"]["skipped"].startswith("skipped in the dry run: on a CPU the head's backward")
-    for name in campaign_levers.LADDER_RUNS:  # run by the ladder's dry run, not twice
-        assert rows[name]["skipped"] == "skipped in the dry run: the ladder's dry run runs this configuration's code"
-    for name in ("loss_chunks", "scan_rolled", "half_batch", "no_donation"):
+    for name, why in campaign_levers.CPU_VALIDATE.items():  # checked and estimated, not trained
         r = rows[name]
-        assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
-        assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])
+        assert r["validated"] == campaign_ladder.VALIDATED and "delta_tokens_per_s" not in r, r
+        assert r["skipped"] == f"skipped in the dry run: {why}" and r["estimate_bytes"] > 0
+    assert set(campaign_levers.LADDER_RUNS) <= set(campaign_levers.CPU_VALIDATE)
+    r = rows["half_batch"]  # the lever row that is trained
+    assert r["tokens_per_s"] > 0 and r["config"] == base["config"]
+    assert r["delta_tokens_per_s"] == pytest.approx(r["tokens_per_s"] - base["tokens_per_s"])
+    assert r["delta_pct"] == pytest.approx(100 * r["delta_tokens_per_s"] / base["tokens_per_s"])
 
 
 @pytest.mark.slow
@@ -372,43 +445,51 @@ def test_dry_run_rates_time_every_gemm_on_the_device_and_the_planner_fits_them(f
 def test_a_failing_section_records_one_line_and_the_others_still_run(partial):
     failed, result, *_ = partial
     assert failed.returncode == 1  # a section failed: after everything was written
-    assert list(result["sections"]) == ["kernels", "checkpoints"]  # --only: nothing else ran
-    kernels, checkpoints = result["sections"]["kernels"], result["sections"]["checkpoints"]
-    assert kernels["status"] == "error" and one_line(kernels["reason"])
-    assert "InjectedFailure: kernels failed on purpose" in kernels["reason"]
-    assert checkpoints["status"] == "ok" and len(checkpoints["sizes"]) == 2  # the next section still ran
-    assert "sections that failed: kernels" in failed.stdout
+    assert list(result["sections"]) == ["checkpoints", "rates"]  # --only: nothing else ran
+    checkpoints, rates = result["sections"]["checkpoints"], result["sections"]["rates"]
+    assert checkpoints["status"] == "error" and one_line(checkpoints["reason"])
+    assert "InjectedFailure: checkpoints failed on purpose" in checkpoints["reason"]
+    assert rates["status"] == "ok" and len(rates["gemms"]) == 3  # the next section still ran
+    assert "sections that failed: checkpoints" in failed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("gpu-campaign-partial")
+def test_dry_run_without_out_writes_into_a_new_temporary_directory(partial):
+    failed, path, tmpdir = partial[0], partial[5], partial[6]
+    assert path.parent.parent == tmpdir and path.parent.name.startswith("gpu-campaign-dry-run-")
+    assert path.name.startswith("gpu_cpu_")
+    assert failed.stdout.splitlines()[-1] == f"wrote {path}; sections that failed: checkpoints"
+    assert os.listdir(tmpdir) == [path.parent.name]  # nothing else left in its TMPDIR
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("gpu-campaign-partial")
 def test_only_reruns_one_section_into_an_existing_result(partial):
-    _, before, refused, unchanged, rerun, path = partial
+    _, before, refused, unchanged, rerun, path, _ = partial
     assert refused.returncode == 2 and unchanged  # an existing result needs --overwrite
     assert refused.stderr.strip().splitlines() == [
         f"{os.path.relpath(path)} exists; pass --overwrite to replace it, or --out PATH to write elsewhere"]
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert [line for line in rerun.stdout.splitlines() if line.startswith("== ")] == [
-        "== probe (limit 300 s)", "== kernels (limit 900 s)"]
+        "== probe (limit 300 s)", "== rates (limit 300 s)"]
     after = json.loads(path.read_text())
-    assert after["sections"]["kernels"]["status"] == "ok" and after["sections"]["kernels"]["attention"]
+    assert list(after["sections"]) == ["checkpoints", "rates"]
+    assert after["sections"]["rates"]["status"] == "ok" and after["sections"]["rates"]["gemms"]
+    assert after["sections"]["rates"]["finished"] >= before["sections"]["rates"]["finished"]
+    assert "--overwrite" in after["sections"]["rates"]["command"]  # replaced by the rerun
     assert after["sections"]["checkpoints"] == before["sections"]["checkpoints"]  # kept as it was
-    assert "--overwrite" in after["sections"]["kernels"]["command"]
 
 
 @pytest.mark.slow
-def test_dry_run_without_out_writes_into_a_new_temporary_directory(tmp_path):
-    done = campaign("--dry-run", "--only", "kernels", tmpdir=tmp_path)  # the quickest section
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (folder,) = os.listdir(tmp_path)
-    assert folder.startswith("gpu-campaign-dry-run-")
-    (name,) = [f for f in os.listdir(tmp_path / folder) if f.endswith(".json")]
-    assert name.startswith("gpu_cpu_") and done.stdout.splitlines()[-1] == f"wrote {tmp_path / folder / name}"
-    assert list(json.loads((tmp_path / folder / name).read_text())["sections"]) == ["kernels"]
+def test_bad_arguments_are_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Refused before anything runs (in this process: no section is started), and as a user runs
+    it: no GPU here and no --dry-run, found by the probe's process."""
+    from bench.campaign import __main__ as campaign_main
 
-
-@pytest.mark.slow
-def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
+    monkeypatch.setattr(campaign_main, "run_piece", lambda *a, **k: pytest.fail("ran a piece"))
+    for name in ("JAX_PLATFORMS", "XLA_FLAGS"):  # --dry-run sets them for its sections
+        monkeypatch.setenv(name, os.environ.get(name, ""))
     for args, message in [
         (["--only", "kernels,nosuch"], "error: unknown section 'nosuch'; sections are " + ", ".join(SECTIONS)),
         (["--dry-run", "--out", os.path.join(RESULTS, "x.json")],
@@ -417,13 +498,14 @@ def test_bad_arguments_are_one_line_and_exit_2(tmp_path):
          "error: --tiny measures nothing worth keeping; pass an --out outside bench/results/"),
         (["--dry-run", "--batch", "0"], "error: --batch must be at least 1, got 0"),
         (["--dry-run", "--budget-s", "0"], "error: --budget-s must be positive, got 0"),
-        (["--out", str(tmp_path / "x.json")],  # no GPU here, and no --dry-run
-         "error: python -m bench.campaign needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
-         "or pass --dry-run to exercise every section at tiny shapes on the CPU"),
     ]:
-        done = campaign(*args)
-        assert done.returncode == 2, (args, done.stderr)
-        assert done.stderr.strip().splitlines() == [message]
+        assert campaign_main.main(args) == 2, args
+        assert capsys.readouterr().err.strip().splitlines() == [message]
+    done = campaign("--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "error: python -m bench.campaign needs a GPU (JAX backend is 'cpu'); run it on a GPU machine, "
+        "or pass --dry-run to exercise every section at tiny shapes on the CPU"]
     assert not os.path.exists(os.path.join(RESULTS, "x.json")) and not os.listdir(tmp_path)
 
 

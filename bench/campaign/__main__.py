@@ -49,7 +49,9 @@ everything is written; 2 for a bad command line, before anything runs.
 
 --dry-run runs every section at tiny shapes on the CPU (JAX's CPU backend, Pallas in interpret
 mode; GPU-only contenders are one line, "skipped: needs a GPU"), writing into a new temporary
-directory, or --out, never into bench/results/ (it measures nothing worth keeping). --tiny runs
+directory, or --out, never into bench/results/ (it measures nothing worth keeping). It proves
+plumbing: in the ladder and the levers, a row whose code the unit tests train is validated
+(config checked, estimate traced: `ladder.validated`) and recorded as skipped, not trained. --tiny runs
 the same tiny shapes on this machine's own backend: a minute-long smoke test of every GPU code
 path before a full campaign spends its time (written like a dry run, never into bench/results/).
 """

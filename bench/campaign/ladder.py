@@ -58,6 +58,17 @@ def strongest_fixed(settings: dict) -> tuple[dict, tuple]:
     changes = {**BASELINE, "model.block": "parallel", "model.window": WINDOW[settings["dry_run"]],
                "model.attention": "cudnn" if gpu else "xla", "model.scan_unroll": layers}
     return changes, ()
+# In a dry run on the CPU (which proves the campaign's plumbing, and costs CI time per row) these
+# rows are validated (`validated`), not trained: their code is trained by the unit tests named,
+# and the rows that are trained (serial_dense_adamw, the Pallas attention row, the levers' base and
+# half_batch) prove a trained row's plumbing. How the ladder carries a row that won, or not, is
+# tests/test_gpu_campaign.py's, with rows of made-up speeds. --tiny on a GPU trains every row.
+CPU_VALIDATE = {
+    "fused_norm_gelu": "the Pallas norm and bias+GeLU kernels train like XLA in tests/model/test_kernels_in_model.py",
+    "remat": "remat's loss, gradients and memory are tests/model/test_levers.py's and test_model.py's",
+    "lamb_4x_batch": "LAMB at 4 microbatches is tests/training/test_lamb_batch.py's and test_optim.py's",
+    "dense_twin": "serial_dense_adamw trains full causal attention; the Pallas kernel's is tests/kernels/test_kernels.py's",
+}
 STEPS = {False: (6, 2), True: (3, 1)}  # (train.steps, warm-up steps left out), keyed by dry_run
 ROW_LIMIT_S = {False: 240, True: 120}
 # A row is not started with less than this left before the section's deadline (--budget-s): on an
@@ -77,13 +88,14 @@ class Ladder:
         return self.settings["dry_run"]
 
     def row(self, name: str, changes: dict, microbatches: int = 1, batch: int | None = None,
-            xla_flags: tuple = (), largest: bool = False, dry_run_skip: str = "") -> dict:
+            xla_flags: tuple = (), largest: bool = False, dry_run_skip: str = "", cpu_validate: str = "") -> dict:
         """Measure one row with `changes` as config overrides; `batch` sequences per microbatch
         (None: the campaign's --batch, else the largest the estimate allows; `largest`: the
         largest, whatever --batch says). `dry_run_skip`: why a dry run (which proves code paths,
-        and costs CI time per row) need not run it. The row is appended to the section's
-        progress file."""
-        row = self._row(name, changes, microbatches, batch, xla_flags, largest, dry_run_skip)
+        and costs CI time per row) need not run it. `cpu_validate`: why a dry run on the CPU need
+        not train it (the unit tests named there train its code): it is validated instead
+        (`validated`), not trained. The row is appended to the section's progress file."""
+        row = self._row(name, changes, microbatches, batch, xla_flags, largest, dry_run_skip, cpu_validate)
         if self.settings.get("progress_file"):
             with open(self.settings["progress_file"], "a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -95,7 +107,7 @@ class Ladder:
         return None if deadline is None else deadline - time.time()
 
     def _row(self, name: str, changes: dict, microbatches: int, batch: int | None, xla_flags: tuple,
-             largest: bool, dry_run_skip: str) -> dict:
+             largest: bool, dry_run_skip: str, cpu_validate: str = "") -> dict:
         overrides = row_overrides(self.dry_run, changes, microbatches)
         limit = self.settings["device"]["memory_limit_bytes"]
         if not largest:
@@ -113,12 +125,15 @@ class Ladder:
             return {**row, "skipped": "skipped: needs a GPU"}
         if self.dry_run and dry_run_skip:
             return {**row, "skipped": f"skipped in the dry run: {dry_run_skip}"}
+        steps, skip = STEPS[self.dry_run]
+        if self.dry_run and cpu_validate and self.settings["device"]["backend"] == "cpu":
+            return {**row, **validated([*overrides, f"train.global_batch={batch * microbatches}",
+                                        f"train.steps={steps}"], cpu_validate)}
         left = self.time_left()
         if left is not None and left < MIN_ROW_S:
             return {**row, "skipped": f"skipped: not started, {max(left, 0):.0f} s left of the section's time "
                                       f"(--budget-s; a row needs {MIN_ROW_S})"}
         limit_s = ROW_LIMIT_S[self.dry_run] if left is None else min(ROW_LIMIT_S[self.dry_run], left)
-        steps, skip = STEPS[self.dry_run]
         out = os.path.join(self.work_dir, f"{name}.json")
         env = dict(os.environ)
         if xla_flags:
@@ -134,6 +149,23 @@ class Ladder:
             result = json.load(f)
         return {**row, **{k: result[k] for k in ("step_time_s", "tokens_per_s", "mfu", "peak_bytes_in_use",
                                                    "final_loss", "steps_measured", "data_wait_s")}}
+
+
+VALIDATED = "its config loaded with every check the trainer makes, its forward and backward traced for its estimate"
+
+
+def validated(overrides: list[str], why: str) -> dict:
+    """A dry-run row that is not trained (`Ladder.row`'s `cpu_validate`): its overrides loaded
+    and checked as `megascale_jax.train` would check them first (its memory estimate, already
+    computed, traced its model's forward and backward), as a "skipped" row that says so; a
+    configuration the checks refuse is the row's one-line error."""
+    from megascale_jax.config import load_config
+
+    try:
+        load_config(model.CONFIG, overrides)
+    except Exception as e:  # noqa: BLE001 — a refused configuration is this row's error, not the section's
+        return {"error": f"config check: {process.one_line(e)}"}
+    return {"skipped": f"skipped in the dry run: {why}", "validated": VALIDATED}
 
 
 def row_overrides(dry_run: bool, changes: dict, microbatches: int = 1) -> list[str]:
@@ -184,7 +216,7 @@ def climb(ladder: Ladder) -> dict:
     # run at the largest batch that then fits. Kept for the rows below only where faster: a kernel
     # that loses to XLA's own fusion is not a technique this configuration should carry on.
     fused = {**config, "model.fused_norm": "true", "model.fused_mlp": "true"}
-    rows.append(ladder.row("fused_norm_gelu", fused, largest=True))
+    rows.append(ladder.row("fused_norm_gelu", fused, largest=True, cpu_validate=CPU_VALIDATE["fused_norm_gelu"]))
     rows[-1]["kept"] = faster(rows[-1], rows[-2])
     if rows[-1]["kept"]:
         config = fused
@@ -202,7 +234,7 @@ def climb(ladder: Ladder) -> dict:
     # larger batch that runs faster, so each candidate takes the largest batch the estimate then
     # allows: elementwise (norms and activation from their inputs: ~no FLOPs) and dots.
     candidates = [ladder.row(f"remat_{policy}", {**config, "model.remat": policy}, xla_flags=flags,
-                             largest=True) for policy in REMAT_CANDIDATES]
+                             largest=True, cpu_validate=CPU_VALIDATE["remat"]) for policy in REMAT_CANDIDATES]
     rows.append(fastest_of("remat", candidates, config))
     rows[-1]["kept"] = faster(rows[-1], carried)
     if rows[-1]["kept"]:
@@ -211,7 +243,7 @@ def climb(ladder: Ladder) -> dict:
     # Same memory per microbatch as the configuration carried this far, four of them per step.
     config = {**config, "optim.name": "lamb"}
     rows.append(ladder.row("lamb_4x_batch", config, microbatches=LAMB_MICROBATCHES, batch=carried.get("batch") or 1,
-                           xla_flags=flags))
+                           xla_flags=flags, cpu_validate=CPU_VALIDATE["lamb_4x_batch"]))
     rows.append(dense_twin(ladder, rows))
     if (same_batch := dense_at_batch(ladder, rows)) is not None:
         rows.append(same_batch)
@@ -230,6 +262,9 @@ def fastest_of(name: str, candidates: list[dict], config: dict) -> dict:
     timed = [c for c in candidates if measured(c)]
     if timed:
         return {**max(timed, key=lambda c: c["tokens_per_s"]), "name": name, "candidates": candidates}
+    if all("validated" in c for c in candidates):  # a dry run on the CPU: validated, none trained
+        return {"name": name, "config": dict(config), "candidates": candidates,
+                "skipped": "skipped in the dry run: every candidate validated, none trained"}
     return {"name": name, "config": dict(config), "candidates": candidates,
             "error": "; ".join(f"{c['name']}: {c.get('error') or c.get('skipped')}" for c in candidates)}
 
@@ -244,7 +279,7 @@ def dense_twin(ladder: Ladder, rows: list[dict]) -> dict:
     rated = [r for r in timed if r.get("mfu") is not None]
     best = max(rated, key=lambda r: r["mfu"]) if rated else max(timed, key=lambda r: r["tokens_per_s"])
     twin = ladder.row("dense_twin", {**best["config"], "model.window": "null"}, microbatches=best["microbatches"],
-                      batch=best["batch"], xla_flags=tuple(best["xla_flags"]))
+                      batch=best["batch"], xla_flags=tuple(best["xla_flags"]), cpu_validate=CPU_VALIDATE["dense_twin"])
     return {**twin, "twin_of": best["name"]}
 
 

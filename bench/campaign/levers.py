@@ -48,9 +48,22 @@ import tempfile
 from bench.campaign import ladder, model
 
 LOSS_CHUNKS = 8
-# Levers whose configuration a ladder row also runs: in the dry run (which proves code paths, and
-# costs CI time per row) they are not run twice.
+# Levers whose configuration a ladder row also runs: in a dry run on the GPU (--tiny, which proves
+# code paths) they are not run twice.
 LADDER_RUNS = ("fused_norm_gelu", "remat_elementwise", "remat_elementwise_same_batch", "remat_dots")
+# In a dry run on the CPU (which proves the campaign's plumbing, and costs CI time per row) these
+# levers are validated (`ladder.validated`), not trained: the unit tests named train their code.
+# The base and half_batch (its own configuration at another batch) are trained: a lever row's
+# plumbing, its change against the base included.
+CPU_VALIDATE = {
+    "loss_chunks": "the sliced loss's value and gradients are tests/model/test_levers.py's",
+    "scan_rolled": "the ladder's rows train the rolled layer scan (the unrolled one's equality is tests/model/test_levers.py's)",
+    "no_donation": "train.donate=false is tests/model/test_flops.py's",
+    "fused_norm_gelu": ladder.CPU_VALIDATE["fused_norm_gelu"],
+    "remat_elementwise": ladder.CPU_VALIDATE["remat"],
+    "remat_elementwise_same_batch": ladder.CPU_VALIDATE["remat"],
+    "remat_dots": ladder.CPU_VALIDATE["remat"],
+}
 GPU_FLAGS = {"xla_flags": ladder.TUNED_XLA_FLAGS,
              "triton_gemm_off": ("--xla_gpu_enable_triton_gemm=false",),
              "command_buffers_off": ("--xla_gpu_enable_command_buffer=",),
@@ -80,8 +93,10 @@ def measure(runner: ladder.Ladder) -> dict:
     batch = first.get("batch") or 1
 
     def lever(name: str, changes: dict, dry_run_skip: str = "", **how) -> dict:
-        skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS else dry_run_skip
-        return runner.row(name, changes, xla_flags=flags, dry_run_skip=skip, **how)
+        # (on the CPU a LADDER_RUNS row is validated, as the ladder's own row is)
+        skip = "the ladder's dry run runs this configuration's code" if name in LADDER_RUNS and gpu else dry_run_skip
+        return runner.row(name, changes, xla_flags=flags, dry_run_skip=skip, cpu_validate=CPU_VALIDATE.get(name, ""),
+                          **how)
 
     def flag_lever(name: str) -> dict:  # an XLA:GPU flag added to the base's own
         row_flags, changes = (*flags, *GPU_FLAGS[name]), {**base, **FLAG_LEVER_CHANGES.get(name, {})}
