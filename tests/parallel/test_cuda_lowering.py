@@ -43,6 +43,9 @@ LAYOUTS = {
     "tp-none-remat": ["mesh.dp=4", "mesh.tp=2", "parallel.tp_overlap=none", "model.remat=dots"],
 }
 TRITON_CALL = "custom_call @__gpu$xla.gpu.triton"
+# The tests share lowered steps (`_lowered_step`'s cache: the XLA-only steps they compare against,
+# tp-none's by three tests): one xdist worker lowers each once.
+pytestmark = pytest.mark.xdist_group("cuda_lowering_steps")
 
 
 def lowered_step(overrides: list[str], platform: str = "cuda") -> str:
