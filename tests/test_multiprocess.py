@@ -35,14 +35,20 @@ def launch(args, env_extra=None, **kwargs):
 
 MESH = ["mesh.dp=4", "mesh.tp=2"]  # dp spans both processes, tp stays inside one
 
+# Both tests on one xdist worker (`--dist loadgroup`), so that the one-process run is made once.
+pytestmark = pytest.mark.xdist_group("multiprocess-single")
+
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The losses of the same run in one process."""
+def single(tmp_path_factory, run_main):
+    """The losses of the same run in one process: this one (its 8 CPU devices), which saves a
+    process start and JAX's start-up; the losses are compared at rtol 1e-5, not bitwise."""
+    from megascale_jax import train
+
     run_dir = tmp_path_factory.mktemp("single")
-    p = launch(["--run-dir", str(run_dir), *COMMON, *MESH, "mesh.cpu_devices=8"])
-    out, _ = p.communicate(timeout=600)
-    assert p.returncode == 0, out
+    code, out, err = run_main(train.main, ["--run-dir", str(run_dir), *COMMON, *MESH, "mesh.cpu_devices=8",
+                                           "train.compile_cache=false"], run_dir)
+    assert code == 0, out + err
     return losses(run_dir)
 
 
