@@ -566,9 +566,9 @@ def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_s
         restored = [line for line in f if f"restored its memory snapshot of step {resume}" in line]
     assert restored and "the 2-process job's files, resharded" in restored[-1], restored
     shutil.copytree(shrunk_dir / "checkpoints" / str(resume), reference_dir / "checkpoints" / str(resume))
-    done = run_module("megascale_jax.launch", ["--nprocs", "1", "--run-dir", str(reference_dir), *JOB,
-                                               "checkpoint.keep=10", "mesh.dp=1", "parallel.microbatches=2",
-                                               "mesh.cpu_devices=1"])
+    # The fault-free run: `train` itself, one process (no launcher, Redis or standby process to start).
+    done = run_module("megascale_jax.train", ["--run-dir", str(reference_dir), *JOB, "checkpoint.keep=10",
+                                              "mesh.dp=1", "parallel.microbatches=2", "mesh.cpu_devices=1"])
     assert done.returncode == 0, done.stdout + done.stderr
     shrunk = [r for r in run_dir_metrics(shrunk_dir) if r["step"] > resume]
     expected = run_dir_metrics(reference_dir)
