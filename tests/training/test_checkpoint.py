@@ -45,22 +45,24 @@ TINY = ["train.sample_at_end=0", "model.layers=2", "model.d_model=64", "model.he
 DP8 = ["mesh.dp=8", "mesh.tp=1"]
 
 # Runs the CLI, SIGKILLing itself right after the blocking part of the save of step KILL_STEP
-# returned. The background write of that step is held just before its commit (rename), so the
-# kill always lands mid-write.
+# returned, once the background write of that step has written its files: it is held just before
+# its commit (rename), so the kill always lands mid-write.
 KILL_DRIVER = textwrap.dedent("""
-    import os, signal, sys, time
+    import os, signal, sys, threading, time
     from megascale_jax.training import checkpoint
     from megascale_jax import train
     KILL_STEP = int(os.environ["KILL_STEP"])
     on_commit, save = checkpoint.Checkpointer._on_commit, checkpoint.Checkpointer.save
+    written = threading.Event()
     def held_commit(self):
         if self._pending and self._pending["step"] == KILL_STEP:
+            written.set()
             time.sleep(600)
         on_commit(self)
     def save_then_die(self, step, state, data_state, *rest):
         out = save(self, step, state, data_state, *rest)
         if step == KILL_STEP:
-            time.sleep(2)  # let the background thread write the data files
+            written.wait(120)  # the background thread wrote the data files and holds the commit
             os.kill(os.getpid(), signal.SIGKILL)
         return out
     checkpoint.Checkpointer._on_commit, checkpoint.Checkpointer.save = held_commit, save_then_die
