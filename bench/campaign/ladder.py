@@ -15,7 +15,10 @@
                         at --batch again at window=null (the dense PyTorch peers' work)
 
 Each row is `python -m bench.parallel.train_step` in its own process (`process`): XLA reads
-XLA_FLAGS once per process, and an out-of-memory death or an XLA abort ends that row only. Before a
+XLA_FLAGS once per process, and an out-of-memory death or an XLA abort ends that row only. In a dry
+run on the CPU (which proves plumbing) only serial_dense_adamw and the Pallas attention row train;
+the rows whose code the unit tests train (CPU_VALIDATE) are validated (`validated`: config checked,
+estimate traced) and recorded as skipped, saying which tests train them. Before a
 row starts, its batch is picked from the memory estimate (`model.pick_batch`); a row
 that cannot fit even one sequence is recorded as "does not fit: ..." and never compiled. MFU
 counts the FLOPs of the row's own model (window-aware, `megascale_jax.model.flops`), so a
@@ -58,6 +61,8 @@ def strongest_fixed(settings: dict) -> tuple[dict, tuple]:
     changes = {**BASELINE, "model.block": "parallel", "model.window": WINDOW[settings["dry_run"]],
                "model.attention": "cudnn" if gpu else "xla", "model.scan_unroll": layers}
     return changes, ()
+
+
 # In a dry run on the CPU (which proves the campaign's plumbing, and costs CI time per row) these
 # rows are validated (`validated`), not trained: their code is trained by the unit tests named,
 # and the rows that are trained (serial_dense_adamw, the Pallas attention row, the levers' base and

@@ -36,7 +36,9 @@ order listed here, so a call's budget that ends the section early keeps the most
 
 Each row is the MFU ladder's row runner (`ladder.Ladder.row`): its own process, its batch from the
 memory estimate, a row that does not fit or fails is that row's one-line error. Each row's
-`delta_tokens_per_s` and `delta_pct` are against the base row of this section, same run.
+`delta_tokens_per_s` and `delta_pct` are against the base row of this section, same run. In a
+dry run on the CPU only the base and half_batch train; the others are validated or skipped
+(CPU_VALIDATE, `ladder.validated`).
 """
 
 from __future__ import annotations
