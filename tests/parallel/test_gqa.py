@@ -60,6 +60,7 @@ def case_id(kv, block, dp, pp, tp, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("gqa_reference")  # one worker computes each one-device `reference` once
 @pytest.mark.parametrize("kv_heads,block,dp,pp,tp,extra", CASES, ids=[case_id(*c) for c in CASES])
 def test_kv_heads_fewer_than_tp_match_one_device(kv_heads, block, dp, pp, tp, extra):
     model, params, batch, ref_loss, ref_grads = reference(kv_heads, block)
