@@ -76,7 +76,7 @@ ERROR_CASES = [
     # mesh and divisibility
     ("mesh-product-vs-devices", ["mesh.dp=2", "mesh.cpu_devices=8"], None,
      ["dp*pp*tp=2*1*2=4", "mesh.cpu_devices=8", "leave mesh.cpu_devices unset"]),
-    ("does-not-fit-in-memory", ["model.seq_len=100000"], None,
+    ("does-not-fit-in-memory", ["model.seq_len=100000", "model.window=null"], None,
      ["estimated memory", "TiB", "activations", "available RAM", "train.memory_check=false"]),
     ("heads-vs-tp", ["model.heads=6", "model.d_model=96", "mesh.tp=4", "mesh.dp=2"], None,
      ["model.heads=6", "mesh.tp=4"]),

@@ -124,6 +124,22 @@ KEPT_SP_GATHERED = 1
 # model.remat=dots keeps the GEMMs' outputs only: the row-parallel one whole, q, k, v and the
 # MLP-up's four split over tp.
 KEPT_DOTS_REPLICATED, KEPT_DOTS_TP_SHARDED = 1, 7
+# model.attention=xla with a window much shorter than the sequence (attention.banded_attention):
+# queries in blocks, each scored against the block + w - 1 keys its window reaches.
+MIN_BLOCK = 64  # queries per block at least: smaller blocks are all overhead
+
+
+def band_block(queries: int, window: int | None) -> int | None:
+    """The query block banded attention uses for `queries` queries under `window`, or None when
+    banding would not pay: the smallest divisor of `queries` that is at least window - 1 (each
+    block's keys then span two blocks) and MIN_BLOCK, kept only where it cuts the scores to half
+    or less (queries >= 4 blocks: block + w - 1 keys a query instead of all of them)."""
+    if window is None:
+        return None
+    block = next((d for d in range(max(window - 1, MIN_BLOCK), queries + 1) if queries % d == 0), queries)
+    return block if queries >= 4 * block else None
+
+
 # model.attention=xla materialises (heads, seq, seq) scores and probabilities: 2 values each.
 XLA_SCORE_VALUES = 2
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -236,7 +252,10 @@ def _chunk_values(cfg: Config) -> tuple[float, float]:
     # cp: the keys and values received from the other ranks, kept for the attention's backward
     per_layer += 2 * micro_seqs * received * kv_width_per_device(m, mesh.tp)
     if m.attention == "xla":  # every score of the rank's queries against every key it holds
-        per_layer += micro_seqs * m.heads / mesh.tp * queries * (queries + received) * XLA_SCORE_VALUES
+        # (or, banded under a window much shorter than the slice, the block + w - 1 its block reaches)
+        block = band_block(queries, m.window)
+        keys = block + m.window - 1 if block else queries + received
+        per_layer += micro_seqs * m.heads / mesh.tp * queries * keys * XLA_SCORE_VALUES
     # model.remat=full keeps only each layer's input, plus one layer's activations while its
     # backward recomputes it (dots: its GEMMs' outputs, above).
     kept = tokens * m.d_model if m.remat == "full" else per_layer

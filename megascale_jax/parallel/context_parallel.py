@@ -29,7 +29,10 @@ stay automatic), on each rank's slice of n = seq_len/cp queries, keys and values
 * Packed documents (`model.document_eos`): the keys' document ids travel with them (the halo's,
   or all-gathered), 4 bytes a key beside the keys' and values' 2·kv_heads·head_dim values.
 
-The mask uses global positions: query i of rank r is at r·n + i, halo key j at r·n - h + j.
+The mask uses global positions: query i of rank r is at r·n + i, halo key j at r·n - h + j. A
+slice much longer than the window (n >= 4 blocks of >= w - 1 queries) is attended in blocks, each
+scoring only the keys its window reaches (`attention.banded_attention`): n·(block + w - 1) scores
+a rank instead of n·(n + h), which is what makes a 64k-token sequence fit.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from megascale_jax.model.attention import masked_attention, window_mask
+from megascale_jax.model.attention import band_block, banded_attention, masked_attention, window_mask
 
 AXIS = "cp"
 
@@ -110,6 +113,9 @@ def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int):
         halo = halo_length(window, seq_len, cp)
         keys, values = with_halo(k, halo, cp), with_halo(v, halo, cp)
         key_ids = None if ids is None else with_halo(ids, halo, cp)
+        block = band_block(n, window)
+        if block is not None:  # a slice much longer than the window: only the keys each block reaches
+            return banded_attention(q, keys, values, window, block, first=first, halo=halo, ids=ids, key_ids=key_ids)
         key_positions = first - halo + jnp.arange(halo + n)
     mask = window_mask(first + jnp.arange(n), key_positions, window) & (key_positions >= 0)[None, :]
     if ids is not None:

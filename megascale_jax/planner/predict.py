@@ -116,7 +116,10 @@ def layer_times(w: Workload, gpu: Gpu) -> dict[str, float]:
         # only the band inside the window (`banded_window`). With cp (context_parallel.py) a rank
         # scores its seq_len/cp queries against every key it holds: its own and those it received
         # (the window's halo, or all of them under full attention), the same count on every rank.
-        keys = context(w) if w.banded_window else queries + flops.cp_received_positions(model_config(w), w.cp)
+        # This project's XLA attention bands a window much shorter than the slice (`xla_band_block`):
+        # each block of queries scores block + w - 1 keys.
+        keys = (w.xla_band_block + w.window - 1 if w.xla_band_block else context(w) if w.banded_window
+                else queries + flops.cp_received_positions(model_config(w), w.cp))
         per_head = 2 * queries * keys * hd
         attention = 2 * costs.matmul_s(w.microbatch_seqs * heads_here * per_head, gpu)  # one batched GEMM each
         attention_backward = 2 * attention

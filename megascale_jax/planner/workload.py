@@ -61,6 +61,9 @@ class Workload:
     # Unfused attention computes only the scores inside the window (a banded matmul, Beltagy et al.
     # 2020) instead of all of them and masking (XLA's attention, measured on our H200)
     banded_window: bool = False
+    # This project's XLA attention under a window much shorter than the rank's queries: blocks of
+    # this many queries, each scored against block + window - 1 keys (attention.banded_attention)
+    xla_band_block: Optional[int] = None
     # Parallel block with fused GEMMs: the QKV and MLP-up projections read the one shared norm's
     # output and run as one GEMM (MegaScale §3.1, Figure 3) instead of two
     fused_block_gemms: bool = False
@@ -187,7 +190,8 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu",
         optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32,
         tied_embedding=m.tied_embeddings, gradient_norm=True, cp=mesh.cp,
-        cp_reduce_per_microbatch=True)
+        cp_reduce_per_microbatch=True,
+        xla_band_block=flops.band_block(m.seq_len // mesh.cp, m.window) if m.attention == "xla" else None)
 
 
 def notes(cfg: Config) -> list[str]:
