@@ -224,14 +224,19 @@ def test_an_op_table_that_fails_is_one_line_beside_the_profiled_runs_numbers(mon
 
 def test_on_a_gpu_the_op_table_runs_without_cuda_graphs(monkeypatch, tmp_path):
     """With XLA's command buffers the trace names each CUDA graph, not its kernels (H200,
-    2026-11-27: the whole step 'other'): the op table's process gets them turned off."""
+    2026-11-27: the whole step 'other'): the op table's process gets them turned off. Then the same
+    process at half the batch, and each part's line through both tables (seconds made up here:
+    the dry run on the CPU runs the table at the batch only)."""
     seen = {}
 
     def run(command, env, limit_s, prefix):
         seen["xla_flags"] = env.get("XLA_FLAGS", "")
         out = command[command.index("--out") + 1]
+        batch = int(next(a for a in command if a.startswith("train.global_batch=")).split("=")[1])
+        seen.setdefault("batches", []).append(batch)
+        by_part = {"MLP": 0.01 * batch, "optimizer": 0.005, "total": 0.01 * batch + 0.005}
         with open(out, "w") as f:
-            json.dump({"top_ops": [], "top_by_part": {}, "by_part": {"total": 0.0}, "steps_traced": 2,
+            json.dump({"top_ops": [], "top_by_part": {}, "by_part": by_part, "steps_traced": 2,
                        "busy_s": 0.0, "device": 0}, f)
         return SimpleNamespace(ok=True)
 
@@ -241,6 +246,11 @@ def test_on_a_gpu_the_op_table_runs_without_cuda_graphs(monkeypatch, tmp_path):
     result = profile.op_table_run(str(tmp_path / "table.json"), gpu)
     assert seen["xla_flags"].split() == [profile.NO_CUDA_GRAPHS]
     assert result["op_table"]["xla_flags"] == [profile.NO_CUDA_GRAPHS]
+    assert seen["batches"] == [2, 1] and result["by_part_half_batch"]["batch"] == 1
+    assert result["by_part_half_batch"]["by_part"]["MLP"] == pytest.approx(0.01)
+    split = result["batch_split"]
+    assert split["MLP"] == {"per_sequence_s": pytest.approx(0.01), "per_step_s": pytest.approx(0.0, abs=1e-12)}
+    assert split["optimizer"] == {"per_sequence_s": pytest.approx(0.0, abs=1e-12), "per_step_s": pytest.approx(0.005)}
 
 
 def test_a_launch_of_several_kernels_counts_its_products_flops_once():
