@@ -30,6 +30,11 @@ def one_device(*overrides):
     return config("mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "mesh.cpu_devices=1", *overrides)
 
 
+# The tests against the module's one-device references (`reference`, `documents_reference`) run
+# on one xdist worker, which computes each reference once.
+REFERENCE = pytest.mark.xdist_group("pipeline_reference")
+
+
 @pytest.fixture(scope="module")
 def reference():
     return reference_for()
@@ -56,10 +61,13 @@ ALL_REDUCE = ("parallel.zero1=false",)  # the default is ZeRO-1 (reduce-scatter)
 ELEMENTWISE = ("model.remat=elementwise",)
 GRID = [
     # (dp, pp, tp, schedule, virtual, microbatches, extra overrides)
+    # Plain 1F1B on dp2 x pp2 x tp2 at m = 4 is not its own case: its parts are, ZeRO-1's
+    # reduce-scatter (the residuals and collective-matmul cases), chunk inputs stashed at m > p (the
+    # all-reduce case) and dp x pp x tp at m = 4 (the downstream scores).
     (2, 2, 2, "gpipe", 1, 2, ()),
-    (2, 2, 2, "1f1b", 1, 4, ()),
     (2, 2, 2, "interleaved_1f1b", 2, 2, ()),
-    (1, 4, 2, "1f1b", 1, 4, ()),
+    # 1F1B's table is generic in p: pp = 2 (above and below) and pp = 8 here; pp = 4 in the
+    # evaluation, documents and downstream-score tests
     (1, 4, 2, "interleaved_1f1b", 2, 4, ()),
     (1, 8, 1, "1f1b", 1, 8, ()),
     (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL),  # explicit tp collectives inside every stage
@@ -85,6 +93,7 @@ def grid_id(dp, pp, tp, schedule, v, m, extra):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", GRID, ids=[grid_id(*g) for g in GRID])
+@REFERENCE
 def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
                  f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
@@ -93,6 +102,7 @@ def test_loss_and_gradients_equal_one_device(reference, dp, pp, tp, schedule, v,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp,sp", [(2, True), (1, True), (2, False)], ids=["pp2-sp", "pp1-sp", "pp2"])
+@REFERENCE
 def test_the_loss_in_sequence_slices_equals_one_devices_whole_loss(reference, pp, sp):
     """`model.loss_chunks`: the head's logits one sequence slice at a time, on the pipeline's last
     stage and under GSPMD at pp = 1, with sequence parallelism's vocab-parallel head and without,
@@ -145,8 +155,7 @@ def assert_pipeline_equals_one_device(cfg, reference, loss_rtol=1e-5):
 # for the chunk's attention and rotary positions; the last stage drops the targets after an EOS.
 EOS = 3
 DOCUMENTS = (f"model.document_eos={EOS}",)
-DOCUMENTS_GRID = [
-    (1, 2, 1, "1f1b", 1, 2, ()),
+DOCUMENTS_GRID = [  # 1F1B: with loss chunks and with collective matmul below
     (2, 2, 2, "gpipe", 1, 2, ()),
     # the masks rebuilt in the backward from the backward's microbatch, not stashed
     (2, 2, 1, "interleaved_1f1b", 2, 2, RESIDUALS),
@@ -170,6 +179,7 @@ def documents_reference():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", DOCUMENTS_GRID, ids=[grid_id(*g) for g in DOCUMENTS_GRID])
+@REFERENCE
 def test_packed_documents_through_the_pipeline_equal_one_device_and_each_document_alone(
         documents_reference, dp, pp, tp, schedule, v, m, extra):
     reference, alone = documents_reference
@@ -181,6 +191,7 @@ def test_packed_documents_through_the_pipeline_equal_one_device_and_each_documen
 
 
 @pytest.mark.slow
+@REFERENCE
 def test_packed_documents_evaluated_through_the_pipeline_equal_one_device(documents_reference):
     (params, batch, ref_loss, _), alone = documents_reference
     cfg = config("mesh.dp=1", "mesh.pp=4", "mesh.tp=2", "parallel.pp_schedule=interleaved_1f1b",
@@ -190,6 +201,19 @@ def test_packed_documents_evaluated_through_the_pipeline_equal_one_device(docume
                                    jax.device_put(batch, trainer.batch_sharding)))
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
     np.testing.assert_allclose(loss * batch.shape[0] * cfg.model.seq_len, alone, rtol=1e-6)
+
+
+# The memory and recompute tests read the same compiled steps (1F1B at m = 8, both stash modes):
+# compiled once per worker, their numbers kept (`step_costs`), the tests on one xdist worker.
+COMPILES = pytest.mark.xdist_group("pipeline_compiled_steps")
+
+
+@functools.lru_cache(maxsize=None)
+def step_costs(schedule: str, v: int, m: int, stash: str = "inputs") -> dict:
+    """Temp bytes, dot count and FLOPs of `compile_step`'s program."""
+    compiled = compile_step(schedule, v, m, stash)
+    return {"temp": compiled.memory_analysis().temp_size_in_bytes, "dots": compiled.as_text().count(" dot("),
+            "flops": compiled.cost_analysis()["flops"]}
 
 
 def compile_step(schedule: str, v: int, m: int, stash: str = "inputs"):
@@ -207,10 +231,11 @@ def compile_step(schedule: str, v: int, m: int, stash: str = "inputs"):
 
 
 def temp_bytes(schedule: str, v: int, m: int, stash: str = "inputs") -> int:
-    return compile_step(schedule, v, m, stash).memory_analysis().temp_size_in_bytes
+    return step_costs(schedule, v, m, stash)["temp"]
 
 
 @pytest.mark.slow
+@COMPILES
 @pytest.mark.parametrize("schedule,v,stash", [("1f1b", 1, "inputs"), ("interleaved_1f1b", 2, "inputs"),
                                               ("gpipe", 1, "inputs"), ("1f1b", 1, "residuals")])
 def test_activation_memory_flat_in_microbatches_except_gpipe(schedule, v, stash):
@@ -224,12 +249,13 @@ def test_activation_memory_flat_in_microbatches_except_gpipe(schedule, v, stash)
 
 
 @pytest.mark.slow
+@COMPILES
 def test_stashing_residuals_removes_the_backward_recompute():
     """Same 1F1B step, both stash modes: with residuals the backward runs no chunk forward, so the
     compiled program has fewer matmuls and FLOPs (by about one chunk forward per backward)."""
-    steps = {stash: compile_step("1f1b", 1, 8, stash) for stash in ("inputs", "residuals")}
-    dots = {k: c.as_text().count(" dot(") for k, c in steps.items()}
-    flops = {k: c.cost_analysis()["flops"] for k, c in steps.items()}
+    steps = {stash: step_costs("1f1b", 1, 8, stash) for stash in ("inputs", "residuals")}
+    dots = {k: c["dots"] for k, c in steps.items()}
+    flops = {k: c["flops"] for k, c in steps.items()}
     assert dots["residuals"] < dots["inputs"], dots
     assert flops["residuals"] < 0.9 * flops["inputs"], flops
 
@@ -238,8 +264,8 @@ def test_stashing_residuals_removes_the_backward_recompute():
 def test_training_with_pipeline_matches_and_state_is_layout_independent():
     """3 train steps at dp=2×pp=2×tp=2 (interleaved, v=2: the layers are stored stage-major)
     equal one device; the state moves between layouts in canonical order."""
-    def run(cfg, state=None, steps=3):
-        trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    def run(trainer, state=None, steps=3):
+        cfg = trainer.cfg
         batches = data.SequenceBatches.from_config(cfg, data.load_tokens(cfg), "train")
         state = trainer.init() if state is None else trainer.to_stored(jax.device_put(state, trainer.state_shardings))
         losses = []
@@ -250,18 +276,19 @@ def test_training_with_pipeline_matches_and_state_is_layout_independent():
 
     piped_cfg = config("mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
                        "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2")
-    ref_losses, ref_state = run(one_device())
-    losses, state = run(piped_cfg)
+    one = one_device()
+    one_trainer = build_trainer(one, make_mesh(one.mesh))  # one trainer, its step compiled once for all three runs
+    ref_losses, ref_state = run(one_trainer)
+    losses, state = run(build_trainer(piped_cfg, make_mesh(piped_cfg.mesh)))
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     # The pipeline's state is the ordinary parameter tree: hand it to a pp=1 trainer and back.
     assert jax.tree.structure(state) == jax.tree.structure(ref_state)
-    more_ref, _ = run(one_device(), state=ref_state, steps=2)
-    more_from_pp, _ = run(one_device(), state=state, steps=2)
+    more_ref, _ = run(one_trainer, state=ref_state, steps=2)
+    more_from_pp, _ = run(one_trainer, state=state, steps=2)
     np.testing.assert_allclose(more_from_pp, more_ref, rtol=1e-4)
 
 
-EVAL_GRID = [
-    (2, 2, 2, "1f1b", 1, 2, ()),
+EVAL_GRID = [  # dp2 x pp2 x tp2 under GSPMD's tp is scored through the same forward (downstream scores)
     (1, 4, 2, "1f1b", 1, 4, ()),
     (1, 4, 2, "interleaved_1f1b", 2, 4, ()),
     (2, 2, 2, "1f1b", 1, 2, COLLECTIVE_MATMUL),  # explicit tp collectives: idle stages compute and mask
@@ -270,6 +297,7 @@ EVAL_GRID = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", EVAL_GRID, ids=[grid_id(*g) for g in EVAL_GRID])
+@REFERENCE
 def test_evaluation_through_the_pipeline_equals_one_device(reference, dp, pp, tp, schedule, v, m, extra):
     """The trainer's evaluation at pp > 1 runs the pipeline forward only (the forward half of the
     schedule's table) and gives the single-device loss."""
@@ -327,6 +355,12 @@ def hlo_ops(text: str) -> list[tuple[bool, str, int]]:
     return ops
 
 
+# The interleaved step's weight traffic and the chunk gradients' reduction are read from one
+# compiled step (dp=2 x pp=2, v=2, no ZeRO-1), compiled once on one xdist worker.
+TRAIN_STEPS = pytest.mark.xdist_group("pipeline_compiled_train_steps")
+
+
+@functools.lru_cache(maxsize=None)
 def compiled_train_step(*overrides):
     cfg = config("mesh.tp=1", "mesh.cpu_devices=8", *overrides)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
@@ -337,14 +371,17 @@ def compiled_train_step(*overrides):
     return cfg, trainer, trainer.train_step.lower(state, batch).compile().as_text()
 
 
+@TRAIN_STEPS
 def test_interleaved_step_moves_and_transposes_no_weights_outside_the_tick_loop():
-    """pp=4, v=2: each stage's stored block is its chunks in run order, so outside the tick loop the
-    compiled step has no op that moves or re-lays out data — no permute, all-to-all, all-gather or
-    transpose — only the all-reduce that sums the embedding's and head's gradients over pp.
-    (Storing the layers in network order needed a collective-permute of every layer leaf each step,
-    for the weights and their gradients.)"""
-    _, _, text = compiled_train_step("mesh.dp=1", "mesh.pp=4", "parallel.pp_schedule=interleaved_1f1b",
-                                     "parallel.pp_virtual=2", "parallel.microbatches=4")
+    """pp=2, v=2 (8 layers: stage 0 runs chunks 0 and 2, stage 1 chunks 1 and 3): each stage's
+    stored block is its chunks in run order, so outside the tick loop the compiled step has no op
+    that moves or re-lays out data — no permute, all-to-all, all-gather or transpose — only the
+    all-reduces that sum the embedding's and head's gradients over pp and dp (no ZeRO-1, so no
+    gather of updated parameters over dp). (Storing the layers in network order needed a
+    collective-permute of every layer leaf each step, for the weights and their gradients.)
+    The step is the one `test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop` reads."""
+    _, _, text = compiled_train_step("mesh.dp=2", "mesh.pp=2", "parallel.pp_schedule=interleaved_1f1b",
+                                     "parallel.pp_virtual=2", "parallel.microbatches=2", "parallel.zero1=false")
     ops = hlo_ops(text)
     outside = [(op, n) for inside, op, n in ops if not inside and op != "all-reduce" and n > 1]
     assert outside == [], outside
@@ -352,6 +389,7 @@ def test_interleaved_step_moves_and_transposes_no_weights_outside_the_tick_loop(
 
 
 @pytest.mark.slow
+@TRAIN_STEPS
 @pytest.mark.parametrize("schedule,v,zero1", [("1f1b", 1, True), ("interleaved_1f1b", 2, True),
                                               ("interleaved_1f1b", 2, False)])
 def test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop(schedule, v, zero1):
@@ -384,11 +422,9 @@ def test_chunk_gradients_are_reduced_over_dp_inside_the_tick_loop(schedule, v, z
 SCORED = [(2, 1, 2, "1f1b", 1, 1, ()), (2, 2, 2, "1f1b", 1, 4, ()), (1, 4, 2, "interleaved_1f1b", 2, 4, COLLECTIVE_MATMUL)]
 
 
-@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", SCORED, ids=[grid_id(*g) for g in SCORED])
-def test_downstream_scores_on_the_mesh_equal_one_device(reference, dp, pp, tp, schedule, v, m, extra):
-    """`Trainer.score_rows` (train.eval_tasks: each row's summed log-probability of its masked
-    targets and whether each was the argmax), through the pipeline at pp > 1, equals the model's
-    one-device scores (`score_fn`, what `python -m megascale_jax.evaluate` runs) row for row."""
+@pytest.fixture(scope="module")
+def scored_reference(reference):
+    """The rows, their masks and one device's scores (`score_fn`) for the downstream-score tests."""
     params, batch, _, _ = reference
     rng = np.random.default_rng(11)
     mask = np.zeros(batch[:, 1:].shape, np.float32)
@@ -404,6 +440,16 @@ def test_downstream_scores_on_the_mesh_equal_one_device(reference, dp, pp, tp, s
     batch[5, 10] = np.argmax(jax.jit(model.apply)({"params": params}, batch[:, :-1])[5, 9])
     want_sum, want_greedy = jax.jit(functools.partial(score_fn, model))(params, batch, mask)
     assert np.asarray(want_greedy)[[3, 5]].all()
+    return params, batch, mask, want_sum, want_greedy
+
+
+@pytest.mark.parametrize("dp,pp,tp,schedule,v,m,extra", SCORED, ids=[grid_id(*g) for g in SCORED])
+@REFERENCE
+def test_downstream_scores_on_the_mesh_equal_one_device(scored_reference, dp, pp, tp, schedule, v, m, extra):
+    """`Trainer.score_rows` (train.eval_tasks: each row's summed log-probability of its masked
+    targets and whether each was the argmax), through the pipeline at pp > 1, equals the model's
+    one-device scores (`score_fn`, what `python -m megascale_jax.evaluate` runs) row for row."""
+    params, batch, mask, want_sum, want_greedy = scored_reference
     cfg = config(f"mesh.dp={dp}", f"mesh.pp={pp}", f"mesh.tp={tp}", f"parallel.pp_schedule={schedule}",
                  f"parallel.pp_virtual={v}", f"parallel.microbatches={m}", *extra)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
