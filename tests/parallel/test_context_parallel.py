@@ -42,9 +42,20 @@ def _initial_params(model_overrides: tuple[str, ...]):
     return jax.device_get(build_trainer(cfg, make_mesh(cfg.mesh)).init().params)
 
 
+# The equality tests and the byte counts read the same steps (cp 2, cp 8, cp 4 x tp 2, cp 4 with
+# full attention), each compiled once (`step`'s cache) on one xdist worker, which also computes
+# each one-device reference once.
+STEPS = pytest.mark.xdist_group("context_parallel_steps")
+
+
 def step(overrides):
     """(loss, gradients on the host, the compiled program's HLO text, config, mesh, params) of one
     `loss_and_grads` on the configured mesh, from the shared initial parameters and step 0's batch."""
+    return _step(tuple(overrides))
+
+
+@functools.lru_cache(maxsize=None)
+def _step(overrides: tuple[str, ...]):
     cfg = _config(overrides)
     mesh = make_mesh(cfg.mesh)
     trainer = build_trainer(cfg, mesh)
@@ -78,12 +89,13 @@ def assert_matches_one_device(overrides):
 SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the full suite runs all
 
 
+@STEPS
 @pytest.mark.parametrize("overrides", [
     ["mesh.cp=2"],
-    pytest.param(["mesh.cp=4"], marks=SLOW),
+    # cp 4 with tp 2 (cp 4 alone proves nothing more: the halo code sees the cp size only)
+    pytest.param(["mesh.cp=4", "mesh.tp=2"], marks=SLOW),
     ["mesh.cp=8"],  # the window reaches back over two slices: two permutes a layer
-    pytest.param(["mesh.cp=2", "mesh.tp=2"], marks=SLOW),
-    pytest.param(["mesh.cp=2", "mesh.dp=2"], marks=SLOW),
+    # cp 2 with tp 2 or dp 2: in the layouts below (dp2 x cp2 x tp2 with ZeRO-1, dp2 x cp2 with microbatches)
     pytest.param(["mesh.cp=4", "model.window=null"], marks=SLOW),  # full attention: k and v all-gathered
 ], ids=lambda o: " ".join(o))
 def test_context_parallel_matches_one_device(overrides):
@@ -91,6 +103,7 @@ def test_context_parallel_matches_one_device(overrides):
 
 
 @pytest.mark.slow
+@STEPS
 @pytest.mark.parametrize("overrides", [
     ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.zero1=true"],
     ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.document_eos=10"],  # packed documents kept apart
@@ -107,6 +120,7 @@ def _cp_collectives(hlo: str, mesh):
     return [c for c in collectives.collectives(hlo) if collectives.group_axes(c.groups[0], shape, names) == "cp"]
 
 
+@STEPS
 @pytest.mark.parametrize("overrides", [["mesh.cp=2"], pytest.param(["mesh.cp=8"], marks=SLOW),
                                        pytest.param(["mesh.cp=4", "mesh.tp=2"], marks=SLOW)],
                          ids=lambda o: " ".join(o))
@@ -128,6 +142,7 @@ def test_cp_moves_the_halo_and_the_gradient_reduction_only(overrides):
     assert sum(c.nbytes * c.executions for c in found if c.op == "all-reduce") == held - shared + 4
 
 
+@STEPS
 def test_full_attention_all_gathers_keys_and_values():
     """window=null: per layer k and v all-gathered over cp, their gradients reduce-scattered."""
     _, _, hlo, cfg, mesh, _ = step(["mesh.dp=1", "mesh.tp=1", "mesh.cp=4", "model.window=null"])
