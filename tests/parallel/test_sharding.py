@@ -78,6 +78,10 @@ def flat(tree) -> dict:
     return out
 
 
+# The tests reading `trained` run on one xdist worker, which builds each of its states once.
+TRAINED = pytest.mark.xdist_group("sharding_trained")
+
+
 @pytest.fixture(scope="module", params=[False, True], ids=["plain", "zero1"])
 def trained(request):
     cfg = load_config(None, [f"parallel.zero1={request.param}", "train.global_batch=8"])
@@ -86,6 +90,7 @@ def trained(request):
 
 
 @pytest.mark.slow
+@TRAINED
 def test_parameter_specs(trained):
     _, _, state = trained
     params = flat(state.params)
@@ -101,6 +106,7 @@ def shard_shape(shape, spec, mesh) -> tuple:
                  for n, s in zip(shape, spec))
 
 
+@TRAINED
 def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained):
     zero1, trainer, state = trained
     mesh = trainer.mesh
@@ -115,6 +121,7 @@ def test_state_is_sharded_over_the_whole_mesh_in_blocks_the_specs_imply(trained)
                               shard_shape(array.shape, specs[name], mesh))
 
 
+@TRAINED
 def test_optimizer_moment_specs(trained):
     zero1, _, state = trained
     adam = state.opt_state.inner_state[1]  # injected lr around the chain: (clip, scale_by_adam, decay, trust ratio, lr)
@@ -125,6 +132,7 @@ def test_optimizer_moment_specs(trained):
     assert normalized(adam.count.sharding.spec) == P()
 
 
+@TRAINED
 def test_zero1_moment_shards_are_smaller(trained):
     zero1, _, state = trained
     w1 = state.opt_state.inner_state[1].mu["layers"]["mlp"]["w1"]
@@ -233,8 +241,10 @@ def test_per_device_attention_equals_gspmds_with_its_gradients(manual_dp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kv_heads, eos", [(2, None), (1, None), (2, 7)],
-                         ids=["kv-heads-over-tp", "one-kv-head-shared-by-the-ranks", "documents-apart"])
+# Two cases: each rank's own kv head; one kv head all ranks share, with documents kept apart (the
+# document ids ride beside the heads whatever kv_heads is: separate cases proved nothing more).
+@pytest.mark.parametrize("kv_heads, eos", [(2, None), (1, 7)],
+                         ids=["kv-heads-over-tp", "one-kv-head-shared-by-the-ranks-documents-apart"])
 def test_the_models_cudnn_path_runs_per_device_and_equals_gspmds(monkeypatch, kv_heads, eos):
     """model.attention=cudnn's wiring in the model (`transformer.self_attention`): the attention
     call gets each device's heads (4 heads / tp 2) inside gradient accumulation's shard_map, and the

@@ -24,6 +24,11 @@ from megascale_jax.training.trainer import build_trainer
 MODEL = ["model.layers=2", "model.d_model=64", "model.heads=8", "model.kv_heads=8", "model.seq_len=32",
          "model.window=10", "train.global_batch=8", "parallel.zero1=false"]
 MODES = [("none", False), ("none", True), ("collective_matmul", True), ("xla", False), ("xla", True)]
+# Every mode on dp=2 x tp=4 (dp and tp together); collective matmul also on tp=8, its rings' length
+# being the tp size. The other modes see tp's size only through GSPMD's or one collective's split,
+# as at tp=4 (tp=8 ran them all: 8 more compiles proving nothing more).
+MESH_MODES = ([(("2", "4"), overlap, sp) for overlap, sp in MODES]
+              + [(("1", "8"), overlap, sp) for overlap, sp in MODES if overlap == "collective_matmul"])
 
 
 def loss_and_grads(overrides, params=None, batch=None):
@@ -51,9 +56,11 @@ def reference(request):
     return block, params, batch, loss, grads
 
 
+# The block's one-device reference is a module fixture: one xdist worker computes each once.
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [("2", "4"), ("1", "8")], ids=["dp2tp4", "tp8"])
-@pytest.mark.parametrize("overlap,sp", MODES, ids=[f"{o}-sp{int(s)}" for o, s in MODES])
+@pytest.mark.xdist_group("tensor_parallel_reference")
+@pytest.mark.parametrize("mesh,overlap,sp", MESH_MODES,
+                         ids=[f"{o}-sp{int(s)}-{'tp8' if m[0] == '1' else 'dp2tp4'}" for m, o, s in MESH_MODES])
 def test_modes_match_one_device(reference, mesh, overlap, sp):
     block, params, batch, ref_loss, ref_grads = reference
     overrides = [f"mesh.dp={mesh[0]}", f"mesh.tp={mesh[1]}", block, f"parallel.tp_overlap={overlap}",
@@ -68,7 +75,7 @@ def test_modes_match_one_device(reference, mesh, overlap, sp):
 @pytest.mark.parametrize("pieces,bidirectional", [(1, False), (2, True), (4, True), (4, False)])
 def test_collective_matmul_rings_equal_the_plain_product(pieces, bidirectional):
     """The ppermute rings on tp=8, for several piece counts and directions, against x @ w on one
-    device in float64 numpy: values, and gradients against autodiff of the unsplit product."""
+    device in float64 numpy: values, and gradients against the unsplit product's (in float64 numpy)."""
     from jax.sharding import AxisType, PartitionSpec as P
     from megascale_jax.parallel.tensor_parallel import all_gather_matmul, matmul_reduce_scatter
 
@@ -82,14 +89,21 @@ def test_collective_matmul_rings_equal_the_plain_product(pieces, bidirectional):
     scatter = jax.shard_map(lambda h, w: matmul_reduce_scatter(h, w, tp, pieces, bidirectional), mesh=mesh,
                             in_specs=(P(None, None, "tp"), P("tp", None)), out_specs=P(None, "tp", None))
     f32 = lambda *a: [np.float32(v) for v in a]
-    np.testing.assert_allclose(jax.jit(gather)(*f32(x, w1)), x @ w1, rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(jax.jit(scatter)(*f32(h, w2)), h @ w2, rtol=1e-5, atol=1e-4)
-    for ring, a, b in ((gather, x, w1), (scatter, h, w2)):
-        probe = np.float32(rng.normal(size=(a @ b).shape))
-        grads = jax.jit(jax.grad(lambda a, b: (ring(a, b) * probe).sum(), argnums=(0, 1)))(*f32(a, b))
-        expected = jax.grad(lambda a, b: ((a @ b) * probe).sum(), argnums=(0, 1))(*f32(a, b))
-        for got, want in zip(grads, expected):
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    probes = [rng.normal(size=(a @ b).shape) for a, b in ((x, w1), (h, w2))]
+
+    def both(x, w1, h, w2, probe1, probe2):  # both rings, values and gradients: one program
+        values = gather(x, w1), scatter(h, w2)
+        grads = [jax.grad(lambda a, b: (ring(a, b) * probe).sum(), argnums=(0, 1))(a, b)
+                 for ring, a, b, probe in ((gather, x, w1, probe1), (scatter, h, w2, probe2))]
+        return values, grads
+
+    values, grads = jax.jit(both)(*f32(x, w1, h, w2, *probes))
+    np.testing.assert_allclose(values[0], x @ w1, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(values[1], h @ w2, rtol=1e-5, atol=1e-4)
+    # d/da sum((a @ b) * probe) = probe @ b.T, d/db = sum over the batch of a.T @ probe (float64)
+    for (got_a, got_b), a, b, probe in zip(grads, (x, h), (w1, w2), probes):
+        np.testing.assert_allclose(got_a, probe @ b.T, rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(got_b, np.einsum("bsi,bso->io", a, probe), rtol=1e-5, atol=1e-4)
 
 
 def layer_collectives(overrides) -> dict[str, int]:
