@@ -147,8 +147,8 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 def halo_length(window: int, seq_len: int, cp: int) -> int:
     """Keys (and values) a cp rank receives per sequence and layer under a sliding window: the
-    window−1 positions before its slice, at most what the ranks before the last hold. The same as
-    `parallel.context_parallel.halo_length` (tested equal), here without JAX for the planner."""
+    window−1 positions before its slice, at most what the ranks before the last hold. Here, without
+    JAX, so that the planner and the trainer (`parallel/context_parallel.py`) use the one rule."""
     return min(window - 1, (cp - 1) * (seq_len // cp))
 
 

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from megascale_jax.model.attention import band_block, banded_attention, masked_attention, window_mask
+from megascale_jax.model.flops import halo_length  # JAX-free: the planner prices the same halo
 
 AXIS = "cp"
 
@@ -54,12 +55,6 @@ def cp_size() -> int:
     """The cp axis' size in the mesh in scope (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
-
-
-def halo_length(window: int, seq_len: int, cp: int) -> int:
-    """Keys (and values) a rank receives per layer from the ranks before it: window-1, at most
-    what the ranks before the last hold."""
-    return min(window - 1, (cp - 1) * (seq_len // cp))
 
 
 def halo_bytes(window: int, seq_len: int, cp: int, batch: int, kv_width: int, itemsize: int) -> int:

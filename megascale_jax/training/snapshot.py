@@ -368,7 +368,7 @@ class Snapshots:
             mine = [(index, data) for (name, index), data in pieces.items() if name == leaf]
 
             def shard(index):
-                return _cut(_index(index, abstract.shape), mine, abstract.dtype, leaf)
+                return _cut(_index(index, abstract.shape), mine, abstract.dtype)
             return jax.make_array_from_callback(abstract.shape, abstract.sharding, shard)
 
         state = jax.tree_util.tree_map_with_path(place, abstract_state)
@@ -504,7 +504,7 @@ def _overlap(a: tuple[str, str], b: tuple[str, str]) -> bool:
     return a[0] == b[0] and len(_ranges(a[1])) == len(_ranges(b[1])) and _intersect(a[1], b[1]) is not None
 
 
-def _cut(index: str, pieces: list[tuple[str, np.ndarray]], dtype, leaf: str) -> np.ndarray:
+def _cut(index: str, pieces: list[tuple[str, np.ndarray]], dtype) -> np.ndarray:
     """The block `index` of a leaf, copied out of the old layout's `pieces` that overlap it."""
     lows = [lo for lo, _ in _ranges(index)]
     out = np.empty(_extent(index), dtype)

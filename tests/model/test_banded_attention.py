@@ -62,10 +62,11 @@ def test_outputs_and_gradients_equal_the_explicit_mask(first, halo, window, bloc
     def loss(fn):
         return lambda q, k, v: jnp.sum(fn(q, k, v) * cotangent)
 
-    banded = lambda q, k, v: attention.banded_attention(q, k, v, window, block, first=first, halo=halo)  # noqa: E731
-    explicit = lambda q, k, v: attention.masked_attention(q, k, v, mask)  # noqa: E731
+    banded = jax.jit(lambda q, k, v: attention.banded_attention(q, k, v, window, block, first=first, halo=halo))
+    explicit = jax.jit(lambda q, k, v: attention.masked_attention(q, k, v, mask))
     np.testing.assert_allclose(np.asarray(banded(q, k, v)), np.asarray(explicit(q, k, v)), rtol=1e-5, atol=1e-6)
-    for got, want in zip(jax.grad(loss(banded), (0, 1, 2))(q, k, v), jax.grad(loss(explicit), (0, 1, 2))(q, k, v)):
+    grads = [jax.jit(jax.grad(loss(fn), (0, 1, 2)))(q, k, v) for fn in (banded, explicit)]
+    for got, want in zip(*grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
@@ -76,8 +77,9 @@ def test_the_xla_path_bands_long_sequences_only():
     assert attention.band_block(4096, None) is None  # full attention
     q, k, v = inputs(3, 512, heads=2, kv_heads=1)
     ids = jnp.repeat(jnp.arange(4), 128)[None].repeat(2, axis=0)
-    got = attention.attend(q, k, v, window=16, implementation="xla", documents=ids)
-    want = attention.masked_attention(q, k, v, attention.sliding_window_mask(512, 16) & same_document(ids))
+    got = jax.jit(lambda q, k, v: attention.attend(q, k, v, window=16, implementation="xla", documents=ids))(q, k, v)
+    want = jax.jit(lambda q, k, v: attention.masked_attention(
+        q, k, v, attention.sliding_window_mask(512, 16) & same_document(ids)))(q, k, v)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
