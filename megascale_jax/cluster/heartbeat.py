@@ -19,15 +19,18 @@ import socket
 import stat
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import jax
 import psutil
-import redis
 
 from megascale_jax.cli import get_logger
 from megascale_jax.parallel.mesh import process_device_coords
 from megascale_jax.training.observers import LoopObserver
 from megascale_jax.cluster.rendezvous import connect, heartbeat_key
+
+if TYPE_CHECKING:  # redis is imported where it is used: a trainer without --redis never loads it
+    import redis
 
 log = get_logger("heartbeat")
 LOG_TAIL_BYTES = 2048
@@ -86,6 +89,8 @@ class Heartbeat(LoopObserver):
             self.wake.clear()
 
     def _beat(self):
+        import redis
+
         self.seq += 1
         try:
             self.client.set(self.key, json.dumps(self.snapshot()), px=int(self.ttl_s * 1000))

@@ -28,12 +28,12 @@ from __future__ import annotations
 import os
 import ssl
 import urllib.parse
-
-import redis
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+from typing import TYPE_CHECKING
 
 from megascale_jax.job_key import PASSWORD_ENV, PASSWORD_FILE_ENV, JobKeyError, read_secret
+
+if TYPE_CHECKING:  # redis is imported where it is used: a trainer without --redis never loads it
+    import redis
 
 SCHEMES = ("redis", "rediss")
 
@@ -92,6 +92,8 @@ def check_url(url: str) -> None:
 def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
     """A client of the job's Redis at `url`, authenticated with the job's password; `timeout_s`
     bounds each command (None: blocking waits allowed). No round trip yet: see `verify`."""
+    import redis
+
     check_url(url)
     return redis.Redis.from_url(url, password=password(), socket_timeout=timeout_s,
                                 socket_connect_timeout=timeout_s or 5.0)
@@ -100,6 +102,8 @@ def connect(url: str, timeout_s: float | None = None) -> redis.Redis:
 def verify(client: redis.Redis, url: str) -> None:
     """One round trip that proves the job may use this Redis, or a RedisAuthError naming the fix.
     An unreachable server is left to the caller (redis.ConnectionError): it may be starting."""
+    import redis
+
     try:
         client.ping()
         if client.connection_pool.connection_kwargs.get("username"):
@@ -128,6 +132,10 @@ def verify(client: redis.Redis, url: str) -> None:
 def _refuse_if_open(url: str) -> None:
     """A server that lets a client without a password in (its default user has `nopass`, which
     also takes any password offered) is open to every user who reaches it."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
     timeout = 5.0
     try:
         redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,

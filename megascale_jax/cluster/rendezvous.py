@@ -29,12 +29,14 @@ import secrets
 import socket
 import time
 import urllib.parse
-
-import redis
+from typing import TYPE_CHECKING
 
 from megascale_jax.cluster import redis_auth
 from megascale_jax.config_checks import ConfigError
 from megascale_jax.cluster.redis_auth import connect, redact  # noqa: F401 — rendezvous.connect is the client everyone uses
+
+if TYPE_CHECKING:  # redis is imported where it is used: a trainer without --redis never loads it (~0.1-0.3 s)
+    import redis
 
 KEY_TTL_S = 24 * 3600
 
@@ -93,6 +95,8 @@ def join(url: str, job: str, nprocs: int, rank: int | None = None, timeout_s: fl
     index); without, ranks are handed out in order of arrival."""
     if not job or ":" in job:  # keys are megascale:<job>:...: a colon would reach into another job's keys
         raise RendezvousError(f"job id {job!r} must be non-empty and free of ':'")
+    import redis
+
     try:
         client = connect(url)
         redis_auth.verify(client, url)
