@@ -90,6 +90,12 @@ def excluded_hosts_path(run_dir: str) -> str:
     return os.path.join(run_dir, "excluded_hosts.txt")
 
 
+def returned_hosts_path(run_dir: str) -> str:
+    """Excluded hosts given back to the job (repaired or replaced), one per line: the supervisor
+    takes each back as a spare, and a shrunk job grows back onto them (supervise/placement.py)."""
+    return os.path.join(run_dir, "returned_hosts.txt")
+
+
 def redis_dir(run_dir: str) -> str:
     return os.path.join(run_dir, "redis")
 
@@ -242,6 +248,18 @@ def append_lines(path: str, lines: list[str]) -> None:
     if lines:
         with open(path, "a") as f:
             f.write("".join(line + "\n" for line in lines))
+
+
+def remove_lines(path: str, lines: list[str]) -> None:
+    """Drop every line equal to one of `lines` from the file (absent: nothing to do)."""
+    try:
+        with open(path) as f:
+            kept = [line for line in f.read().splitlines() if line not in lines]
+    except FileNotFoundError:
+        return
+    with open(path + ".tmp", "w") as f:
+        f.write("".join(line + "\n" for line in kept))
+    os.replace(path + ".tmp", path)
 
 
 def append_new_lines(path: str, lines: list[str]) -> list[str]:

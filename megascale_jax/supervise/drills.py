@@ -36,6 +36,8 @@ class Drill:
       whole job rescheduled on fresh machines: else a newer snapshot would be restored and the
       damage never read), then SIGKILLs rank 0: the restart must find the damage and fall back to
       the previous checkpoint;
+    * `return` gives the job back the slot it excluded first (its host repaired or replaced), as an
+      operator would: a line in RUN_DIR/returned_hosts.txt (placement.py); waits for an excluded slot;
     * `nan:RANK` makes the rank corrupt one batch (a one-off NaN, `MEGASCALE_FAULT_NAN`): at a step,
       that step's batch (armed in the workers' environment); at a time, the next batch (SIGUSR1)."""
 
@@ -44,8 +46,8 @@ class Drill:
     step: int | None = None
     at_s: float | None = None
 
-    KINDS = ("kill", "stop", "faulty", "host", "slow", "nan", "redis", "corrupt")
-    RANKLESS = ("redis", "corrupt")
+    KINDS = ("kill", "stop", "faulty", "host", "slow", "nan", "redis", "corrupt", "return")
+    RANKLESS = ("redis", "corrupt", "return")
 
     @classmethod
     def parse(cls, spec: str) -> "Drill":
@@ -58,7 +60,7 @@ class Drill:
             at = None
         if kind not in cls.KINDS or at is None or at < 0 or (kind not in cls.RANKLESS) != rank.isdigit():
             raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
-                             "kill, stop, faulty, host, slow, nan; or redis@STEP, corrupt@STEP (or @tSECONDS)")
+                             "kill, stop, faulty, host, slow, nan; or redis@STEP, corrupt@STEP, return@STEP (or @tSECONDS)")
         return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
 
     def due(self, step: int, elapsed_s: float) -> bool:
@@ -98,8 +100,9 @@ class Drills:
         self.slowed: set[int] = set()  # ranks on slow slots signalled in this attempt
         self.started = time.time()  # drills at a time count from here
 
-    def attempt_env(self) -> dict:
-        """The environment that arms this attempt's workers (and forgets the last attempt's ranks)."""
+    def attempt_env(self, shrunk: bool = False) -> dict:
+        """The environment that arms this attempt's workers (and forgets the last attempt's ranks);
+        `shrunk`: the attempt runs on fewer replicas than configured (a `return` drill grows it)."""
         self.slowed = set()
         env = {}
         nan = next((d for d in self.pending if d.kind == "nan"), None)
@@ -110,8 +113,14 @@ class Drills:
         # The next drill that ends a process at a step: that process waits before step + 2 (the
         # heartbeats report a step one step late), so the drill fires at its step, however late
         # this driver's poll of a fast run comes on a loaded machine (cluster/faults.py).
-        held = next((d for d in self.pending if d.kind in HELD_KINDS and d.step is not None), None)
-        if held:
+        held = next((d for d in self.pending if (d.kind in HELD_KINDS or d.kind == "return" and shrunk)
+                     and d.step is not None), None)
+        if held and held.kind == "return":
+            # The grow it brings waits for the next snapshot: rank 0 waits right after the first
+            # one at or past step + 2, so a fast run cannot end before the driver grows it.
+            every = self.cfg.checkpoint.memory_every or self.cfg.checkpoint.every
+            env["MEGASCALE_FAULT_HOLD"] = f"0:{-(-(held.step + 2) // every) * every + 1}"
+        elif held:
             env["MEGASCALE_FAULT_HOLD"] = f"{held.rank}:{held.step + 2}"
         return env
 
@@ -138,9 +147,15 @@ class Drills:
         rank = drill.rank if drill.rank is None or drill.rank < nprocs else 0  # after a shrink
         if drill.kind == "nan" and drill.step is None and records.get(rank, {}).get("state") != "training":
             return None  # not before its SIGUSR1 handler is installed
+        if drill.kind == "return" and not placement.excluded:
+            return None  # nothing to give back yet
         self.pending.pop(0)
         host = placement.hosts[placement.active[rank if rank is not None else 0]]
-        if drill.kind == "redis":
+        if drill.kind == "return":
+            host = placement.hosts[min(placement.excluded)]
+            run_dirs.append_lines(run_dirs.returned_hosts_path(self.run_dir), [host])
+            what = f"gave back {host} (repaired)"
+        elif drill.kind == "redis":
             server.process.kill()
             what = "killed the Redis server"
         elif drill.kind == "faulty":  # a broken machine: it crashes now and fails every diagnosis
@@ -169,6 +184,11 @@ class Drills:
             group.signal(rank, signal.SIGKILL if drill.kind == "kill" else signal.SIGSTOP)
             what = f"sent SIG{drill.kind.upper()} to rank {rank}"
         return {"summary": f"{what} at step {step}", "drill": drill.kind, "rank": rank, "step": step, "host": host}
+
+    def repaired(self, slot: int) -> None:
+        """The slot's host is back, repaired or replaced: what the drills broke there is gone."""
+        for broken in (self.broken_slots, self.lost_slots, self.slow_slots):
+            broken.discard(slot)
 
     def slow_down(self, group, records: dict, placement) -> None:
         """SIGUSR2 to each rank on a slow slot, once per attempt, once it trains."""

@@ -18,6 +18,12 @@ spare left, `supervisor.on_no_spare=shrink` resumes on fewer data-parallel repli
 * the restore reshards the checkpoint onto the smaller mesh (checkpoints are mesh-independent).
 
 `on_no_spare=stop` gives up with the report instead.
+
+A slot comes back when its host is repaired or replaced: a line naming it in
+`RUN_DIR/returned_hosts.txt` (an operator's, a scheduler hook's, or the `return` drill's).
+It stands by as a spare; a job running shrunk grows back onto it (`grown`: the largest dp up to
+the configured one that the healthy slots hold), at its next memory snapshot or checkpoint,
+resharded the other way.
 """
 
 from __future__ import annotations
@@ -57,6 +63,19 @@ def shrunk(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) ->
         f"cannot shrink mesh.dp={shape.dp} onto {healthy} healthy process(es): no smaller dp holds whole processes "
         f"of {devices_per_process} device(s) and divides train.global_batch={cfg.train.global_batch} into "
         f"{rows}-row microbatches; set supervisor.on_no_spare=stop, or choose a global batch with more divisors")
+
+
+def grown(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) -> Shape | None:
+    """The largest shape, up to the configured mesh.dp, that `healthy` processes hold with the same
+    global batch and rows per microbatch per replica as `shape`; None when none is larger."""
+    replica = cfg.mesh.pp * cfg.mesh.tp
+    rows = cfg.train.global_batch // (shape.dp * shape.microbatches)
+    for dp in range(cfg.mesh.dp, shape.dp, -1):
+        if (dp * replica) % devices_per_process or dp * replica // devices_per_process > healthy:
+            continue
+        if cfg.train.global_batch % (dp * rows) == 0:
+            return Shape(dp * replica // devices_per_process, dp, cfg.train.global_batch // (dp * rows))
+    return None
 
 
 def check_spares(cfg: Config, nprocs: int, spares: int) -> None:
@@ -104,6 +123,20 @@ class Placement:
     def healthy(self) -> int:
         """Slots not excluded (active or spare)."""
         return len(self.hosts) - len(self.excluded)
+
+    def readmit(self, host: str) -> int | None:
+        """`host` is back (repaired or replaced): its slot, if excluded, stands by again as a
+        spare; returns the slot (None: not an excluded slot of this job)."""
+        slot = self.hosts.index(host) if host in self.hosts else None
+        if slot is None or slot not in self.excluded:
+            return None
+        del self.excluded[slot]
+        return slot
+
+    def grow(self, nprocs: int) -> None:
+        """Run the next attempts on `nprocs` ranks: the ranks keep their slots (and the memory
+        snapshots there), the new ranks take spares."""
+        self.active = self.active + self.spares[:nprocs - len(self.active)]
 
     def shrink(self, nprocs: int) -> None:
         """Run the next attempts on `nprocs` ranks: the surviving ranks' slots first, in rank

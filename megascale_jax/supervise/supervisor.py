@@ -10,7 +10,10 @@ The supervisor is the loop that ties the steps together, attempt after attempt:
   for ranks found faulty, or on a smaller mesh — after diagnostics (diagnose.py) when it asks;
   then one `verdict` event names what happened and what is excluded for it (verdict.py);
 * recover — exclude the faulty slots, promote spares or shrink, set aside what a restart from
-  step 0 must not see, and resume from the newest checkpoint or memory snapshot.
+  step 0 must not see, and resume from the newest checkpoint or memory snapshot;
+* grow back — a slot given back (RUN_DIR/returned_hosts.txt) stands by as a spare; a shrunk job
+  stops at its next memory snapshot or checkpoint and resumes on the larger mesh from it (`Grow`:
+  a planned restart, not a fault; it counts against no `supervisor.max_restarts`).
 Meanwhile the embedded Redis is restarted if it dies (transport.py) and drills fire (drills.py).
 Every event is one line of `RUN_DIR/events.jsonl` and one printed summary line (events.py); rank
 0's progress (step, loss, tokens/s, every `train.log_every` steps) is printed too.
@@ -37,7 +40,7 @@ from megascale_jax.supervise.detect import (Fault, HeartbeatMonitor, StragglerWa
                                             await_exit, peer_exit, with_explained_exit)
 from megascale_jax.supervise.drills import Drill, Drills
 from megascale_jax.supervise.events import EventLog
-from megascale_jax.supervise.placement import Placement, Shape
+from megascale_jax.supervise.placement import Placement, Shape, grown
 from megascale_jax.supervise.policy import Done, GiveUp, Shrink, Spare
 from megascale_jax.supervise.transport import RedisLink
 from megascale_jax.supervise.workers import StandbyPool, WorkerGroup
@@ -61,6 +64,16 @@ class Job:
     poll_s: float = 0.1
     spares: int = 0  # standby workers beyond nprocs (launch --spares)
     resume_command: str | None = None  # what continues the run, where not the same command (cli.resume_command)
+
+
+@dataclasses.dataclass
+class Grow:
+    """A planned stop: slots came back, and the shrunk job resumes on `shape` from the newest
+    restorable step, once that is at least `from_step` (the step reached when it was planned)."""
+
+    shape: Shape
+    from_step: int
+    at: float = 0.0  # when the attempt was stopped for it
 
 
 @dataclasses.dataclass
@@ -99,6 +112,9 @@ class Supervisor:
         self.drill_at: float | None = None  # injection time of the drill fired in this attempt
         self.stop_signal = 0  # the signal of a stop request, 0 while none
         self.stop_codes: dict[int, int] = {}  # the workers' exit codes after a stop request
+        self.stopped_at, self.stopped_for = 0.0, "the fault"  # when and why the last attempt ended
+        self.grow: Grow | None = None  # a grow planned in this attempt, once slots came back
+        self.returned_mtime, self.returned_read = 0.0, 0  # returned_hosts.txt as last read, its lines taken
 
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
@@ -130,11 +146,15 @@ class Supervisor:
 
     def _run(self) -> int:
         """Attempt after attempt: run, detect, decide, recover."""
-        restarts, resume_step = 0, None
+        restarts, resume_step, number = 0, None, 0
         while True:
             if self.stop_signal:
                 return self._stopped(restarts)
-            fault, last_step = self._attempt(restarts, resume_step)
+            fault, last_step = self._attempt(number, resume_step)
+            number += 1
+            if isinstance(fault, Grow):
+                resume_step = self._grow_back(fault, last_step)
+                continue
             # A fault before the first step: the heartbeats of start-up say step 0, yet the
             # attempt was at its restore point.
             last_step = max(last_step, resume_step or 0)
@@ -160,8 +180,9 @@ class Supervisor:
 
     # ------------------------------------------------------------------ one attempt
 
-    def _attempt(self, number: int, resume_step: int | None) -> tuple[Fault | None, int]:
-        """Run the workers until they finish or a fault is detected; returns (fault, last step seen)."""
+    def _attempt(self, number: int, resume_step: int | None) -> tuple[Fault | Grow | None, int]:
+        """Run the workers until they finish, a fault is detected or a grow is due; returns (fault
+        or grow, last step seen)."""
         attempt = self._launch(number, resume_step)
         fault, ended = None, False
         try:
@@ -177,7 +198,9 @@ class Supervisor:
             return fault, attempt.monitor.max_step
         finally:
             attempt.group.stop()
-            if fault is not None and fault.rank is not None:
+            if isinstance(fault, Grow):
+                fault.at = time.time()
+            elif fault is not None and fault.rank is not None:
                 fault.log_tail = attempt.group.log_tail(fault.rank)
                 # A worker that said its error line (heartbeat) is believed over its log, whose last
                 # error can be a peer's failure JAX printed before this worker's own line.
@@ -187,7 +210,7 @@ class Supervisor:
         """The attempt's workers on the active slots (the shape's overrides after a shrink)."""
         job, sv = self.job, self.job.cfg.supervisor
         job_id = f"{job.job_id}-{number}"
-        env = {**job.env, **self.drills.attempt_env()}
+        env = {**job.env, **self.drills.attempt_env(shrunk=self.shape.dp < self.job.cfg.mesh.dp)}
         nprocs = self.shape.nprocs
         group = WorkerGroup("megascale_jax.train", [*job.worker_args, *self._shape_overrides(), "--redis",
                                                     self.redis.url, "--job", job_id, "--num-processes", str(nprocs)],
@@ -197,7 +220,7 @@ class Supervisor:
                             hosts=[self.placement.hosts[slot] for slot in self.placement.active])
         monitor = HeartbeatMonitor(self.redis.client, job_id, nprocs, sv.hang_timeout_s, job.startup_timeout_s,
                                    time.time(), sv.stall_steps, sv.stall_floor_s)
-        self.drill_at = None
+        self.drill_at, self.grow = None, None
         attempt = Attempt(number, group, monitor, resume_step, alive_at=time.time())
         self.attempt_started = time.time()
         return attempt
@@ -226,9 +249,9 @@ class Supervisor:
             self._log_start(attempt, now)
         return None
 
-    def _watch(self, attempt: Attempt, finished: set[int], now: float) -> Fault | None:
+    def _watch(self, attempt: Attempt, finished: set[int], now: float) -> Fault | Grow | None:
         """One look at the running workers: keep Redis up, read the heartbeats, say what they say,
-        fire the drills due, and judge them (a fault, or None)."""
+        fire the drills due, and judge them (a fault, a grow due, or None)."""
         monitor = attempt.monitor
         attempt.alive_at = now
         self.redis.keep_alive(monitor, now, died_at=self.drill_at or now)
@@ -252,7 +275,7 @@ class Supervisor:
             fault.exit_code = await_exit(attempt.group, fault.rank)
         if fault and self.drill_at:
             fault.at = self.drill_at
-        return fault
+        return fault or self._grow_due(attempt)
 
     def _log_start(self, attempt: Attempt, now: float) -> None:
         """The `started` event (attempt 0) or `resumed` event (after a fault), once some rank
@@ -267,11 +290,11 @@ class Supervisor:
             self.events.log("started", f"training started, {since:.1f}s after the launch", step=monitor.max_step,
                             since_launch_s=since, phases_s=monitor.start_phases())
         if attempt.resume_step is not None:
-            since = now - self.faults[-1].at
+            since = now - self.stopped_at
             fallback = f" (checkpoint {attempt.resume_step} was unreadable)" if start < attempt.resume_step else ""
             self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
-                            "the fault", step=monitor.max_step, from_step=start, since_fault_s=since,
-                            restarts=attempt.number, relaunched_after_fault_s=self.attempt_started - self.faults[-1].at,
+                            f"{self.stopped_for}", step=monitor.max_step, from_step=start, since_fault_s=since,
+                            restarts=attempt.number, relaunched_after_fault_s=self.attempt_started - self.stopped_at,
                             phases_s=monitor.start_phases())
             attempt.resume_step = None
 
@@ -327,6 +350,7 @@ class Supervisor:
         """The fault into the job's list (the report's) and the event log."""
         fault.step = last_step
         self.faults.append(fault)
+        self.stopped_at, self.stopped_for = fault.at, "the fault"
         self.events.log("fault", f"{fault.cause} of rank {fault.rank} ({fault.detail}); detected in "
                         f"{fault.latency_s:.2f}s at step {last_step}" + (f": {fault.error}" if fault.error else ""),
                         cause=fault.cause, rank=fault.rank, detail=fault.detail, latency_s=fault.latency_s,
@@ -429,25 +453,82 @@ class Supervisor:
                         steps_lost=lost, restarts=restarts)
         return resume_step
 
-    def _prepare_restart(self, restarts: int) -> tuple[int, str | None]:
-        """The step the next attempt resumes from and what from ("checkpoint", "memory snapshot",
-        None for step 0): the newest of the committed checkpoints and of the memory snapshots
-        of which every process of one attempt has a file or a peer's copy — the last attempt's
-        after a shrink, resharded onto the smaller mesh (training/snapshot.py; the workers may
-        still reject one and fall back)."""
+    def _newest_restorable(self) -> tuple[int, str | None]:
+        """The newest step a restart can resume from and what from ("checkpoint", "memory
+        snapshot", None for step 0): the newest of the committed checkpoints and of the memory
+        snapshots of which every process of one attempt has a file or a peer's copy — the last
+        attempt's after a shrink or grow, resharded onto the new mesh (training/snapshot.py; the
+        workers may still reject one and fall back)."""
         cfg = self.job.cfg
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
         held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir)) \
             if cfg.checkpoint.memory_every else []
         if held and (not steps or held[-1] >= steps[-1]):  # as new as the checkpoint: RAM, not disk
             return held[-1], "memory snapshot"
-        if steps:
-            return steps[-1], "checkpoint"
+        return (steps[-1], "checkpoint") if steps else (0, None)
+
+    def _prepare_restart(self, restarts: int) -> tuple[int, str | None]:
+        """The step the next attempt resumes from and what from (`_newest_restorable`)."""
+        step, source = self._newest_restorable()
+        if source is not None:
+            return step, source
         # A worker refuses a run directory with metrics but no checkpoint: set them aside, kept.
         metrics = run_dirs.metrics_path(self.job.run_dir)
         if os.path.exists(metrics):
             os.replace(metrics, f"{metrics}.before-restart-{restarts}")
         return 0, None
+
+    # ------------------------------------------------------------------ growing back
+
+    def _take_back_returned(self) -> None:
+        """Hosts newly listed in RUN_DIR/returned_hosts.txt: their slots, if this job excluded them,
+        stand by again as spares (placement.readmit), and leave excluded_hosts.txt."""
+        path = run_dirs.returned_hosts_path(self.job.run_dir)
+        try:
+            if os.stat(path).st_mtime == self.returned_mtime:
+                return
+            self.returned_mtime = os.stat(path).st_mtime
+            with open(path) as f:
+                lines = f.read().splitlines()
+        except FileNotFoundError:
+            return
+        new, self.returned_read = lines[self.returned_read:], len(lines)
+        for host in (line.strip() for line in new):
+            slot = self.placement.readmit(host)
+            if slot is None:
+                continue
+            self.drills.repaired(slot)
+            run_dirs.remove_lines(run_dirs.excluded_hosts_path(self.job.run_dir), [host])
+            self.events.log("readmit", f"{host} is back: it stands by as a spare", slot=slot, host=host,
+                            spares=len(self.placement.spares))
+
+    def _grow_due(self, attempt: Attempt) -> Grow | None:
+        """A shrunk job whose healthy slots now hold a larger mesh: plan the grow once it trains,
+        and return it once a memory snapshot or checkpoint at least as new as the plan's step is
+        restorable (the steps after it are redone: one or two)."""
+        self._take_back_returned()
+        if self.grow is None and attempt.monitor.first_step_from() is not None:
+            shape = grown(self.job.cfg, self.shape, self.placement.healthy(), self.devices_per_process)
+            if shape is not None:
+                self.grow = Grow(shape, attempt.monitor.max_step)
+        if self.grow is None:
+            return None
+        step, _ = self._newest_restorable()
+        return self.grow if self.grow.from_step <= step < self.job.cfg.train.steps else None
+
+    def _grow_back(self, grow: Grow, last_step: int) -> int:
+        """The next attempt runs on the grown shape, from the newest restorable step: its resume step."""
+        was, shape = self.shape, grow.shape
+        self.placement.grow(shape.nprocs)
+        self.shape, self.stopped_at, self.stopped_for = shape, grow.at, "the stop to grow"
+        resume_step, source = self._newest_restorable()
+        lost = max(0, last_step - resume_step)
+        self.events.log("grow", f"slots back: resuming on dp={shape.dp} x {shape.microbatches} microbatches "
+                        f"({shape.nprocs} processes) instead of dp={was.dp} x {was.microbatches}, from {source} "
+                        f"step {resume_step} ({lost} steps redone)", dp=shape.dp, microbatches=shape.microbatches,
+                        nprocs=shape.nprocs, was={"dp": was.dp, "microbatches": was.microbatches, "nprocs": was.nprocs},
+                        resume_step=resume_step, resume_from=source, steps_lost=lost)
+        return resume_step
 
     def _give_up(self, reason: str, restarts: int) -> int:
         self.events.log("give_up", reason, restarts=restarts, faults=len(self.faults))

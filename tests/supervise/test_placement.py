@@ -4,7 +4,7 @@ import pytest
 
 from megascale_jax.config import ConfigError, load_config
 from megascale_jax.supervise import launch
-from megascale_jax.supervise.placement import Placement, Shape, check_spares, shrunk
+from megascale_jax.supervise.placement import Placement, Shape, check_spares, grown, shrunk
 
 
 def config(*overrides):
@@ -49,6 +49,62 @@ def test_the_shrunk_shape_keeps_the_global_batch_and_the_rows_per_microbatch(mes
     assert got == expected
     assert got.dp * got.microbatches * rows == batch
     assert got.dp * cfg.mesh.pp * cfg.mesh.tp == got.nprocs * (cfg.mesh.size // nprocs)
+
+
+@pytest.mark.parametrize("mesh, batch, shape, healthy, expected", [
+    # dp 4 shrunk to 2 (2 rows a microbatch, 2 microbatches): 4 healthy processes grow it back whole
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 8, Shape(2, 2, 2), 4, Shape(4, 4, 1)),
+    # 3 healthy: dp 3 would need 8 % 6 == 0, so nothing larger than dp 2
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 8, Shape(2, 2, 2), 3, None),
+    # rows 2, batch 12, dp 1 x 6 microbatches: 2 healthy processes hold dp 2 x 3 (dp 3 needs 3)
+    (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 12, Shape(1, 1, 6), 2, Shape(2, 2, 3)),
+    # 2 devices per process (tp 2): dp 2 x 2 microbatches back to dp 4 on 4 processes
+    (["mesh.dp=4", "mesh.tp=2", "mesh.pp=1"], 16, Shape(2, 2, 2), 5, Shape(4, 4, 1)),
+    # never past the configured dp, however many slots are healthy
+    (["mesh.dp=2", "mesh.tp=1", "mesh.pp=1"], 8, Shape(2, 2, 1), 6, None),
+])
+def test_the_grown_shape_is_the_largest_the_healthy_slots_hold_up_to_the_configured_dp(mesh, batch, shape, healthy,
+                                                                                      expected):
+    cfg = config(*mesh, f"train.global_batch={batch}")
+    per_process = cfg.mesh.tp * cfg.mesh.pp  # one replica per process in these cases
+    got = grown(cfg, shape, healthy, per_process)
+    assert got == expected
+    if got is not None:  # the same rows a microbatch per replica, the same global batch
+        rows = batch // (shape.dp * shape.microbatches)
+        assert got.dp * got.microbatches * rows == batch
+
+
+def test_a_returned_slot_stands_by_and_a_grow_gives_it_the_new_ranks():
+    p = Placement(nprocs=2, spares=0, host="h")
+    p.evict(1, "bad")
+    p.shrink(1)
+    assert p.active == [0] and p.spares == []
+    assert p.readmit("h/slot0") is None and p.readmit("elsewhere") is None  # not excluded / not ours
+    assert p.readmit("h/slot1") == 1 and p.excluded == {} and p.spares == [1]
+    p.grow(2)
+    assert p.active == [0, 1] and p.spares == []
+
+
+def test_the_return_drill_gives_back_the_first_excluded_slot_and_holds_a_shrunk_job_past_a_snapshot(tmp_path):
+    from megascale_jax import run_dir as run_dirs
+    from megascale_jax.supervise.drills import Drill, Drills
+
+    cfg = config("checkpoint.memory_every=4")
+    drills = Drills([Drill.parse("return@6")], cfg, str(tmp_path))
+    assert "MEGASCALE_FAULT_HOLD" not in drills.attempt_env()  # not shrunk: nothing to grow, nobody waits
+    # shrunk: rank 0 waits before step 9, after the snapshot of step 8 (the first at or past 6 + 2)
+    assert drills.attempt_env(shrunk=True)["MEGASCALE_FAULT_HOLD"] == "0:9"
+    placement = Placement(2, 0, host="h")
+    assert drills.fire(FakeGroup(), {}, 7, placement, 2, None, 0.0) is None  # nothing excluded yet: it waits
+    placement.evict(1, "bad")
+    placement.evict(0, "bad too")
+    drills.lost_slots.add(0)
+    fired = drills.fire(FakeGroup(), {}, 7, placement, 2, None, 0.0)
+    assert fired["drill"] == "return" and fired["host"] == "h/slot0" and drills.pending == []
+    with open(run_dirs.returned_hosts_path(str(tmp_path))) as f:
+        assert f.read() == "h/slot0\n"
+    drills.repaired(0)
+    assert drills.lost_slots == set()
 
 
 def test_a_mesh_that_cannot_shrink_is_refused():

@@ -542,39 +542,66 @@ def test_an_outsider_at_the_live_snapshot_server_is_refused_and_training_is_unaf
 
 
 @pytest.mark.slow
-def test_with_no_spare_the_job_shrinks_and_goes_on_like_a_smaller_run_from_the_same_checkpoint(tmp_path):
+def test_with_no_spare_the_job_shrinks_from_memory_then_grows_back_when_the_slot_returns(tmp_path):
     """dp=2 on 2 processes, rank 1's slot breaks: dp=1 with 2 microbatches on 1 process (the same
     global batch), restored from the 2-process job's memory snapshot (its own file and the peer
-    copy of rank 1's, resharded: issue 64 item 3), not from disk. Every step after the resume
-    equals a fault-free dp=1 run started from the checkpoint of the same step, bitwise: the
-    resharded snapshot is that state. Snapshots every 4 steps, as checkpoints, so that the
-    resume step has a checkpoint for the reference to start from."""
-    shrunk_dir, reference_dir = tmp_path / "shrunk", tmp_path / "reference"
-    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(shrunk_dir), "--drill", "faulty:1@6",
-                                               *JOB, "checkpoint.keep=10", "checkpoint.memory_every=4",
-                                               f"checkpoint.memory_dir={tmp_path / 'shm'}"])
+    copy of rank 1's, resharded: issue 64 item 3), not from disk. The slot is then given back
+    (the `return` drill: a line in returned_hosts.txt): the job stops at its next memory snapshot
+    and grows back to dp=2 on 2 processes from it, resharded the other way. Every step equals a
+    fault-free run of the same shape, bitwise: dp=1 from the checkpoint of the shrink's resume
+    step, then dp=2 from that run's checkpoint of the grow's resume step (the resharded
+    snapshots are those states). Snapshots every 4 steps, as checkpoints."""
+    drilled_dir, shrunk_ref, grown_ref = tmp_path / "drilled", tmp_path / "shrunk_ref", tmp_path / "grown_ref"
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(drilled_dir), "--drill", "faulty:1@6",
+                                               "--drill", "return@6", *JOB, "checkpoint.keep=10",
+                                               "checkpoint.memory_every=4", f"checkpoint.memory_dir={tmp_path / 'shm'}"])
     assert done.returncode == 0, done.stdout + done.stderr
-    log = events(shrunk_dir)
+    log = events(drilled_dir)
     verdict, _ = after(log, "verdict")
     assert (verdict["verdict"], verdict["rank"], verdict["action"]) == ("faulty device", 1, "shrink"), verdict
     shrink, rest = after(log, "shrink")
     assert (shrink["dp"], shrink["microbatches"], shrink["nprocs"]) == (1, 2, 1)
-    restart, _ = after(rest, "restart")
+    restart, rest = after(rest, "restart")
     resume = restart["resume_step"]
     assert restart["resume_from"] == "memory snapshot", restart
-    with open(shrunk_dir / "logs" / "worker0.log") as f:
-        restored = [line for line in f if f"restored its memory snapshot of step {resume}" in line]
-    assert restored and "the 2-process job's files, resharded" in restored[-1], restored
-    shutil.copytree(shrunk_dir / "checkpoints" / str(resume), reference_dir / "checkpoints" / str(resume))
-    # The fault-free run: `train` itself, one process (no launcher, Redis or standby process to start).
-    done = run_module("megascale_jax.train", ["--run-dir", str(reference_dir), *JOB, "checkpoint.keep=10",
+    readmit, rest = after(rest, "readmit")
+    assert readmit["host"] == verdict_host(log), readmit
+    grow, _ = after(rest, "grow")
+    assert (grow["dp"], grow["microbatches"], grow["nprocs"], grow["resume_from"]) == (2, 1, 2, "memory snapshot")
+    regrown = grow["resume_step"]
+    assert resume < regrown < 20 and regrown % 4 == 0, grow
+    with open(drilled_dir / "excluded_hosts.txt") as f:
+        assert f.read().split() == []  # given back: a requeued job may use it again
+    with open(drilled_dir / "logs" / "worker0.log") as f:  # rank 0 says what every process restored
+        restored = "".join(line for line in f if "restored its memory snapshot of step" in line)
+    assert f"process 0 restored its memory snapshot of step {resume} from the 2-process job's files, resharded" \
+        in restored, restored
+    assert f"process 0 restored its memory snapshot of step {regrown} from the 1-process job's files, resharded" \
+        in restored, restored
+    # The returned slot holds nothing of the 1-process job: its shards come from process 0's host.
+    assert (f"process 1 restored its memory snapshot of step {regrown} from the 1-process job's files, resharded "
+            "(process 0's via process 0)") in restored, restored
+
+    # The fault-free runs.
+    shutil.copytree(drilled_dir / "checkpoints" / str(resume), shrunk_ref / "checkpoints" / str(resume))
+    done = run_module("megascale_jax.train", ["--run-dir", str(shrunk_ref), *JOB, "checkpoint.keep=10",
                                               "mesh.dp=1", "parallel.microbatches=2", "mesh.cpu_devices=1"])
     assert done.returncode == 0, done.stdout + done.stderr
-    shrunk = [r for r in run_dir_metrics(shrunk_dir) if r["step"] > resume]
-    expected = run_dir_metrics(reference_dir)
-    assert [r["step"] for r in shrunk] == [r["step"] for r in expected] == list(range(resume + 1, 21))
-    assert [(r["loss"], r["grad_norm"]) for r in shrunk] == [(r["loss"], r["grad_norm"]) for r in expected]
+    shutil.copytree(shrunk_ref / "checkpoints" / str(regrown), grown_ref / "checkpoints" / str(regrown))
+    # On 2 processes as the grown job (one process with 2 devices reduces the loss in another order:
+    # its losses differ in the last bit).
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--run-dir", str(grown_ref), *JOB, "checkpoint.keep=10"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    drilled = [r for r in run_dir_metrics(drilled_dir) if r["step"] > resume]
+    expected = [r for r in run_dir_metrics(shrunk_ref) if r["step"] <= regrown] + run_dir_metrics(grown_ref)
+    assert [r["step"] for r in drilled] == [r["step"] for r in expected] == list(range(resume + 1, 21))
+    assert [(r["loss"], r["grad_norm"]) for r in drilled] == [(r["loss"], r["grad_norm"]) for r in expected]
     assert not list((tmp_path / "shm").rglob("*.npz"))  # the finished job gave the RAM back
+
+
+def verdict_host(log) -> str:
+    evict, _ = after(log, "evict")
+    return evict["host"]
 
 
 def run_dir_metrics(run_dir) -> list[dict]:
