@@ -133,8 +133,9 @@ def check_context_parallel(mo, m, p) -> None:
     require(mo.seq_len % m.cp == 0, f"model.seq_len={mo.seq_len} must be divisible by mesh.cp={m.cp} "
                                     "(each cp rank holds seq_len/cp tokens of every sequence)")
     require(m.pp == 1, f"mesh.cp={m.cp} does not run with mesh.pp={m.pp} yet; use mesh.pp=1 (dp, cp and tp combine)")
-    require(mo.attention == "xla", f"mesh.cp={m.cp} runs with model.attention=xla only yet "
-                                   f"(not {mo.attention}); set model.attention=xla")
+    require(mo.attention == "xla" or mo.window is not None,
+            f"mesh.cp={m.cp} with full attention (model.window=null) runs with model.attention=xla only yet "
+            f"(not {mo.attention}): set model.attention=xla, or a model.window")
     require(not p.sequence_parallel, f"mesh.cp={m.cp} and parallel.sequence_parallel=true both split the "
                                      "sequence; not together yet: set parallel.sequence_parallel=false")
     require(p.microbatches == 1 or m.dp == 1 or m.tp == 1,

@@ -222,7 +222,10 @@ def self_attention(c: ModelConfig, q, k, v, a: dict, docs: Documents | None = No
     q, k, v = attention_heads(c, q, k, v, a, positions)
     heads = ("batch", "seq", "heads", "head_dim")
     ids = None if docs is None else docs.ids
-    if c.attention == "cudnn":
+    if context_parallel.cp_size() > 1:  # the sequence split over mesh.cp: its own collectives, per device
+        o = context_parallel.attend(q, k, v, window=c.window, documents=ids, kv_heads_axis=kv_heads_axis(c),
+                                    implementation=c.attention)
+    elif c.attention == "cudnn":
         # cuDNN per device (`sharding.per_device`: jax's cuDNN partitioner fails on most layouts).
         # k and v are split over tp like the query heads (validation makes tp and kv_heads divide
         # one another), so each rank's query heads find their kv heads on the same rank.
@@ -233,8 +236,6 @@ def self_attention(c: ModelConfig, q, k, v, a: dict, docs: Documents | None = No
         else:
             o = per_device(lambda q, k, v, d: cudnn(q, k, v, documents=d), (heads, kv, kv, ("batch", "seq")),
                            heads)(q, k, v, ids)
-    elif context_parallel.cp_size() > 1:  # the sequence split over mesh.cp: its own collectives
-        o = context_parallel.attend(q, k, v, window=c.window, documents=ids, kv_heads_axis=kv_heads_axis(c))
     else:
         o = attend(q, k, v, window=c.window, implementation=c.attention, documents=ids)
     o = _constrain(o, heads)

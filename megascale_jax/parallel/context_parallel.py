@@ -33,6 +33,17 @@ The mask uses global positions: query i of rank r is at r·n + i, halo key j at 
 slice much longer than the window (n >= 4 blocks of >= w - 1 queries) is attended in blocks, each
 scoring only the keys its window reaches (`attention.banded_attention`): n·(block + w - 1) scores
 a rank instead of n·(n + h), which is what makes a 64k-token sequence fit.
+
+The fused kernels (`model.attention=pallas|cudnn`, with a window) take queries and keys of one
+length, aligned, as in self-attention. So a rank hands them its halo + n keys and its n queries
+behind h zero queries — query j then sits at key j's position, and the kernel's own causal window
+is the global one — and keeps the last n outputs. Keys before the sequence's start (what rank 0
+receives) are masked as a document of their own (segment id -1, which no query of the slice has);
+packed documents' ids ride along as with XLA. The h padded queries cost h/n more of the kernel's
+work (a window of 4,096 on a 16k slice: 25%); their outputs are dropped, so their cotangent is
+zero and they add nothing to the keys' gradients. cuDNN takes the segments as a mask, i.e. its
+biased kernel. Full attention over cp stays XLA's (a kernel would need the queries' offset into
+the gathered keys, or a ring).
 """
 
 from __future__ import annotations
@@ -45,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
+from megascale_jax.model.attention import attend as one_device_attend
 from megascale_jax.model.attention import band_block, banded_attention, masked_attention, window_mask
 from megascale_jax.model.flops import halo_length  # JAX-free: the planner prices the same halo
 
@@ -66,14 +78,17 @@ def halo_bytes(window: int, seq_len: int, cp: int, batch: int, kv_width: int, it
     return 2 * halo_length(window, seq_len, cp) * batch * kv_width * itemsize
 
 
-def attend(q, k, v, *, window: int | None, documents=None, kv_heads_axis: str = "kv_heads"):
+def attend(q, k, v, *, window: int | None, documents=None, kv_heads_axis: str = "kv_heads",
+           implementation: str = "xla"):
     """Attention over a sequence split over cp: q (b, s, heads, head_dim), k and v (b, s,
     kv_heads, head_dim; their heads' logical axis `kv_heads_axis`), `documents` (b, s) ids or
-    None, in the global view -> (b, s, heads, head_dim), laid out as q is.
+    None, in the global view -> (b, s, heads, head_dim), laid out as q is; `implementation` as
+    `model.attention` (pallas and cudnn with a window only: config_checks).
 
-    Manual over cp and every automatic axis the rows and heads are split over (as
-    `sharding.per_device`): each device attends with its own rows and heads, as the model laid
-    them out, and GSPMD has nothing to decide here."""
+    Manual over every automatic axis (as `sharding.per_device`): each device attends with its own
+    rows and heads, as the model laid them out, and GSPMD has nothing to decide here — nor jax's
+    cuDNN partitioner, which fails (an AssertionError, or a crash of the GPU compile) wherever an
+    automatic axis is left around its custom call."""
     mesh = jax.sharding.get_abstract_mesh()
     auto = frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types) if kind == AxisType.Auto)
     axes = [("batch", "seq", "heads", "head_dim"), ("batch", "seq", kv_heads_axis, "head_dim"),
@@ -82,9 +97,8 @@ def attend(q, k, v, *, window: int | None, documents=None, kv_heads_axis: str = 
     specs = [nn.logical_to_mesh_axes(a) for a in axes[:len(args)]]
     if q.shape[0] % _size(mesh, specs[0][0]):  # the init's one dummy row: every device has it whole
         specs = [P(None, *spec[1:]) for spec in specs]
-    manual = {AXIS, *(a for spec in specs for entry in spec for a in _names(entry))} & auto
-    body = functools.partial(_local, cp=cp_size(), window=window, seq_len=q.shape[1])
-    return jax.shard_map(body, in_specs=tuple(specs), out_specs=specs[0], axis_names=manual, check_vma=False)(*args)
+    body = functools.partial(_local, cp=cp_size(), window=window, seq_len=q.shape[1], implementation=implementation)
+    return jax.shard_map(body, in_specs=tuple(specs), out_specs=specs[0], axis_names=auto, check_vma=False)(*args)
 
 
 def _names(entry) -> tuple[str, ...]:
@@ -96,10 +110,12 @@ def _size(mesh, entry) -> int:
     return math.prod(mesh.shape[a] for a in _names(entry))
 
 
-def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int):
+def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int, implementation: str = "xla"):
     """One rank's slice: its n queries against the keys it holds and those it receives."""
     n = q.shape[1]
     first = jax.lax.axis_index(AXIS) * n  # this slice's first position in the sequence
+    if implementation != "xla":
+        return _fused(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len, implementation=implementation)
     if window is None:
         gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
         keys, values, key_ids = gather(k), gather(v), None if ids is None else gather(ids)
@@ -116,6 +132,23 @@ def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int):
     if ids is not None:
         mask = mask[None] & (ids[:, :, None] == key_ids[:, None, :])
     return masked_attention(q, keys, values, mask)
+
+
+def _fused(q, k, v, ids, *, first, cp: int, window: int, seq_len: int, implementation: str):
+    """A fused kernel on one rank's slice: h zero queries before its n, so that queries and keys
+    line up (see the module's docstring), keys before the sequence's start a segment of their own."""
+    n, halo = q.shape[1], halo_length(window, seq_len, cp)
+    # cuDNN's biased kernels take even lengths only: one masked key more in front where needed.
+    extra = (halo + n) % 2 if implementation == "cudnn" else 0
+    front = [(0, 0), (extra, 0), (0, 0), (0, 0)]
+    keys, values = (jnp.pad(with_halo(x, halo, cp), front) for x in (k, v))
+    segments = jnp.zeros((q.shape[0], halo + n), jnp.int32) if ids is None else with_halo(ids.astype(jnp.int32), halo, cp)
+    positions = first - halo - extra + jnp.arange(extra + halo + n)
+    segments = jnp.where((positions >= first - halo)[None, :] & (positions >= 0)[None, :],
+                         jnp.pad(segments, [(0, 0), (extra, 0)]), -1)
+    queries = jnp.pad(q, [(0, 0), (extra + halo, 0), (0, 0), (0, 0)])
+    out = one_device_attend(queries, keys, values, window=window, implementation=implementation, documents=segments)
+    return out[:, extra + halo:]
 
 
 def with_halo(x, halo: int, cp: int):

@@ -120,6 +120,22 @@ def test_eight_gpus_at_tp_8_move_the_ideal_bytes_and_overlap_collective_matmuls_
     assert permutes["async"] > 0 and permutes["overlapped"] == permutes["async"]
 
 
+def test_cudnn_attention_on_context_parallel_slices_compiles_for_eight_h100s(capsys):
+    """mesh.cp with model.attention=cudnn (issue 62): each cp rank's slice runs cuDNN's fused
+    attention behind its halo (the biased kernel: the keys before the sequence's start are a
+    segment of their own), forward and backward in every layer, on dp 2 x cp 2 x tp 2, and the cp
+    axis carries the halo. Manual over every mesh axis: jax's cuDNN partitioner never sees it (with
+    dp left automatic the GPU compile crashed)."""
+    layers = 2
+    code, report = compiled(capsys, "--config", str(REPO / "configs" / "tiny_cpu.yaml"), "--gpu", "h100-sxm",
+                            "--gpus", "8", "mesh.dp=2", "mesh.cp=2", "mesh.tp=2", f"model.layers={layers}",
+                            "model.dtype=bfloat16", "model.attention=cudnn", "model.window=64")
+    assert code == 0 and report["mesh"] == {"dp": 2, "pp": 1, "cp": 2, "tp": 2}
+    assert report["kernels"]["per_step"]["custom_calls"] == {"__cudnn$fmhaScaleBiasSoftmax": layers,
+                                                             "__cudnn$fmhaScaleBiasSoftmaxBackward": layers}
+    assert report["collective_bytes"]["cp"] > 0
+
+
 def test_fp8_layer_gemms_become_cublaslt_fp8_gemms_for_the_h200(capsys):
     """model.fp8: every layer GEMM (2 forward, 4 backward a layer) is cuBLASLt's FP8 GEMM in the
     program compiled for sm_90, none silently left in bf16; the LM head's 3 stay bf16 (cuBLAS

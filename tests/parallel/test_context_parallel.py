@@ -97,6 +97,9 @@ SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the ful
     ["mesh.cp=8"],  # the window reaches back over two slices: two permutes a layer
     # cp 2 with tp 2 or dp 2: in the layouts below (dp2 x cp2 x tp2 with ZeRO-1, dp2 x cp2 with microbatches)
     pytest.param(["mesh.cp=4", "model.window=null"], marks=SLOW),  # full attention: k and v all-gathered
+    # the Pallas kernel on each slice behind its halo's padded queries (interpret mode on the CPU)
+    ["mesh.cp=2", "model.attention=pallas"],
+    pytest.param(["mesh.cp=8", "model.attention=pallas"], marks=SLOW),  # two hops, rank 0's keys masked
 ], ids=lambda o: " ".join(o))
 def test_context_parallel_matches_one_device(overrides):
     assert_matches_one_device(["mesh.dp=1", "mesh.tp=1", *overrides])
@@ -110,6 +113,8 @@ def test_context_parallel_matches_one_device(overrides):
     ["mesh.dp=1", "mesh.cp=2", "mesh.tp=2", "model.block=serial", "model.window=null"],
     ["mesh.dp=2", "mesh.cp=4", "mesh.tp=1", "model.kv_heads=1", "model.window=20"],  # GQA 4:1, three hops
     ["mesh.dp=2", "mesh.cp=2", "mesh.tp=1", "parallel.microbatches=2"],
+    # Pallas with documents and GQA: the keys' ids and the pre-start segment in one kernel
+    ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.attention=pallas", "model.document_eos=10"],
 ], ids=lambda o: " ".join(o))
 def test_context_parallel_layouts_match_one_device(overrides):
     assert_matches_one_device(overrides)
@@ -166,7 +171,8 @@ def test_the_batch_is_whole_rows_on_every_cp_rank():
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.cp=3"], "model.seq_len=32 must be divisible by mesh.cp=3"),
     (["mesh.cp=2", "mesh.pp=2", "parallel.microbatches=2"], "mesh.cp=2 does not run with mesh.pp=2 yet"),
-    (["mesh.cp=2", "model.attention=pallas"], "mesh.cp=2 runs with model.attention=xla only yet"),
+    (["mesh.cp=2", "model.attention=pallas", "model.window=null"],
+     "mesh.cp=2 with full attention .* runs with model.attention=xla only yet"),
     (["mesh.cp=2", "parallel.sequence_parallel=true"], "both split the sequence"),
     (["mesh.cp=2", "model.loss_chunks=2"], "set model.loss_chunks=1 with context parallelism"),
     (["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2"], "aborts XLA's partitioner"),
@@ -192,6 +198,22 @@ def test_the_step_lowers_for_cuda():
                                  sharding=trainer.batch_sharding)
     text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.collective_permute") == 4  # k and v, forward and backward, in the layer loops
+
+
+def test_the_pallas_kernels_lower_for_cuda_on_each_slice():
+    """Pallas's attention on each cp rank's slice, lowered for CUDA on this CPU-only machine: the
+    kernels (forward, dq, dk/dv) are Triton calls in the program beside the halo's permutes.
+    cuDNN's needs the CUDA plugin even to lower: tests/aot compiles it for four H100s."""
+    cfg = _config(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.dtype=bfloat16",
+                   "model.d_model=128", "model.heads=2", "model.kv_heads=2"])
+    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(trainer.init), trainer.state_shardings)
+    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
+                                 sharding=trainer.batch_sharding)
+    text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.collective_permute") == 4, text.count("stablehlo.collective_permute")
+    assert text.count("__gpu$xla.gpu.triton") >= 3, text.count("__gpu$xla.gpu.triton")  # forward, dq, dk/dv
 
 
 @pytest.mark.slow
