@@ -41,7 +41,8 @@ from megascale_jax.run_dir import read_jsonl  # noqa: E402
 from megascale_jax.observe.hangs import RankState, describe_exit, rank_states  # noqa: E402
 from megascale_jax.observe.stragglers import (append_events, arrival_lateness, clock_offsets,  # noqa: E402
                                       flag_stragglers, slow_devices, window_lateness)
-from megascale_jax.observe.timings import STATE_PREFIX, Timings, read_timings  # noqa: E402
+from megascale_jax.observe.timings import (AXIS_COLUMNS, STATE_PREFIX, Timings, coordinate, device_label,  # noqa: E402
+                                           read_timings)
 
 STATUSES = ("ok", "slow", "waiting", "hung", "stopped", "exited")
 STATUS_COLOURS = ("#7fbf7f", "#f0a030", "#9fb7d9", "#d62728", "#bbbbbb", "#888888")
@@ -103,7 +104,7 @@ def write_heatmap(t: Timings, offsets: np.ndarray, out: str) -> None:
 
 
 def device_labels(t: Timings, devices: np.ndarray) -> list[str]:
-    coords = {int(d["device"]): f"dp{d['dp']} pp{d['pp']} tp{d['tp']}" for d in t.devices}
+    coords = {int(d["device"]): device_label(d, t.has_cp()) for d in t.devices}
     return [f"device {d} ({coords.get(int(d), '?')})" for d in devices]
 
 
@@ -291,24 +292,39 @@ def view_statuses(windows: list[dict], t: Timings, states: list[RankState], thre
 
 
 def mesh_grid(t: Timings) -> np.ndarray:
-    """(dp, pp, tp) array of the rank holding each mesh device (-1 where unknown)."""
-    coords = np.array([[int(d[k]) for k in ("dp", "pp", "tp", "process")] for d in t.devices]).reshape(-1, 4)
-    grid = np.full(tuple(coords[:, :3].max(axis=0, initial=0) + 1), -1)
-    grid[coords[:, 0], coords[:, 1], coords[:, 2]] = coords[:, 3]
+    """(dp, pp, cp, tp) array of the rank holding each mesh device (-1 where unknown)."""
+    coords = np.array([[coordinate(d, k) for k in (*AXIS_COLUMNS, "process")] for d in t.devices]).reshape(-1, 5)
+    grid = np.full(tuple(coords[:, :4].max(axis=0, initial=0) + 1), -1)
+    grid[tuple(coords[:, :4].T)] = coords[:, 4]
     return grid
+
+
+def view_columns(grid: np.ndarray) -> tuple[np.ndarray, list[str]]:
+    """The 4-D grid as the views draw it: (dp, pp, columns), a column per (cp, tp) pair, cp outer
+    (as in the mesh), and the columns' labels ("tp1", or "cp2 tp1" on a mesh with cp)."""
+    dp, pp, cp, tp = grid.shape
+    labels = [f"cp{c} tp{j}" if cp > 1 else f"tp{j}" for c in range(cp) for j in range(tp)]
+    return grid.reshape(dp, pp, cp * tp), labels
+
+
+def mesh_title(grid: np.ndarray) -> str:
+    dp, pp, cp, tp = grid.shape
+    return f"dp={dp} pp={pp}" + (f" cp={cp}" if cp > 1 else "") + f" tp={tp}"
 
 
 def parallel_view_text(windows: list[dict], statuses: list[dict[int, str]], grid: np.ndarray,
                        hosts: dict[int, str]) -> str:
-    dp, pp, tp = grid.shape
-    lines = [f"mesh dp={dp} pp={pp} tp={tp}; cell = rank:status", ""]
+    title, (columns, labels) = mesh_title(grid), view_columns(grid)
+    dp, pp, _ = columns.shape
+    width = max(12, 2 + max(len(label) for label in labels))
+    lines = [f"mesh {title}; cell = rank:status", ""]
     for w, status in zip(windows, statuses):
         lines.append(f"steps {w['first_step']}-{w['last_step']} (median step {w['step_time_s']:.3f} s)")
         for stage in range(pp):
-            lines.append(f"  pp={stage}  " + "".join(f"{f'tp={j}':>12}" for j in range(tp)))
+            lines.append(f"  pp={stage}  " + "".join(f"{label:>{width}}" for label in labels))
             for i in range(dp):
-                cells = [f"r{r}:{status.get(r, '?')}" if r >= 0 else "-" for r in grid[i, stage]]
-                lines.append(f"  dp={i:<4}" + "".join(f"{c:>12}" for c in cells))
+                cells = [f"r{r}:{status.get(r, '?')}" if r >= 0 else "-" for r in columns[i, stage]]
+                lines.append(f"  dp={i:<4}" + "".join(f"{c:>{width}}" for c in cells))
         lines.append("")
     lines += [f"rank {r}: host {h}" for r, h in sorted(hosts.items())]
     return "\n".join(lines) + "\n"
@@ -327,26 +343,27 @@ def parallel_view_figure(windows: list[dict], statuses: list[dict[int, str]], gr
     if not windows:
         raise ValueError("no step windows to draw")
     shown = list(zip(windows, statuses))[-MAX_VIEW_WINDOWS:]
-    dp, pp, tp = grid.shape
+    title, (columns, labels) = mesh_title(grid), view_columns(grid)
+    dp, pp, tp = columns.shape  # tp: a column per (cp, tp) pair
     # At least 5 inches wide, so that the title and the status key fit beside a small mesh.
     fig, axes = plt.subplots(len(shown), pp, figsize=(max(5, 1 + 2.5 * pp * max(1, tp / 4)), 1.6 + 1.8 * len(shown)),
                              squeeze=False, layout="constrained")
-    fig.suptitle(f"rank status per step window, mesh dp={dp} pp={pp} tp={tp}\n"
+    fig.suptitle(f"rank status per step window, mesh {title}\n"
                  f"{shown_windows_text(windows, len(shown))}", fontsize=9)
     cmap = ListedColormap(STATUS_COLOURS)
     for row, (w, status) in enumerate(shown):
         for stage in range(pp):
             ax = axes[row, stage]
-            ranks = grid[:, stage, :]
+            ranks = columns[:, stage, :]
             codes = np.vectorize(lambda r: STATUSES.index(status.get(r, "ok")))(ranks)
             ax.imshow(codes, cmap=cmap, vmin=-0.5, vmax=len(STATUSES) - 0.5, aspect="auto")
             if ranks.size <= 256:
                 for (i, j), r in np.ndenumerate(ranks):
                     ax.text(j, i, f"r{r}\n{status.get(r, 'ok')}", ha="center", va="center", fontsize=7)
             ax.set_title(f"steps {w['first_step']}-{w['last_step']}, pp={stage}", fontsize=8)
-            ax.set_xticks(range(tp), [f"tp{j}" for j in range(tp)], fontsize=7)
+            ax.set_xticks(range(tp), labels, fontsize=7)
             ax.set_yticks(range(dp), [f"dp{i}" for i in range(dp)], fontsize=7)
-            ax.set_xlabel("tp", fontsize=7)
+            ax.set_xlabel("cp, tp" if grid.shape[2] > 1 else "tp", fontsize=7)
             ax.set_ylabel("dp", fontsize=7)
     # One key for every panel: the colour of each status.
     fig.legend(handles=[Patch(color=c, label=s) for s, c in zip(STATUSES, STATUS_COLOURS)],

@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.observe.timings import Timings, read_timings
+from megascale_jax.observe.timings import AXIS_COLUMNS, Timings, coordinate, read_timings
 from megascale_jax.run_dir import append_jsonl, read_jsonl
 
 
@@ -111,7 +111,7 @@ def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:
     for device, excess in slow_devices(t, threshold):
         row = table.get(device, {})
         out.append({"device": device, "rank": int(row.get("process", -1)), "host": row.get("host", "?"),
-                    **{axis: int(row.get(axis, -1)) for axis in ("dp", "pp", "tp")},
+                    **{axis: coordinate(row, axis) for axis in AXIS_COLUMNS},
                     "excess": round(excess, 4), "threshold": threshold})
     return out
 

@@ -43,9 +43,11 @@ import numpy as np
 from megascale_jax.run_dir import WarnOnce, tensorboard_dir, timings_dir
 from megascale_jax.training.observers import LoopObserver
 
-COLUMNS = ("step", "process", "device", "dp", "pp", "tp", "phase", "start", "duration")
-DEVICE_COLUMNS = ("process", "host", "device", "dp", "pp", "tp")
-AXIS_COLUMNS = ("dp", "pp", "tp")  # the mesh coordinates the tables carry (a cp coordinate not yet)
+COLUMNS = ("step", "process", "device", "dp", "pp", "cp", "tp", "phase", "start", "duration")
+DEVICE_COLUMNS = ("process", "host", "device", "dp", "pp", "cp", "tp")
+# The mesh coordinates the tables carry, in the mesh's order. Tables written before the cp axis
+# have no cp column: readers take cp 0 there (`coordinate`).
+AXIS_COLUMNS = ("dp", "pp", "cp", "tp")
 STATE_PREFIX = "state:"
 
 
@@ -90,11 +92,11 @@ class TimingsWriter(LoopObserver):
             self.failures.wrote()
 
     def phase(self, step, name, start, duration):
-        self._write(f"{step},{self.process},-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
+        self._write(f"{step},{self.process},-1,-1,-1,-1,-1,{name},{start:.6f},{duration:.6f}\n")
 
     def device_phase(self, step, device, name, start, duration):
-        dp, pp, tp = self.coords.get(device, (-1, -1, -1))
-        self._write(f"{step},{self.process},{device},{dp},{pp},{tp},{name},{start:.6f},{duration:.6f}\n")
+        coords = ",".join(map(str, self.coords.get(device, (-1,) * len(AXIS_COLUMNS))))
+        self._write(f"{step},{self.process},{device},{coords},{name},{start:.6f},{duration:.6f}\n")
 
     def state(self, state, step, error=""):
         self.phase(step, STATE_PREFIX + state, time.time(), 0.0)
@@ -103,8 +105,18 @@ class TimingsWriter(LoopObserver):
         os.close(self.fd)
 
 
+def coordinate(row: dict, axis: str) -> int:
+    """A device row's coordinate on `axis` (0 for cp in a table written before the cp axis)."""
+    return int(row.get(axis, 0 if axis == "cp" else -1))
+
+
+def device_label(row: dict, with_cp: bool) -> str:
+    """A device's mesh coordinates, e.g. "dp1 pp0 tp1" ("dp1 pp0 cp2 tp1" on a mesh with cp)."""
+    return " ".join(f"{axis}{coordinate(row, axis)}" for axis in AXIS_COLUMNS if axis != "cp" or with_cp)
+
+
 def write_device_table(run_dir: str, mesh, process: int) -> None:
-    """This process's mesh devices with their (dp, pp, tp) coordinates and host name."""
+    """This process's mesh devices with their (dp, pp, cp, tp) coordinates and host name."""
     from megascale_jax.parallel.mesh import process_device_coords
 
     host = socket.gethostname()
@@ -258,6 +270,10 @@ class Timings:
 
     def hosts(self) -> dict[int, str]:
         return {int(d["process"]): d["host"] for d in self.devices}
+
+    def has_cp(self) -> bool:
+        """Whether the mesh splits sequences over cp (a device beyond cp 0): labels then name it."""
+        return any(coordinate(d, "cp") > 0 for d in self.devices)
 
 
 def read_timings(run_dir: str, since: float = 0.0) -> Timings:

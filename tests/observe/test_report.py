@@ -47,12 +47,12 @@ def write_synthetic_run(run_dir, offsets, late, steps=40, stop=None, seed=0):
         with open(os.path.join(timings.timings_dir(run_dir), f"process-{p}.csv"), "w", newline="") as f:
             out = csv.writer(f)
             out.writerow(timings.COLUMNS)
-            out.writerows([k, p, -1, -1, -1, -1, phase, f"{start + offset:.6f}", duration]
+            out.writerows([k, p, -1, -1, -1, -1, -1, phase, f"{start + offset:.6f}", duration]
                           for k, phase, start, duration in rows)
         with open(os.path.join(timings.timings_dir(run_dir), f"devices-{p}.csv"), "w", newline="") as f:
             out = csv.writer(f)
             out.writerow(timings.DEVICE_COLUMNS)
-            out.writerows([[p, f"host{p}", 2 * p + tp, p, 0, tp] for tp in range(2)])
+            out.writerows([[p, f"host{p}", 2 * p + tp, p, 0, 0, tp] for tp in range(2)])
 
 
 OFFSETS = [0.0, 0.75, -0.4, 3.0]
@@ -177,6 +177,30 @@ def test_timings_writer_rows_and_device_table(tmp_path):
     assert len(devices) == 8
     for d in devices:  # tp innermost, then pp, then dp
         assert int(d["device"]) == 4 * int(d["dp"]) + 2 * int(d["pp"]) + int(d["tp"])
+
+
+def test_a_cp_mesh_names_each_devices_cp_rank_and_tables_before_cp_read_as_cp_0(tmp_path):
+    """dp2 x cp2 x tp2: every device row carries its cp coordinate (the mesh's order, tp innermost),
+    labels and the 3D-parallel view name it (a column per cp and tp pair); a device table written
+    before the cp axis (no cp column) reads as cp 0, its labels as before."""
+    from megascale_jax.observe import report
+
+    mesh = make_mesh(MeshConfig(dp=2, cp=2, tp=2))
+    timings.TimingsWriter(str(tmp_path / "cp"), mesh, process=0).close()
+    t = timings.read_timings(str(tmp_path / "cp"))
+    for d in t.devices:
+        assert int(d["device"]) == 4 * int(d["dp"]) + 2 * int(d["cp"]) + int(d["tp"])
+    assert report.device_labels(t, [6]) == ["device 6 (dp1 pp0 cp1 tp0)"]
+    grid = report.mesh_grid(t)
+    assert grid.shape == (2, 1, 2, 2) and (grid == 0).all()
+    view = report.parallel_view_text([{"first_step": 1, "last_step": 2, "step_time_s": 0.1}], [{0: "ok"}], grid,
+                                     t.hosts())
+    assert "mesh dp=2 pp=1 cp=2 tp=2" in view and "cp1 tp0" in view.splitlines()[3], view
+    old = tmp_path / "old" / "timings"
+    old.mkdir(parents=True)
+    (old / "devices-0.csv").write_text("process,host,device,dp,pp,tp\n0,h,0,0,0,0\n0,h,1,0,0,1\n")
+    t = timings.read_timings(str(tmp_path / "old"))
+    assert report.device_labels(t, [1]) == ["device 1 (dp0 pp0 tp1)"] and report.mesh_grid(t).shape == (1, 1, 1, 2)
 
 
 def test_tensorboard_scalars_read_back(tmp_path):
@@ -342,7 +366,7 @@ def test_a_resumed_run_is_judged_on_its_current_attempt_only(tmp_path):
             if k < 45:
                 rows.append((k, "step", arrive, STEP))
         with open(os.path.join(timings.timings_dir(tmp_path), f"process-{p}.csv"), "a", newline="") as f:
-            csv.writer(f).writerows([k, p, -1, -1, -1, -1, phase, f"{start:.6f}", d] for k, phase, start, d in rows)
+            csv.writer(f).writerows([k, p, -1, -1, -1, -1, -1, phase, f"{start:.6f}", d] for k, phase, start, d in rows)
     t = timings.read_timings(tmp_path)
     states = hangs.rank_states(t, now=float((t.start + t.duration).max()) + 61, hang_after=60)
     assert [s.status for s in states] == ["waiting", "hung", "waiting"], [s.describe() for s in states]
@@ -422,7 +446,7 @@ def _add_profiled_steps(run_dir, processes, steps, phases=(("device_compute", 0.
     """Per-device rows of `phases` (as `observe.profile_every` writes them) for `steps`."""
     for p in range(processes):
         with open(os.path.join(timings.timings_dir(run_dir), f"process-{p}.csv"), "a", newline="") as f:
-            csv.writer(f).writerows([k, p, 2 * p + tp, p, 0, tp, phase, 1.7e9 + k * STEP, seconds + 0.01 * tp]
+            csv.writer(f).writerows([k, p, 2 * p + tp, p, 0, 0, tp, phase, 1.7e9 + k * STEP, seconds + 0.01 * tp]
                                     for k in steps for tp in range(2) for phase, seconds in phases)
 
 
