@@ -26,7 +26,8 @@ from megascale_jax.observe import report
 from megascale_jax.supervise import diagnose, launch
 
 TINY = ["model.layers=1", "model.d_model=32", "model.seq_len=16", "train.global_batch=8", "mesh.dp=8", "mesh.tp=1",
-        "train.eval_every=0", "train.log_every=1", "model.window=null"]  # no window: export_hf can export it
+        "train.eval_every=0", "train.log_every=1", "model.window=null",  # no window: export_hf can export it
+        "train.sample_at_end=0"]
 
 
 def tree_digest(root: Path) -> str:

@@ -16,7 +16,7 @@ import pytest
 
 from megascale_jax.cluster.rendezvous import free_port
 
-COMMON = ["train.steps=4", "train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=32",
+COMMON = ["train.sample_at_end=0", "train.steps=4", "train.eval_every=0", "model.layers=2", "model.d_model=64", "model.seq_len=32",
           "train.global_batch=8", "optim.warmup=1"]
 
 

@@ -16,7 +16,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"), "model.layers=2", "model.d_model=32",
         "model.seq_len=32", "train.global_batch=8", "mesh.dp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2",
-        "train.steps=4", "train.eval_every=2", "checkpoint.every=4", "train.compile_cache=false"]
+        "train.steps=4", "train.eval_every=2", "checkpoint.every=4", "train.compile_cache=false",
+        "train.sample_at_end=0"]  # tiny_cpu's end-of-run sample: its own test (training/test_sample_at_end.py)
 TASKS = ["docs/examples/tasks/python_mc.yaml", "docs/examples/tasks/python_lambada.jsonl"]
 
 

@@ -36,7 +36,11 @@ LAYOUTS = {"one": ["mesh.dp=1", "mesh.pp=1", "mesh.tp=1", "parallel.zero1=false"
 
 
 def train(cwd: Path, run_dir: str, overrides: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", run_dir, *overrides],
+    # No end-of-run sample (tiny_cpu's 200 tokens: two compiles and 200 decode steps a run): these
+    # tests read checkpoints and exports; the sample is held to the `sample` command in
+    # tests/training/test_sample_at_end.py.
+    return subprocess.run([sys.executable, "-m", "megascale_jax.train", "--run-dir", run_dir, "train.sample_at_end=0",
+                           *overrides],
                           cwd=cwd, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
                           timeout=600)
 

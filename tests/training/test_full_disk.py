@@ -15,7 +15,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = ["train.steps=6", "checkpoint.every=2", "checkpoint.dir=small/ckpt", "model.layers=1", "model.d_model=32",
-        "train.eval_batches=0", "data.val_fraction=0", "train.compile_cache=false"]
+        "train.eval_batches=0", "data.val_fraction=0", "train.compile_cache=false", "train.sample_at_end=0"]
 
 
 def on_small_disk(tmp_path, size: str, *overrides: str, filled_kib: int = 0) -> subprocess.CompletedProcess:

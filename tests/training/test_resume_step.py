@@ -11,7 +11,7 @@ import sys
 import pytest
 
 TINY = ["model.layers=1", "model.d_model=32", "model.seq_len=16", "train.global_batch=8", "mesh.dp=8", "mesh.tp=1",
-        "train.eval_every=0", "checkpoint.every=2", "train.steps=6"]
+        "train.eval_every=0", "checkpoint.every=2", "train.steps=6", "train.sample_at_end=0"]
 
 
 def train(run_dir, *extra):

@@ -104,7 +104,7 @@ def test_a_transient_nan_in_the_pipeline_is_replayed_to_the_fault_free_result(tm
     replayed step is the one that commits (its data position is that of the step), and on a
     profiled step, whose trace is dropped and taken again when the step is replayed."""
     args = ["train.steps=4", "mesh.dp=1", "mesh.pp=2", "mesh.tp=1", "mesh.cpu_devices=2", "parallel.microbatches=2",
-            "checkpoint.every=3", "train.eval_every=0", "observe.profile_every=3", *SMALL]
+            "checkpoint.every=3", "train.eval_every=0", "observe.profile_every=3", "train.sample_at_end=0", *SMALL]
     code, _, err = run_main(train.main, ["--run-dir", "clean", *args], tmp_path)
     assert code == 0, err
     monkeypatch.setenv("MEGASCALE_FAULT_NAN", "0:3")
