@@ -84,11 +84,13 @@ def schedule_for(cfg: Config) -> Schedule:
     return build(cfg.parallel.pp_schedule, cfg.mesh.pp, cfg.parallel.pp_virtual, cfg.parallel.microbatches)
 
 
-def explicit_tp(cfg: Config, mesh: Mesh) -> bool:
-    """Whether tp collectives are explicit (shard_map psum / all-gather / ppermute). They must not
-    sit under a per-stage `cond`: stages that skip it never join the collective and the program
-    hangs. Then every stage runs a chunk every tick and idle results are masked (`when`)."""
-    return mesh.shape["tp"] > 1 and cfg.parallel.tp_overlap != "xla"
+def explicit_collectives(cfg: Config, mesh: Mesh) -> bool:
+    """Whether a chunk runs explicit collectives: tp's (shard_map psum / all-gather / ppermute) or
+    cp's (the attention halo's ppermute, or the keys' all-gather). They must not sit under a
+    per-stage `cond`: stages that skip it never join the collective and the program hangs (a
+    collective permute is one op across every device). Then every stage runs a chunk every tick
+    and idle results are masked (`when`)."""
+    return (mesh.shape["tp"] > 1 and cfg.parallel.tp_overlap != "xla") or mesh.shape["cp"] > 1
 
 
 def when(masked: bool, pred, fn, otherwise, x):
@@ -394,7 +396,7 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     if cfg.model.tied_embeddings:  # the head's gradient leaves the stage folded into the embedding's
         out["head"] = None
     run = jax.shard_map(
-        functools.partial(train_stage, cfg, explicit_tp(cfg, mesh), grads, schedule_for(cfg)),
+        functools.partial(train_stage, cfg, explicit_collectives(cfg, mesh), grads, schedule_for(cfg)),
         mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")),
         out_specs=(P(), jax.tree.map(lambda d: manual_spec(d, "pp"), grads.dims["layers"]),
@@ -453,7 +455,7 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     the plain model under GSPMD); equals the single-device loss."""
     scale = 1.0 / (cfg.parallel.microbatches * mesh.shape["dp"])
     run = jax.shard_map(
-        functools.partial(evaluate_stage, cfg, explicit_tp(cfg, mesh), scale, forward_only(schedule_for(cfg))),
+        functools.partial(evaluate_stage, cfg, explicit_collectives(cfg, mesh), scale, forward_only(schedule_for(cfg))),
         mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
     return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch)
@@ -493,7 +495,7 @@ def score(cfg: Config, mesh: Mesh, params, batch, mask):
     through the pipeline like `loss`: the forward-only schedule, each microbatch's rows scored on
     the last stage. Returns (summed log-probabilities, all greedy), one per row, split over dp."""
     run = jax.shard_map(
-        functools.partial(score_stage, cfg, explicit_tp(cfg, mesh), forward_only(schedule_for(cfg))),
+        functools.partial(score_stage, cfg, explicit_collectives(cfg, mesh), forward_only(schedule_for(cfg))),
         mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp"), P("dp")),
         out_specs=(P("dp"), P("dp")))
