@@ -314,6 +314,9 @@ def test_smoke_run_writes_schema_valid_metrics(long_runs):
     assert [line.split()[1] for line in result.stdout.splitlines() if line.startswith("step ")] == ["1", "2", "3", "4", "5"]
     done = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
     assert len(done) == 1 and done[0].startswith("done: steps 1-5 in ") and "val_loss" in done[0], result.stdout
+    # train.sample_at_end=0: no end-of-run sample, no header and no `| ` lines (the sample itself:
+    # tests/training/test_sample_at_end.py)
+    assert "sample: " not in result.stdout and not re.search(r"^\| ", result.stdout, re.MULTILINE), result.stdout
 
 
 @pytest.mark.xdist_group("cli-long-runs")
