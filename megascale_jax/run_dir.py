@@ -139,14 +139,19 @@ def host_snapshot_dir(root: str, host: str | None) -> str:
     return os.path.join(root, re.sub(r"[^\w.-]", "_", host)) if host else root
 
 
-def recoverable_snapshot_steps(directory: str, processes: int | None = None) -> list[int]:
+def recoverable_snapshot_steps(directory: str, processes: int | None = None,
+                               hosts: list[str] | None = None) -> list[int]:
     """Steps for which each of `processes` processes has a memory snapshot file — its own or a
     peer copy (training/peer_copy.py) — in `directory` or in a simulated host's directory below
     it; `processes` None: of any one process count (after a shrink or a grow, the previous count's
-    files are resharded onto the new mesh)."""
+    files are resharded onto the new mesh). `hosts`: only those hosts' directories — the ones the
+    next attempt runs on; an excluded host's RAM is out of its reach (no process of it serves them)."""
     owners: dict[tuple[int, int], set[int]] = {}  # (process count, step) -> owners found
-    hosts = [directory] + [os.path.join(directory, d) for d in _listdir(directory) if not d.isdigit()]
-    for host in hosts:
+    if hosts is None:
+        dirs = [directory] + [os.path.join(directory, d) for d in _listdir(directory) if not d.isdigit()]
+    else:
+        dirs = [host_snapshot_dir(directory, host) for host in hosts]
+    for host in dirs:
         for step in committed_steps(host):
             for name in _listdir(os.path.join(host, str(step))):
                 match = SNAPSHOT_FILE.match(name)

@@ -113,3 +113,20 @@ def test_append_new_lines_writes_each_line_once_across_processes(tmp_path):
     outs = [p.communicate(timeout=120)[0].strip() for p in procs]
     assert sorted(path.read_text().splitlines()) == ["node1", "node2", "node7"]
     assert sorted(outs) == ["['node1', 'node2']"] + ["[]"] * 5  # exactly one process appended them
+
+
+def test_a_snapshot_counts_as_recoverable_only_where_the_next_attempts_hosts_hold_it(tmp_path):
+    """The supervisor's count of restorable memory snapshots: with `hosts`, only those hosts'
+    directories. A 2-process job's step 6 is whole across slot0 and slot1; once both are excluded,
+    the shrunk job on slot2 cannot reach it (it once claimed step 6, and the worker fell back)."""
+    from megascale_jax import run_dir as run_dirs
+
+    for host, owner, steps in (("h/slot0", 0, (4, 6)), ("h/slot1", 1, (4, 6)), ("h/slot2", 1, (4,)), ("h/slot2", 0, (4,))):
+        for step in steps:
+            where = os.path.join(run_dirs.host_snapshot_dir(str(tmp_path), host), str(step))
+            os.makedirs(where, exist_ok=True)
+            open(os.path.join(where, f"process_{owner}-of-2.npz"), "w").close()
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path)) == [4, 6]
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path), hosts=["h/slot0", "h/slot1"]) == [4, 6]
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path), hosts=["h/slot2"]) == [4]
+    assert run_dirs.recoverable_snapshot_steps(str(tmp_path), hosts=["h/slot0"]) == []

@@ -461,7 +461,9 @@ class Supervisor:
         workers may still reject one and fall back)."""
         cfg = self.job.cfg
         steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(cfg, self.job.run_dir))
-        held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir)) \
+        # Only what the next attempt's hosts hold: an excluded host's RAM is out of its reach.
+        reachable = [self.placement.hosts[slot] for slot in self.placement.active if slot != -1]
+        held = run_dirs.recoverable_snapshot_steps(run_dirs.snapshot_dir(cfg, self.job.run_dir), hosts=reachable) \
             if cfg.checkpoint.memory_every else []
         if held and (not steps or held[-1] >= steps[-1]):  # as new as the checkpoint: RAM, not disk
             return held[-1], "memory snapshot"

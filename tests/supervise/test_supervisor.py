@@ -599,6 +599,35 @@ def test_with_no_spare_the_job_shrinks_from_memory_then_grows_back_when_the_slot
     assert not list((tmp_path / "shm").rglob("*.npz"))  # the finished job gave the RAM back
 
 
+@pytest.mark.slow
+def test_a_fault_during_a_recovery_takes_the_last_spare_and_the_job_shrinks_and_recovers(tmp_path):
+    """Issue 64's bad input: rank 1's slot breaks at step 6 (the spare takes it); the restarted job
+    restores step 6 and, before it trains, rank 0's slot breaks too (a fault during the recovery):
+    no spare is left, so it shrinks onto the spare's slot; a kill after that. The job finishes every
+    step once, and each restart resumes from exactly the step the supervisor names — what the next
+    attempt's hosts hold (the broken slots' RAM is out of its reach: it once named step 6, and the
+    worker fell back to the checkpoint) — never older than the newest committed checkpoint."""
+    run_dir = tmp_path / "run"
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", "1", "--run-dir", str(run_dir),
+                                               "--drill", "faulty:1@6", "--drill", "faulty:0@6", "--drill", "kill:0@9",
+                                               *JOB, "checkpoint.memory_every=2",
+                                               f"checkpoint.memory_dir={tmp_path / 'shm'}"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = events(run_dir)
+    kinds = [e["kind"] for e in log]
+    assert kinds.count("evict") == 2 and kinds.count("spare_promoted") == 1 and kinds.count("shrink") == 1
+    restarts = [e for e in log if e["kind"] == "restart"]
+    resumed = [e for e in log if e["kind"] == "resumed"]
+    faults = [e for e in log if e["kind"] == "fault"]
+    assert len(restarts) == 3 and len(faults) == 3
+    # the second fault came before the first restart's attempt trained: one `resumed` fewer than restarts
+    assert kinds.index("fault", kinds.index("restart")) < kinds.index("resumed")
+    assert [r["from_step"] for r in resumed] == [r["resume_step"] for r in restarts[1:]]
+    for fault, restart in zip(faults, restarts):
+        assert restart["resume_step"] >= fault["step"] // 4 * 4, (fault, restart)  # checkpoints every 4 steps
+    final_record(run_dir)  # every step once
+
+
 def verdict_host(log) -> str:
     evict, _ = after(log, "evict")
     return evict["host"]
