@@ -138,13 +138,15 @@ def check_context_parallel(mo, m, p) -> None:
     require(mo.attention == "xla" or mo.window is not None,
             f"mesh.cp={m.cp} with full attention (model.window=null) runs with model.attention=xla only yet "
             f"(not {mo.attention}): set model.attention=xla, or a model.window")
+    require((mo.seq_len // m.cp) % mo.loss_chunks == 0,
+            f"model.loss_chunks={mo.loss_chunks} must divide each cp rank's model.seq_len/mesh.cp="
+            f"{mo.seq_len // m.cp} tokens (every loss slice takes its share of each rank's part)")
     require(not p.sequence_parallel, f"mesh.cp={m.cp} and parallel.sequence_parallel=true both split the "
                                      "sequence; not together yet: set parallel.sequence_parallel=false")
     require(p.microbatches == 1 or m.dp == 1 or m.tp == 1,
             f"parallel.microbatches={p.microbatches} with mesh.dp={m.dp}, cp={m.cp} and tp={m.tp} all > 1 aborts XLA's "
             "partitioner (parallel/microbatches.py); use parallel.microbatches=1 or drop one of the three axes")
-    require(mo.loss_chunks == 1, f"model.loss_chunks={mo.loss_chunks} slices the sequence mesh.cp={m.cp} "
-                                 "splits; set model.loss_chunks=1 with context parallelism")
+
 
 
 def check_fp8(mo, m, p) -> None:

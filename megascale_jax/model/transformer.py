@@ -488,13 +488,21 @@ def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: Parallel
     `cfg.loss_chunks` slices of the sequence at a time: a scan whose body projects one slice to its
     float32 logits and reduces them to the slice's summed loss, under `jax.checkpoint`, so neither
     pass holds more than one slice's logits (the backward recomputes them). The same value and
-    gradients as `cross_entropy(project_vocab(...))`, up to float32 summation order."""
+    gradients as `cross_entropy(project_vocab(...))`, up to float32 summation order.
+
+    With the sequence split over cp (g contiguous parts, one a rank), slice k takes the k-th
+    s/(g·n) tokens of every part, so each rank computes its own tokens' losses in every slice
+    and nothing crosses cp but the head's gradient, once (contiguous slices of the whole
+    sequence would each live on one rank, and GSPMD gathered and reshuffled them)."""
     b, s, d = x.shape
-    n = cfg.loss_chunks
-    slices = x.reshape(b, n, s // n, d).swapaxes(0, 1)  # (n, b, s/n, d): the batch keeps its dp split
-    slice_targets = targets.reshape(b, n, s // n).swapaxes(0, 1)
+    n, g = cfg.loss_chunks, context_parallel.cp_size()
+
+    def sliced(a):  # (b, s, ...) -> (n, b, s/n, ...): the batch keeps its dp split, each part its cp rank
+        a = a.reshape(b, g, n, s // (g * n), *a.shape[2:])
+        return jnp.moveaxis(a, 2, 0).reshape(n, b, s // n, *a.shape[4:])
+
     weights = jnp.ones((b, s), jnp.float32) if weights is None else weights
-    slice_weights = weights.reshape(b, n, s // n).swapaxes(0, 1)
+    slices, slice_targets, slice_weights = sliced(x), sliced(targets), sliced(weights)
 
     @jax.checkpoint
     def slice_loss(x_slice, t_slice, w_slice):

@@ -102,6 +102,7 @@ SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the ful
     # the Pallas kernel on each slice behind its halo's padded queries (interpret mode on the CPU)
     ["mesh.cp=2", "model.attention=pallas"],
     pytest.param(["mesh.cp=8", "model.attention=pallas"], marks=SLOW),  # two hops, rank 0's keys masked
+    ["mesh.cp=2", "model.loss_chunks=2"],  # the loss in slices, each a share of every rank's part
     # the pipeline (GPipe) with packed documents; 1F1B and full attention in the layouts below
     ["mesh.pp=2", "mesh.cp=4", "parallel.microbatches=4", "model.layers=4", "parallel.pp_schedule=gpipe",
      "model.document_eos=10"],
@@ -125,6 +126,9 @@ def test_context_parallel_matches_one_device(overrides):
      "model.window=null"],
     ["mesh.dp=1", "mesh.pp=2", "mesh.cp=2", "mesh.tp=1", "parallel.microbatches=4", "model.layers=4",
      "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual=2"],
+    ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.loss_chunks=4"],
+    ["mesh.dp=1", "mesh.pp=2", "mesh.cp=2", "mesh.tp=1", "parallel.microbatches=2", "model.layers=4",
+     "model.loss_chunks=2"],
     # Pallas with documents and GQA: the keys' ids and the pre-start segment in one kernel
     ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.attention=pallas", "model.document_eos=10"],
 ], ids=lambda o: " ".join(o))
@@ -135,6 +139,18 @@ def test_context_parallel_layouts_match_one_device(overrides):
 def _cp_collectives(hlo: str, mesh):
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
     return [c for c in collectives.collectives(hlo) if collectives.group_axes(c.groups[0], shape, names) == "cp"]
+
+
+@STEPS
+def test_the_loss_in_slices_moves_no_tokens_over_cp():
+    """model.loss_chunks with cp: each slice is a share of every rank's part, so nothing gathers or
+    reshuffles the hidden states over cp; what it adds is the head's gradient reduced over cp once
+    per slice (GSPMD reduces inside the slices' loop), loss_chunks - 1 reductions more."""
+    loss, grads, hlo, cfg, mesh, params = step(["mesh.dp=1", "mesh.tp=1", "mesh.cp=2", "model.loss_chunks=2"])
+    cp = _cp_collectives(hlo, mesh)
+    assert {c.op for c in cp} == {"collective-permute", "all-reduce"}, {c.op for c in cp}
+    head = cfg.model.vocab * cfg.model.d_model * 4
+    assert [c.executions for c in cp if c.nbytes == head] == [cfg.model.loss_chunks]
 
 
 @STEPS
@@ -186,7 +202,7 @@ def test_the_batch_is_whole_rows_on_every_cp_rank():
     (["mesh.cp=2", "model.attention=pallas", "model.window=null"],
      "mesh.cp=2 with full attention .* runs with model.attention=xla only yet"),
     (["mesh.cp=2", "parallel.sequence_parallel=true"], "both split the sequence"),
-    (["mesh.cp=2", "model.loss_chunks=2"], "set model.loss_chunks=1 with context parallelism"),
+    (["mesh.cp=2", "model.loss_chunks=32"], "model.loss_chunks=32 must divide each cp rank's model.seq_len/mesh.cp=16"),
     (["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2"], "aborts XLA's partitioner"),
     (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"],
      r"mesh dp\*pp\*cp\*tp=2\*1\*4\*2=16 devices do not match mesh.cpu_devices=8"),
