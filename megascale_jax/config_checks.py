@@ -141,8 +141,13 @@ def check_context_parallel(mo, m, p) -> None:
     require((mo.seq_len // m.cp) % mo.loss_chunks == 0,
             f"model.loss_chunks={mo.loss_chunks} must divide each cp rank's model.seq_len/mesh.cp="
             f"{mo.seq_len // m.cp} tokens (every loss slice takes its share of each rank's part)")
-    require(not p.sequence_parallel, f"mesh.cp={m.cp} and parallel.sequence_parallel=true both split the "
-                                     "sequence; not together yet: set parallel.sequence_parallel=false")
+    require(not p.sequence_parallel or (mo.seq_len // m.cp) % m.tp == 0,
+            f"parallel.sequence_parallel=true splits each cp rank's model.seq_len/mesh.cp={mo.seq_len // m.cp} "
+            f"tokens over mesh.tp={m.tp}, which must divide them")
+    require(not p.sequence_parallel or p.tp_overlap == "xla",
+            f"mesh.cp={m.cp} with parallel.sequence_parallel=true runs with parallel.tp_overlap=xla only yet "
+            f"(not {p.tp_overlap}): the explicit edges' shard_map splits the sequence over tp alone, so GSPMD "
+            "gathered it over cp around them; set parallel.tp_overlap=xla")
     require(p.microbatches == 1 or m.dp == 1 or m.tp == 1,
             f"parallel.microbatches={p.microbatches} with mesh.dp={m.dp}, cp={m.cp} and tp={m.tp} all > 1 aborts XLA's "
             "partitioner (parallel/microbatches.py); use parallel.microbatches=1 or drop one of the three axes")

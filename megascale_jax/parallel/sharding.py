@@ -45,13 +45,14 @@ LOGICAL_RULES: tuple[tuple[str, str | None], ...] = (
 def rules_for(cfg: Config | None = None) -> tuple[tuple[str, str | None], ...]:
     """`LOGICAL_RULES` as a run of `cfg` applies them (None: the table as it stands).
 
-    With sequence parallelism the residual stream (`act_seq`) is split over tp between blocks;
+    With sequence parallelism the residual stream (`act_seq`) is split over tp between blocks
+    (within each cp rank's slice, over cp and tp, where the sequence is split over cp too);
     when tp does not divide `model.kv_heads` (config validation then requires tp to be a multiple
     of it) the kv heads are replicated over tp instead of split."""
     rules = dict(LOGICAL_RULES)
     if cfg is not None:
         if cfg.parallel.sequence_parallel:
-            rules["act_seq"] = "tp"
+            rules["act_seq"] = ("cp", "tp") if cfg.mesh.cp > 1 else "tp"
         if cfg.model.kv_heads % cfg.mesh.tp:
             rules["kv_heads"] = None
     return tuple(rules.items())

@@ -6,7 +6,7 @@ A layout is the config's mesh and parallel section: tp (within a node, dividing 
 gradient-accumulation steps), ZeRO-1 on or off, and sequence parallelism with collective matmul
 on or off. Each candidate passes `config.validate` (planning) exactly as a user's config would,
 so the search never proposes a layout the trainer refuses (cp > 1 today: not with pp and tp both
-> 1, XLA attention under full attention, no sequence parallelism, not microbatches with dp, cp and tp all > 1). A
+> 1, XLA attention under full attention, sequence parallelism by GSPMD's edges only, not microbatches with dp, cp and tp all > 1). A
 fused kernel on a slice is priced for its n queries; the w − 1 padded queries it also runs there
 (parallel/context_parallel.py) are not yet.
 

@@ -103,6 +103,8 @@ SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the ful
     ["mesh.cp=2", "model.attention=pallas"],
     pytest.param(["mesh.cp=8", "model.attention=pallas"], marks=SLOW),  # two hops, rank 0's keys masked
     ["mesh.cp=2", "model.loss_chunks=2"],  # the loss in slices, each a share of every rank's part
+    # sequence parallelism (GSPMD's): the residual stream over cp and tp between blocks
+    ["mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=xla"],
     # the pipeline (GPipe) with packed documents; 1F1B and full attention in the layouts below
     ["mesh.pp=2", "mesh.cp=4", "parallel.microbatches=4", "model.layers=4", "parallel.pp_schedule=gpipe",
      "model.document_eos=10"],
@@ -139,6 +141,15 @@ def test_context_parallel_layouts_match_one_device(overrides):
 def _cp_collectives(hlo: str, mesh):
     shape, names = tuple(mesh.devices.shape), tuple(mesh.axis_names)
     return [c for c in collectives.collectives(hlo) if collectives.group_axes(c.groups[0], shape, names) == "cp"]
+
+
+@STEPS
+def test_sequence_parallelism_with_cp_moves_nothing_more_over_cp():
+    """With sequence parallelism (GSPMD's edges) the residual stream is split over cp and tp: over
+    cp the step still moves the halo and the gradients' all-reduce only."""
+    _, _, hlo, _, mesh, _ = step(["mesh.dp=1", "mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true",
+                                  "parallel.tp_overlap=xla"])
+    assert {c.op for c in _cp_collectives(hlo, mesh)} == {"collective-permute", "all-reduce"}
 
 
 @STEPS
@@ -201,7 +212,8 @@ def test_the_batch_is_whole_rows_on_every_cp_rank():
     (["mesh.cp=2", "mesh.pp=2", "mesh.tp=2", "parallel.microbatches=2"], "mesh.tp=2 all > 1 aborts XLA's partitioner"),
     (["mesh.cp=2", "model.attention=pallas", "model.window=null"],
      "mesh.cp=2 with full attention .* runs with model.attention=xla only yet"),
-    (["mesh.cp=2", "parallel.sequence_parallel=true"], "both split the sequence"),
+    (["mesh.cp=2", "mesh.tp=2", "mesh.dp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=none"],
+     "runs with parallel.tp_overlap=xla only yet"),
     (["mesh.cp=2", "model.loss_chunks=32"], "model.loss_chunks=32 must divide each cp rank's model.seq_len/mesh.cp=16"),
     (["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2"], "aborts XLA's partitioner"),
     (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"],
