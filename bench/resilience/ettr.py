@@ -219,7 +219,7 @@ def add_restore_sources(run_dir: str, events: list[dict], rows: list[dict]) -> N
             for n, m in enumerate(starts)}
     for row in rows:
         resumed = next((e for e in events if e["kind"] == "resumed" and e["time"] > row["time"]), None)
-        log = logs.get(resumed["restarts"], "") if resumed and row["kind"] not in ("nan", "redis") else ""
+        log = logs.get(resumed.get("attempt", resumed["restarts"]), "") if resumed and row["kind"] not in ("nan", "redis") else ""
         row["restore_source"] = ("peer copy" if "restored its memory snapshot" in log else
                                  "local snapshot" if "resumed from memory snapshot" in log else
                                  "disk" if "resumed from checkpoint" in log else None)

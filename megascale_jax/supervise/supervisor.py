@@ -115,6 +115,7 @@ class Supervisor:
         self.stopped_at, self.stopped_for = 0.0, "the fault"  # when and why the last attempt ended
         self.grow: Grow | None = None  # a grow planned in this attempt, once slots came back
         self.returned_mtime, self.returned_read = 0.0, 0  # returned_hosts.txt as last read, its lines taken
+        self.restarts = 0  # recoveries so far (a grow is an attempt, not a restart)
 
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
@@ -150,6 +151,7 @@ class Supervisor:
         while True:
             if self.stop_signal:
                 return self._stopped(restarts)
+            self.restarts = restarts
             fault, last_step = self._attempt(number, resume_step)
             number += 1
             if isinstance(fault, Grow):
@@ -294,7 +296,8 @@ class Supervisor:
             fallback = f" (checkpoint {attempt.resume_step} was unreadable)" if start < attempt.resume_step else ""
             self.events.log("resumed", f"training resumed past step {start}{fallback}, {since:.1f}s after "
                             f"{self.stopped_for}", step=monitor.max_step, from_step=start, since_fault_s=since,
-                            restarts=attempt.number, relaunched_after_fault_s=self.attempt_started - self.stopped_at,
+                            restarts=self.restarts, attempt=attempt.number,
+                            relaunched_after_fault_s=self.attempt_started - self.stopped_at,
                             phases_s=monitor.start_phases())
             attempt.resume_step = None
 

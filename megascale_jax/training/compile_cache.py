@@ -416,7 +416,9 @@ def _program_key(name: str, config: dict, args: tuple) -> str:
 # Left out of the key so that editing them does not make every restart of a running job compile
 # afresh: in the ETTR drill, an edit of planner/ while the job ran made three processes of four
 # miss their entries after each restart, 12-15 s of compiling where loading takes 0.4 s.
-NOT_IN_PROGRAMS = ("planner/", "plan.py")
+# Modules no program is made from: the planner, and the driver's supervision (it runs no jax
+# program of the train step; an edit there must not make every worker of a run compile afresh).
+NOT_IN_PROGRAMS = ("planner/", "plan.py", "supervise/")
 
 
 @functools.cache

@@ -227,31 +227,29 @@ def test_bad_context_parallel_configs_are_one_line(overrides, message):
     assert "\n" not in str(e.value)
 
 
-def test_the_step_lowers_for_cuda():
-    """The train step on dp2 x cp2 x tp2 lowered for CUDA on this CPU-only machine (nothing
-    compiled): the halo's permutes are in the GPU program, forward and backward."""
-    cfg = _config(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2"])
+def cuda_step_text(overrides) -> str:
+    """The train step on `overrides`' mesh lowered for CUDA on this CPU-only machine (nothing compiled)."""
+    cfg = _config(overrides)
     trainer = build_trainer(cfg, make_mesh(cfg.mesh))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          jax.eval_shape(trainer.init), trainer.state_shardings)
     batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
                                  sharding=trainer.batch_sharding)
-    text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    return trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_the_step_lowers_for_cuda():
+    """dp2 x cp2 x tp2 for CUDA: the halo's permutes are in the GPU program, forward and backward."""
+    text = cuda_step_text(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2"])
     assert text.count("stablehlo.collective_permute") == 4  # k and v, forward and backward, in the layer loops
 
 
 def test_the_pallas_kernels_lower_for_cuda_on_each_slice():
-    """Pallas's attention on each cp rank's slice, lowered for CUDA on this CPU-only machine: the
-    kernels (forward, dq, dk/dv) are Triton calls in the program beside the halo's permutes.
-    cuDNN's needs the CUDA plugin even to lower: tests/aot compiles it for four H100s."""
-    cfg = _config(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.dtype=bfloat16",
-                   "model.d_model=128", "model.heads=2", "model.kv_heads=2"])
-    trainer = build_trainer(cfg, make_mesh(cfg.mesh))
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         jax.eval_shape(trainer.init), trainer.state_shardings)
-    batch = jax.ShapeDtypeStruct((cfg.train.global_batch, cfg.model.seq_len + 1), np.int32,
-                                 sharding=trainer.batch_sharding)
-    text = trainer.train_step.trace(state, batch).lower(lowering_platforms=("cuda",)).as_text()
+    """Pallas's attention on each cp rank's slice for CUDA: the kernels (forward, dq, dk/dv) are
+    Triton calls in the program beside the halo's permutes. cuDNN's needs the CUDA plugin even to
+    lower: tests/aot compiles it for eight H100s."""
+    text = cuda_step_text(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.dtype=bfloat16",
+                           "model.d_model=128", "model.heads=2", "model.kv_heads=2"])
     assert text.count("stablehlo.collective_permute") == 4, text.count("stablehlo.collective_permute")
     assert text.count("__gpu$xla.gpu.triton") >= 3, text.count("__gpu$xla.gpu.triton")  # forward, dq, dk/dv
 

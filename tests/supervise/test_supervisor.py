@@ -566,8 +566,10 @@ def test_with_no_spare_the_job_shrinks_from_memory_then_grows_back_when_the_slot
     assert restart["resume_from"] == "memory snapshot", restart
     readmit, rest = after(rest, "readmit")
     assert readmit["host"] == verdict_host(log), readmit
-    grow, _ = after(rest, "grow")
+    grow, rest = after(rest, "grow")
     assert (grow["dp"], grow["microbatches"], grow["nprocs"], grow["resume_from"]) == (2, 1, 2, "memory snapshot")
+    resumed, _ = after(rest, "resumed")  # a grow is the third attempt, not a second restart
+    assert (resumed["attempt"], resumed["restarts"]) == (2, 1) and "after the stop to grow" in resumed["summary"]
     regrown = grow["resume_step"]
     assert resume < regrown < 20 and regrown % 4 == 0, grow
     with open(drilled_dir / "excluded_hosts.txt") as f:
