@@ -52,13 +52,10 @@ def shrunk(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) ->
     if shape.dp == 1:
         raise ConfigError("mesh.dp=1 cannot shrink: there is no data-parallel replica to drop; set "
                           "supervisor.on_no_spare=stop to stop when no spare is left")
-    replica = cfg.mesh.pp * cfg.mesh.tp  # devices of one data-parallel replica
     rows = cfg.train.global_batch // (shape.dp * shape.microbatches)  # per microbatch per replica
-    for dp in range(shape.dp - 1, 0, -1):
-        if (dp * replica) % devices_per_process or dp * replica // devices_per_process > healthy:
-            continue  # whole processes only, and no more than are left
-        if cfg.train.global_batch % (dp * rows) == 0:
-            return Shape(dp * replica // devices_per_process, dp, cfg.train.global_batch // (dp * rows))
+    smaller = _largest(cfg, range(shape.dp - 1, 0, -1), rows, healthy, devices_per_process)
+    if smaller is not None:
+        return smaller
     raise ConfigError(
         f"cannot shrink mesh.dp={shape.dp} onto {healthy} healthy process(es): no smaller dp holds whole processes "
         f"of {devices_per_process} device(s) and divides train.global_batch={cfg.train.global_batch} into "
@@ -68,11 +65,17 @@ def shrunk(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) ->
 def grown(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) -> Shape | None:
     """The largest shape, up to the configured mesh.dp, that `healthy` processes hold with the same
     global batch and rows per microbatch per replica as `shape`; None when none is larger."""
-    replica = cfg.mesh.pp * cfg.mesh.tp
     rows = cfg.train.global_batch // (shape.dp * shape.microbatches)
-    for dp in range(cfg.mesh.dp, shape.dp, -1):
+    return _largest(cfg, range(cfg.mesh.dp, shape.dp, -1), rows, healthy, devices_per_process)
+
+
+def _largest(cfg: Config, dps, rows: int, healthy: int, devices_per_process: int) -> Shape | None:
+    """The first dp of `dps` (largest first) whose replicas are whole processes, no more than
+    `healthy`, and whose microbatches of `rows` rows per replica make up the global batch."""
+    replica = cfg.mesh.pp * cfg.mesh.tp  # devices of one data-parallel replica
+    for dp in dps:
         if (dp * replica) % devices_per_process or dp * replica // devices_per_process > healthy:
-            continue
+            continue  # whole processes only, and no more than are left
         if cfg.train.global_batch % (dp * rows) == 0:
             return Shape(dp * replica // devices_per_process, dp, cfg.train.global_batch // (dp * rows))
     return None
