@@ -104,7 +104,8 @@ def write_heatmap(t: Timings, offsets: np.ndarray, out: str) -> None:
 
 
 def device_labels(t: Timings, devices: np.ndarray) -> list[str]:
-    coords = {int(d["device"]): device_label(d, t.has_cp()) for d in t.devices}
+    with_cp = t.has_cp()  # once, not per device
+    coords = {int(d["device"]): device_label(d, with_cp) for d in t.devices}
     return [f"device {d} ({coords.get(int(d), '?')})" for d in devices]
 
 

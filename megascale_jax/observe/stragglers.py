@@ -26,7 +26,7 @@ import warnings
 import numpy as np
 
 from megascale_jax import run_dir as run_dirs
-from megascale_jax.observe.timings import AXIS_COLUMNS, Timings, coordinate, read_timings
+from megascale_jax.observe.timings import AXIS_COLUMNS, Timings, coordinate, device_label, read_timings
 from megascale_jax.run_dir import append_jsonl, read_jsonl
 
 
@@ -105,13 +105,14 @@ def find_stragglers(run_dir: str | Timings, threshold: float = 0.05, window: int
 
 
 def flag_slow_devices(t: Timings, threshold: float) -> list[dict]:
-    """`slow_devices` with each device's rank (process), host and mesh coordinates."""
-    table = {int(d["device"]): d for d in t.devices}
+    """`slow_devices` with each device's rank (process), host, mesh coordinates and their label
+    (naming cp on a mesh with cp, for every device alike)."""
+    table, with_cp = {int(d["device"]): d for d in t.devices}, t.has_cp()
     out = []
     for device, excess in slow_devices(t, threshold):
         row = table.get(device, {})
         out.append({"device": device, "rank": int(row.get("process", -1)), "host": row.get("host", "?"),
-                    **{axis: coordinate(row, axis) for axis in AXIS_COLUMNS},
+                    **{axis: coordinate(row, axis) for axis in AXIS_COLUMNS}, "coords": device_label(row, with_cp),
                     "excess": round(excess, 4), "threshold": threshold})
     return out
 

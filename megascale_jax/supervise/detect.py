@@ -44,7 +44,7 @@ from megascale_jax.cli import EXIT_CONFIG_ERROR, EXIT_DIVERGED, EXIT_NOT_SAVED, 
 from megascale_jax.cluster.rendezvous import HEARTBEAT_FIELDS, heartbeat_key
 from megascale_jax.config import Config
 from megascale_jax.observe.hangs import describe_exit
-from megascale_jax.observe.timings import device_label, read_timings
+from megascale_jax.observe.timings import read_timings
 from megascale_jax.supervise.events import EventLog
 
 log = get_logger("supervise", tag="[supervisor] ")
@@ -413,7 +413,7 @@ class StragglerWatch:
         # A device that computes slowly while its host dispatches on time (profiled steps only).
         for d in (d for d in slow if d["device"] not in self.slow_devices_seen):
             self.slow_devices_seen.add(d["device"])
-            where = f"device {d['device']} ({device_label(d, d['cp'] > 0)}) of rank {d['rank']} on {d['host']}"
+            where = f"device {d['device']} ({d['coords']}) of rank {d['rank']} on {d['host']}"
             self.events.log("slow_device", f"{where} computes {d['excess']:.0%} longer than the median device", **d)
             faults.append(Fault("straggler", d["rank"], f"{where} computes {d['excess']:.0%} longer than the "
                                 f"median device (threshold {d['threshold']:.0%})", now, now))
