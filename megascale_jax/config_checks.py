@@ -132,9 +132,6 @@ def check_context_parallel(mo, m, p) -> None:
         return
     require(mo.seq_len % m.cp == 0, f"model.seq_len={mo.seq_len} must be divisible by mesh.cp={m.cp} "
                                     "(each cp rank holds seq_len/cp tokens of every sequence)")
-    require(m.pp == 1 or m.tp == 1, f"mesh.cp={m.cp} with mesh.pp={m.pp} and mesh.tp={m.tp} all > 1 aborts XLA's "
-                                    "partitioner (the pipeline's shard_map is manual over pp, with cp and tp "
-                                    "automatic inside); drop one of the three axes")
     require(mo.attention == "xla" or mo.window is not None,
             f"mesh.cp={m.cp} with full attention (model.window=null) runs with model.attention=xla only yet "
             f"(not {mo.attention}): set model.attention=xla, or a model.window")
@@ -144,14 +141,6 @@ def check_context_parallel(mo, m, p) -> None:
     require(not p.sequence_parallel or (mo.seq_len // m.cp) % m.tp == 0,
             f"parallel.sequence_parallel=true splits each cp rank's model.seq_len/mesh.cp={mo.seq_len // m.cp} "
             f"tokens over mesh.tp={m.tp}, which must divide them")
-    require(not p.sequence_parallel or p.tp_overlap == "xla",
-            f"mesh.cp={m.cp} with parallel.sequence_parallel=true runs with parallel.tp_overlap=xla only yet "
-            f"(not {p.tp_overlap}): the explicit edges' shard_map splits the sequence over tp alone, so GSPMD "
-            "gathered it over cp around them; set parallel.tp_overlap=xla")
-    require(p.microbatches == 1 or m.dp == 1 or m.tp == 1,
-            f"parallel.microbatches={p.microbatches} with mesh.dp={m.dp}, cp={m.cp} and tp={m.tp} all > 1 aborts XLA's "
-            "partitioner (parallel/microbatches.py); use parallel.microbatches=1 or drop one of the three axes")
-
 
 
 def check_fp8(mo, m, p) -> None:

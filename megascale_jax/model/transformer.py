@@ -218,7 +218,8 @@ def attention_heads(c: ModelConfig, q, k, v, a: dict, positions):
 def self_attention(c: ModelConfig, q, k, v, a: dict, docs: Documents | None = None):
     """Projected (b, s, n*hd) q/k/v -> attention over the sequence (b, s, heads*head_dim), heads over
     tp; with `docs`, inside each packed document, its rotary positions from the document's start."""
-    positions = docs.positions if docs is not None and c.rope_restart else jnp.arange(q.shape[1])
+    positions = (docs.positions if docs is not None and c.rope_restart
+                 else context_parallel.first_position(q.shape[1]) + jnp.arange(q.shape[1]))
     q, k, v = attention_heads(c, q, k, v, a, positions)
     heads = ("batch", "seq", "heads", "head_dim")
     ids = None if docs is None else docs.ids
@@ -472,6 +473,8 @@ def score_fn(model: Transformer, params, batch, mask):
     """`target_scores` of `batch` ((batch, seq_len + 1) tokens: inputs and their next tokens, as
     `loss_fn` takes it) where `mask` (batch, seq_len) is 1."""
     tokens, targets = inputs_and_targets(batch)
+    if context_parallel.manual():  # the model returns this cp rank's slice: its targets' scores
+        targets, mask = context_parallel.own_slice(targets), context_parallel.own_slice(mask)
     return target_scores(model.apply({"params": params}, tokens), targets, mask)
 
 
@@ -495,7 +498,8 @@ def chunked_cross_entropy(cfg: ModelConfig, x, head, targets, parallel: Parallel
     and nothing crosses cp but the head's gradient, once (contiguous slices of the whole
     sequence would each live on one rank, and GSPMD gathered and reshuffled them)."""
     b, s, d = x.shape
-    n, g = cfg.loss_chunks, context_parallel.cp_size()
+    # g: the parts x holds (1 inside a region manual over cp, where x is one rank's part)
+    n, g = cfg.loss_chunks, 1 if context_parallel.manual() else context_parallel.cp_size()
 
     def sliced(a):  # (b, s, ...) -> (n, b, s/n, ...): the batch keeps its dp split, each part its cp rank
         a = a.reshape(b, g, n, s // (g * n), *a.shape[2:])
@@ -527,10 +531,13 @@ class Transformer(nn.Module):
     def __call__(self, tokens):
         c = self.cfg
         embed = _param(self, "embed", nn.initializers.normal(INIT_STD), (c.vocab, c.d_model), ("vocab", "embed"))
-        x = embed_tokens(c, embed, tokens, self.parallel)
         docs = None if c.document_eos is None else documents.layout(tokens, c.document_eos)
         if docs is not None:  # whole rows, as the tokens: the cumulative sums then cross no cp rank
             docs = Documents(*(_constrain(part, ("batch", None)) for part in docs))
+        if context_parallel.manual():  # whole rows in a region manual over cp: this rank's slice of them
+            tokens = context_parallel.own_slice(tokens)
+            docs = None if docs is None else Documents(*map(context_parallel.own_slice, docs))
+        x = embed_tokens(c, embed, tokens, self.parallel)
         x, _ = scanned_blocks(c.layers, c.remat, c.scan_unroll)(c, self.parallel, name="layers")(x, docs)
         x = norm(c, NormParams(c, name="final_norm")(), x)
         if self.hidden:
@@ -560,6 +567,8 @@ def loss_fn(model: Transformer, params, batch):
     tokens, targets = inputs_and_targets(batch)
     eos = model.cfg.document_eos
     weights = None if eos is None else documents.trained_targets(tokens, eos)
+    if context_parallel.manual():  # the model returns this cp rank's slice: the mean of its tokens
+        targets, weights = (None if x is None else context_parallel.own_slice(x) for x in (targets, weights))
     if model.cfg.loss_chunks > 1:
         x = model.clone(hidden=True).apply({"params": params}, tokens)
         return chunked_cross_entropy(model.cfg, x, lm_head(model.cfg, params), targets, model.parallel, weights)

@@ -3,11 +3,14 @@
 Everything in a layer but attention works token by token, so on a sequence split over cp it runs
 as it is: the logical axes `seq` and `act_seq` map to cp (`sharding.LOGICAL_RULES`) and GSPMD
 keeps each token's norms, matmuls, MLP and loss on the rank that holds it. Rotary positions are
-global for free: the model computes them in the global view (`arange(seq_len)`, or each packed
-document's positions), and each rank's slice of them is its own. The weights are replicated over
-cp, as over dp, so their gradients are summed over cp once per step like dp's. Only attention
-looks across tokens, and only attention runs here, in a `shard_map` manual over cp (dp and tp
-stay automatic), on each rank's slice of n = seq_len/cp queries, keys and values:
+global: in the global view the model computes them (`arange(seq_len)`, or each packed document's
+positions) and each rank's slice of them is its own. The weights are replicated over cp, as over
+dp, so their gradients are summed over cp once per step like dp's: for that the training step's
+gradient accumulation and the pipeline are manual over cp (`manual`), the model takes whole rows
+and cuts its rank's slice itself (`own_slice`, `first_position`), and each rank's gradients of
+its own tokens cross cp once, after the loop (parallel/microbatches.py). Only attention looks
+across tokens, and only attention runs here, in a `shard_map` manual over every mesh axis, on
+each rank's slice of n = seq_len/cp queries, keys and values:
 
 * Sliding window w (a query sees itself and the previous w-1 keys): rank r, holding positions
   [r·n, (r+1)·n), needs the h = w-1 keys and values just before r·n — the halo. They arrive by
@@ -54,11 +57,12 @@ import math
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from megascale_jax.model.attention import attend as one_device_attend
 from megascale_jax.model.attention import band_block, banded_attention, masked_attention, window_mask
 from megascale_jax.model.flops import halo_length  # JAX-free: the planner prices the same halo
+from megascale_jax.parallel import sharding
 
 AXIS = "cp"
 
@@ -67,6 +71,64 @@ def cp_size() -> int:
     """The cp axis' size in the mesh in scope (1 outside a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty or AXIS not in mesh.axis_names else mesh.shape[AXIS]
+
+
+def manual() -> bool:
+    """Whether an enclosing `shard_map` is manual over cp (the microbatch accumulation's,
+    `parallel/microbatches.py`): then the model holds whole rows of tokens, cuts its rank's slice
+    out itself (`own_slice`), and every activation is that slice, not the global view."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
+        return False
+    return mesh.axis_types[mesh.axis_names.index(AXIS)] == AxisType.Manual
+
+
+def own_slice(x, axis: int = 1):
+    """This cp rank's contiguous slice of whole rows `x` along `axis` (inside a region manual over
+    cp): positions [r·n, (r+1)·n) of rank r, n = length/cp. A local slice: nothing moves."""
+    n = x.shape[axis] // cp_size()
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(AXIS) * n, n, axis)
+
+
+def first_position(n: int):
+    """The global position of this rank's first token when the sequence is its slice of n tokens
+    (`manual`), else 0: rotary positions are global."""
+    return jax.lax.axis_index(AXIS) * n if manual() else 0
+
+
+# The axes the training step's forward runs manual over on cp > 1 (parallel/microbatches.py)
+SLICED = ("dp", AXIS)
+
+
+def _on_slices(cfg, fn):
+    """`fn` under the logical rules of a region manual over `SLICED`."""
+    def local(*args):
+        with sharding.axis_rules(cfg, manual=SLICED):
+            return fn(*args)
+    return local
+
+
+def mean_over_slices(cfg, mesh: Mesh, loss):
+    """`loss(params, batch)`, the mean over the batch's tokens, run as the training step runs the
+    model on cp > 1 — in a `shard_map` manual over dp and cp, each rank on its slice of its rows —
+    and averaged over dp and cp. For evaluation: in GSPMD's global view instead the sequence was
+    gathered over cp around sequence parallelism's explicit edges."""
+    replicas = mesh.shape["dp"] * mesh.shape[AXIS]
+    run = lambda params, batch: jax.lax.psum(_on_slices(cfg, loss)(params, batch), SLICED) / replicas
+    return jax.shard_map(run, mesh=mesh, axis_names=set(SLICED), in_specs=(P(), P("dp")), out_specs=P(),
+                         check_vma=False)
+
+
+def scores_over_slices(cfg, mesh: Mesh, score):
+    """`score(params, batch, mask)` -> (per-row summed log-probabilities, per-row all-greedy) run
+    as `mean_over_slices` runs the loss: each rank scores its slice of every row; the sums add over
+    cp, and a row is greedy where it is on every rank."""
+    def run(params, batch, mask):
+        summed, greedy = _on_slices(cfg, score)(params, batch, mask)
+        misses = jax.lax.psum((~greedy).astype(jnp.int32), AXIS)
+        return jax.lax.psum(summed, AXIS), misses == 0
+    return jax.shard_map(run, mesh=mesh, axis_names=set(SLICED), in_specs=(P(), P("dp"), P("dp")),
+                         out_specs=(P("dp"), P("dp")), check_vma=False)
 
 
 def halo_bytes(window: int, seq_len: int, cp: int, batch: int, kv_width: int, itemsize: int) -> int:
@@ -97,7 +159,9 @@ def attend(q, k, v, *, window: int | None, documents=None, kv_heads_axis: str = 
     specs = [nn.logical_to_mesh_axes(a) for a in axes[:len(args)]]
     if q.shape[0] % _size(mesh, specs[0][0]):  # the init's one dummy row: every device has it whole
         specs = [P(None, *spec[1:]) for spec in specs]
-    body = functools.partial(_local, cp=cp_size(), window=window, seq_len=q.shape[1], implementation=implementation)
+    # the sequence's length: q's in the global view, cp slices of it inside a region manual over cp
+    seq_len = q.shape[1] * (cp_size() if manual() else 1)
+    body = functools.partial(_local, cp=cp_size(), window=window, seq_len=seq_len, implementation=implementation)
     return jax.shard_map(body, in_specs=tuple(specs), out_specs=specs[0], axis_names=auto, check_vma=False)(*args)
 
 

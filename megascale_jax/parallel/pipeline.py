@@ -72,12 +72,18 @@ from megascale_jax.config import Config
 from megascale_jax.model import documents
 from megascale_jax.model.transformer import (chunked_cross_entropy, cross_entropy, embed_tokens, lm_head, lm_logits,
                                              norm, run_layers, target_scores)
-from megascale_jax.parallel import sharding
+from megascale_jax.parallel import context_parallel, sharding
 from megascale_jax.parallel.pipeline_stash import STASHES, NoStash
 from megascale_jax.parallel.reduce_scatter import reduce_scatter
 from megascale_jax.pipeline_schedule import Schedule, build, forward_only
 
 FIELDS = ("valid", "mb", "chunk", "slot")
+
+
+def manual_axes(cfg: Config) -> tuple[str, ...]:
+    """The axes the pipeline's shard_map is manual over: pp and dp, and cp where the sequence is
+    split (each rank runs its slice; see `train_stage`)."""
+    return ("dp", "pp", "cp") if cfg.mesh.cp > 1 else ("dp", "pp")
 
 
 def schedule_for(cfg: Config) -> Schedule:
@@ -182,15 +188,14 @@ def dp_dim(spec) -> int | None:
     return None
 
 
-def reduce_over_dp(x, dim: int | None, tp_spec: P = P()):
-    """Sum over dp: a reduce-scatter along `dim` (the ZeRO-1 split), or an all-reduce. A gradient
-    split over tp (`tp_spec`) is reduced shard by shard, under a shard_map manual over tp: left to
-    GSPMD, a reduce-scatter in this dp-manual region gathered the tp shards first, moving tp×
-    the bytes over dp."""
-    if dim is None:
-        op = lambda y: jax.lax.psum(y, "dp")
-    else:
-        op = lambda y: reduce_scatter(y, "dp", dim)
+def reduce_over_dp(x, dim: int | None, tp_spec: P = P(), then: tuple[str, ...] = ()):
+    """Sum over dp: a reduce-scatter along `dim` (the ZeRO-1 split), or an all-reduce; then over
+    the manual axes `then` (cp: only the dp shard crosses it). A gradient split over tp
+    (`tp_spec`) is reduced shard by shard, under a shard_map manual over tp: left to GSPMD, a
+    reduce-scatter in this dp-manual region gathered the tp shards first, moving tp× the bytes
+    over dp."""
+    over_dp = (lambda y: jax.lax.psum(y, "dp")) if dim is None else (lambda y: reduce_scatter(y, "dp", dim))
+    op = (lambda y: jax.lax.psum(over_dp(y), then)) if then else over_dp
     if all(a is None for a in tp_spec):
         return op(x)
     return jax.shard_map(op, in_specs=tp_spec, out_specs=tp_spec, axis_names={"tp"}, check_vma=False)(x)
@@ -220,6 +225,12 @@ class Stage:
         self.cfg, self.masked, self.scale = cfg, masked, scale
         self.embed, self.final_norm, self.head = embed, final_norm, head
         self.chunks, self.index, self.inputs, self.targets, self.act = stage_view(cfg, stage_layers, tokens)
+        # Manual over cp (training): whole rows in, this rank's slice of the sequence through the
+        # chunks; the documents' layout still from whole rows (its cumulative sums cross slices)
+        self.whole_inputs = self.inputs
+        if context_parallel.manual():
+            self.inputs, self.targets = (context_parallel.own_slice(x, axis=2) for x in (self.inputs, self.targets))
+            self.act = context_parallel.own_slice(self.act)
 
     def work(self, row, direction: str) -> dict:
         """This stage's entry of a table row for its forward ("f") or backward ("b"): valid, mb,
@@ -241,7 +252,10 @@ class Stage:
         """Microbatch `mb`'s packed documents (`model.document_eos`), or None: recomputed from its
         input tokens, which every stage holds (see "Documents" above)."""
         eos = self.cfg.model.document_eos
-        return None if eos is None else documents.layout(self.inputs[mb], eos)
+        if eos is None:
+            return None
+        docs = documents.layout(self.whole_inputs[mb], eos)
+        return documents.Documents(*map(context_parallel.own_slice, docs)) if context_parallel.manual() else docs
 
     def head_loss(self, final_norm, head, y, mb):
         """Microbatch `mb`'s share of the step's loss, from the last chunk's output `y`; with
@@ -276,11 +290,14 @@ class Stage:
 
 class GradientPlacement:
     """Where each gradient lives, from `grad_specs` (see `loss_and_grads`): per leaf, the dimension
-    its dp reduction scatters along (`dims`; -1: an all-reduce) and its tp split (`tp`)."""
+    its dp reduction scatters along (`dims`; -1: an all-reduce) and its tp split (`tp`). With cp > 1
+    (the shard_map manual over cp too) each reduction is summed over cp after dp."""
 
-    def __init__(self, specs, dp: int, constrain: bool):
+    def __init__(self, specs, dp: int, constrain: bool, cp: int = 1):
         is_spec = lambda x: isinstance(x, P)
         self.dp, self.constrain = dp, constrain
+        self.then = ("cp",) if cp > 1 else ()
+        self.reduces = dp > 1 or cp > 1  # whether the gradients leave a stage through `reduce`
         self.dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), specs, is_leaf=is_spec)
         # Each gradient's tp split (the manual axes dropped), in the stored layout — which is also a
         # chunk's, (c, ...) like (L, ...) — and in the loop's (v, c, ...). The accumulators keep it,
@@ -295,9 +312,9 @@ class GradientPlacement:
         return jax.tree.map(jax.lax.with_sharding_constraint, tree, specs) if self.constrain else tree
 
     def reduce(self, tree, key: str):
-        """`tree`, gradients of `params[key]` (or of one chunk of the layers), summed over dp."""
-        return jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t), tree, self.dims[key],
-                            self.tp[key])
+        """`tree`, gradients of `params[key]` (or of one chunk of the layers), summed over dp (and cp)."""
+        return jax.tree.map(lambda x, k, t: reduce_over_dp(x, None if k < 0 else k, t, self.then), tree,
+                            self.dims[key], self.tp[key])
 
     def empty_reduced(self, chunks):
         """Per chunk, the dp-reduced gradient: with ZeRO-1 1/dp of it along the split dimension."""
@@ -324,7 +341,7 @@ class TrainingTick:
         loss_add, d_chunk, d_head, dx = self.backward(b, b_valid, kept, cot_in)
         g_layers = set_entry(g_layers, b["chunk"], jax.tree.map(jnp.add, chunk_params_of(g_layers, b["chunk"]), d_chunk))
         grads = (g_layers, g_embed + self.embedding_grad(b, dx), jax.tree.map(jnp.add, g_head, d_head))
-        if self.grads.dp > 1:
+        if self.grads.reduces:
             reduced = self.grads.keep_tp(self.reduce_finished_chunk(b, g_layers, reduced), self.grads.loop_layers)
         grads = self.grads.keep_tp(grads, self.grads.accumulators)
         p = self.stage.cfg.mesh.pp
@@ -391,13 +408,14 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
     specs = grad_specs if grad_specs is not None else jax.tree.map(lambda _: P(), params)
     if cfg.model.tied_embeddings:  # the last stage's head is the embedding's transpose; its gradient adds
         params, specs = with_tied_head(params), with_tied_head(specs)
-    grads = GradientPlacement(specs, mesh.shape["dp"], constrain=grad_specs is not None)
+    cp = mesh.shape["cp"]
+    grads = GradientPlacement(specs, mesh.shape["dp"], constrain=grad_specs is not None, cp=cp)
     out = jax.tree.map(manual_spec, grads.dims)
     if cfg.model.tied_embeddings:  # the head's gradient leaves the stage folded into the embedding's
         out["head"] = None
     run = jax.shard_map(
         functools.partial(train_stage, cfg, explicit_collectives(cfg, mesh), grads, schedule_for(cfg)),
-        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        mesh=mesh, axis_names=set(manual_axes(cfg)), check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")),
         out_specs=(P(), jax.tree.map(lambda d: manual_spec(d, "pp"), grads.dims["layers"]),
                    out["embed"], out["final_norm"], out["head"]))
@@ -411,30 +429,34 @@ def loss_and_grads(cfg: Config, mesh: Mesh, params, batch, grad_specs=None):
 def train_stage(cfg: Config, masked: bool, grads: GradientPlacement, schedule: Schedule,
                 stage_layers, embed, final_norm, head, tokens):
     """The shard_map body of `loss_and_grads`: one stage's ticks, then its gradients reduced over dp
-    (the layers' already, chunk by chunk inside the loop) and summed over pp."""
-    dp = grads.dp
-    # loss = mean over microbatches and dp replicas of per-microbatch means
-    stage = Stage(cfg, masked, 1.0 / (cfg.parallel.microbatches * dp), stage_layers, embed, final_norm, head, tokens)
+    and cp (the layers' already, chunk by chunk inside the loop) and summed over pp. With cp > 1
+    the shard_map is manual over cp as well: each rank runs its slice of every microbatch's
+    sequence and sums its own tokens' gradients, which cross cp once a step (left to GSPMD, they
+    were all-reduced over cp in every tick)."""
+    manual = manual_axes(cfg)
+    # loss = mean over microbatches, dp replicas and cp slices of per-slice means
+    scale = 1.0 / (cfg.parallel.microbatches * grads.dp * cfg.mesh.cp)
+    stage = Stage(cfg, masked, scale, stage_layers, embed, final_norm, head, tokens)
     accumulators = grads.keep_tp((zeros(stage.chunks), zeros(embed), zeros((final_norm, head))), grads.accumulators)
-    with sharding.axis_rules(cfg, manual=("dp", "pp")):
+    with sharding.axis_rules(cfg, manual=manual):
         stash = STASHES[cfg.parallel.pp_stash](stage.run_chunk, chunk_params_of(stage.chunks, 0), stage.act,
                                                stage.documents(0))
         kept = stash.empty(schedule.slots, stage.act)
-        reduced = grads.empty_reduced(stage.chunks) if dp > 1 else ()
+        reduced = grads.empty_reduced(stage.chunks) if grads.reduces else ()
         carry = (stage.act, stage.act, kept, accumulators, reduced, jnp.zeros((), jnp.float32))
         (_, _, _, (g_layers, g_embed, (g_norm, g_head)), reduced, loss), _ = jax.lax.scan(
             TrainingTick(stage, stash, grads), carry, table_arrays(schedule))
-    if dp > 1:
+    if grads.reduces:
         g_layers = reduced
     g_layers = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), g_layers)
     if cfg.model.tied_embeddings:  # one matrix: its two gradients added before they travel, so
         # dp and pp move it once (reduced apart and summed after, they moved it twice)
         g_embed, g_head = g_embed + g_head.T, None
-    if dp > 1:  # over dp first: with ZeRO-1 the sum over pp then moves 1/dp of the data
+    if grads.reduces:  # over dp (and cp) first: with ZeRO-1 the sum over pp then moves 1/dp of the data
         g_embed, g_norm = grads.reduce(g_embed, "embed"), grads.reduce(g_norm, "final_norm")
         g_head = None if g_head is None else grads.reduce(g_head, "head")
     g_embed, g_norm, g_head = jax.lax.psum((g_embed, g_norm, g_head), "pp")
-    return jax.lax.psum(loss, ("dp", "pp")), g_layers, g_embed, g_norm, g_head
+    return jax.lax.psum(loss, manual), g_layers, g_embed, g_norm, g_head
 
 
 def with_tied_head(tree):
@@ -453,10 +475,10 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
     training schedule (`forward_only`), activations passed on as in training, the head and loss
     on the last stage. Layer weights stay on their stages (no all-gather over pp, unlike running
     the plain model under GSPMD); equals the single-device loss."""
-    scale = 1.0 / (cfg.parallel.microbatches * mesh.shape["dp"])
+    scale = 1.0 / (cfg.parallel.microbatches * mesh.shape["dp"] * mesh.shape["cp"])
     run = jax.shard_map(
         functools.partial(evaluate_stage, cfg, explicit_collectives(cfg, mesh), scale, forward_only(schedule_for(cfg))),
-        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        mesh=mesh, axis_names=set(manual_axes(cfg)), check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp")), out_specs=P())
     return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch)
 
@@ -464,11 +486,11 @@ def loss(cfg: Config, mesh: Mesh, params, batch):
 def evaluate_stage(cfg: Config, masked: bool, scale: float, schedule: Schedule,
                    stage_layers, embed, final_norm, head, tokens):
     """The shard_map body of `loss`: one stage's ticks, each the training tick's forward (keeping
-    nothing) and, after the last chunk, the head's loss; the loss summed over dp and pp."""
+    nothing) and, after the last chunk, the head's loss; the loss summed over dp and pp (and cp)."""
     stage = Stage(cfg, masked, scale, stage_layers, embed, final_norm, head, tokens)
     loss = lambda y, mb, total: total + stage.head_loss(stage.final_norm, stage.head, y, mb)
     total = forward_ticks(cfg, schedule, stage, loss, jnp.zeros((), jnp.float32))
-    return jax.lax.psum(total, ("dp", "pp"))
+    return jax.lax.psum(total, manual_axes(cfg))
 
 
 def forward_ticks(cfg: Config, schedule: Schedule, stage: Stage, head_out, out):
@@ -485,7 +507,7 @@ def forward_ticks(cfg: Config, schedule: Schedule, stage: Stage, head_out, out):
                            lambda y, out: out, y, out)
         return (send_forward(y, cfg.mesh.pp), out), None
 
-    with sharding.axis_rules(cfg, manual=("dp", "pp")):
+    with sharding.axis_rules(cfg, manual=manual_axes(cfg)):
         (_, out), _ = jax.lax.scan(tick, (stage.act, out), table_arrays(schedule))
     return out
 
@@ -496,7 +518,7 @@ def score(cfg: Config, mesh: Mesh, params, batch, mask):
     the last stage. Returns (summed log-probabilities, all greedy), one per row, split over dp."""
     run = jax.shard_map(
         functools.partial(score_stage, cfg, explicit_collectives(cfg, mesh), forward_only(schedule_for(cfg))),
-        mesh=mesh, axis_names={"pp", "dp"}, check_vma=False,
+        mesh=mesh, axis_names=set(manual_axes(cfg)), check_vma=False,
         in_specs=(jax.tree.map(lambda _: P("pp"), params["layers"]), P(), P(), P(), P("dp"), P("dp")),
         out_specs=(P("dp"), P("dp")))
     return run(params["layers"], params["embed"], params["final_norm"], lm_head(cfg.model, params), batch, mask)
@@ -504,9 +526,12 @@ def score(cfg: Config, mesh: Mesh, params, batch, mask):
 
 def score_stage(cfg: Config, masked: bool, schedule: Schedule, stage_layers, embed, final_norm, head, tokens, mask):
     """The shard_map body of `score`: microbatch mb's rows' scores into row mb of the outputs on
-    the last stage (zeros elsewhere), summed over pp."""
+    the last stage (zeros elsewhere), summed over pp; with cp, each rank's slice's, summed over cp
+    (a row greedy where it is on every rank)."""
     stage = Stage(cfg, masked, 1.0, stage_layers, embed, final_norm, head, tokens)
-    masks = mask.reshape(stage.targets.shape)
+    masks = mask.reshape(*stage.targets.shape[:2], -1)
+    if context_parallel.manual():
+        masks = context_parallel.own_slice(masks, axis=2)
 
     def scores(y, mb, out):
         logits = lm_logits(cfg.model, stage.final_norm, stage.head, y, cfg.parallel)
@@ -515,4 +540,6 @@ def score_stage(cfg: Config, masked: bool, schedule: Schedule, stage_layers, emb
 
     rows = jnp.zeros(stage.targets.shape[:2], jnp.float32), jnp.zeros(stage.targets.shape[:2], jnp.int32)
     summed, greedy = jax.lax.psum(forward_ticks(cfg, schedule, stage, scores, rows), "pp")
+    if context_parallel.manual():
+        summed, greedy = jax.lax.psum(summed, "cp"), jax.lax.psum(greedy, "cp") // cfg.mesh.cp
     return summed.reshape(-1), greedy.reshape(-1) > 0

@@ -63,7 +63,11 @@ def axis_rules(cfg: Config | None = None, manual: tuple[str, ...] = ()):
 
     Inside a `shard_map` that is manual over some mesh axes, constraints may only name the
     remaining (automatic) axes: the `manual` ones are dropped from the rules."""
-    return nn.logical_axis_rules(tuple((name, None if axis in manual else axis) for name, axis in rules_for(cfg)))
+    def automatic(axis):  # an entry of the rules (None, a mesh axis or a tuple of them) less the manual axes
+        kept = tuple(a for a in ((axis,) if isinstance(axis, str) else axis or ()) if a not in manual)
+        return kept[0] if len(kept) == 1 else (kept or None)
+
+    return nn.logical_axis_rules(tuple((name, automatic(axis)) for name, axis in rules_for(cfg)))
 
 
 def per_device(fn, in_axes: tuple[tuple[str, ...], ...], out_axes: tuple[str, ...]):

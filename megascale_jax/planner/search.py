@@ -5,8 +5,8 @@ A layout is the config's mesh and parallel section: tp (within a node, dividing 
 1/2/4), the microbatch count (for a pipeline a multiple of pp from pp up, else
 gradient-accumulation steps), ZeRO-1 on or off, and sequence parallelism with collective matmul
 on or off. Each candidate passes `config.validate` (planning) exactly as a user's config would,
-so the search never proposes a layout the trainer refuses (cp > 1 today: not with pp and tp both
-> 1, XLA attention under full attention, sequence parallelism by GSPMD's edges only, not microbatches with dp, cp and tp all > 1). A
+so the search never proposes a layout the trainer refuses (cp > 1 today: XLA attention under full
+attention, sequence parallelism by GSPMD's edges only). A
 fused kernel on a slice is priced for its n queries; the w − 1 padded queries it also runs there
 (parallel/context_parallel.py) are not yet.
 
@@ -16,7 +16,7 @@ or k/v gather, and the gradients' all-reduce over cp) and what it saves (activat
 priced, so the ranking decides. On a short sequence of full attention a cp layout loses to dp
 by its transfers and ranks below it (tested); with a window, XLA's attention on a slice scores
 n × (n + w − 1) keys instead of seq_len², which the ranking weighs too. The candidates cp adds
-are pp = 1 ones only, a few per tp.
+are tried with every pp, as dp's are.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def candidates(cfg: Config, gpus: int, gpus_per_node: int) -> Iterator[Config]:
     m = cfg.model
     for tp in [d for d in divisors(gpus) if d <= gpus_per_node]:
         for cp in cp_sizes(m.seq_len, gpus // tp):
-            # cp > 1 runs without a pipeline (config_checks.check_context_parallel)
-            for pp in [d for d in divisors(gpus // (tp * cp)) if m.layers % d == 0 and (cp == 1 or d == 1)]:
+            for pp in [d for d in divisors(gpus // (tp * cp)) if m.layers % d == 0]:
                 yield from _layouts(cfg, gpus, tp, cp, pp)
 
 

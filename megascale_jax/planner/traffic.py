@@ -157,11 +157,10 @@ def cp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
         one permute a slice it reaches back, the same positions in all;
       - full attention: k and v all-gathered (their gradients reduce-scattered), 2·gather(seq_len·K);
     * gradients: the weights are replicated over cp, so their gradients are all-reduced over cp,
-      all_reduce(P · grad bytes, cp), after the dp reduction (not once over dp × cp), and with
-      `cp_reduce_per_microbatch` once per microbatch, m times: this project's accumulation
-      (m > 1) is manual over dp only and GSPMD reduces over cp inside it
-      (parallel/microbatches.py; the compiled step at dp2 cp2 m2 moved 1.44× the once-a-step
-      bytes over cp, 1.62 P where this prices 2 P)."""
+      all_reduce(P · grad bytes, cp), after the dp reduction (not once over dp × cp), once a
+      step: the accumulation and the pipeline are manual over cp as over dp
+      (parallel/microbatches.py); with `cp_reduce_per_microbatch` (a runtime that leaves the
+      accumulation to GSPMD, as this project's did before) once per microbatch, m times."""
     if w.cp == 1:
         return {"attention": 0.0, "gradients": 0.0}
     k = kv_position_bytes(w)

@@ -184,13 +184,13 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla",
         gspmd_edges=par.tp_overlap == "xla",  # else Megatron's vocab-parallel edges (tensor_parallel.embed_lookup)
         dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
-        # parallel/microbatches.py: m = 1 with dp = 1 or cp > 1 takes jax.value_and_grad's
-        # gradients as they are, otherwise a scan adds each microbatch's into zeros_like(params)
-        grad_accumulator=not (mesh.pp == 1 and par.microbatches == 1 and (dp == 1 or mesh.cp > 1)),
+        # parallel/microbatches.py: m = 1 with dp = cp = 1 takes jax.value_and_grad's gradients as
+        # they are, otherwise a scan adds each microbatch's into zeros_like(params)
+        grad_accumulator=not (mesh.pp == 1 and par.microbatches == 1 and dp == 1 and mesh.cp == 1),
         activation_bytes=2 if m.dtype == "bfloat16" else 4, gated_mlp=m.activation == "swiglu",
         optimizer=cfg.optim.name, head_recompute=m.loss_chunks > 1, head_grad_float32=m.head_grad_float32,
         tied_embedding=m.tied_embeddings, gradient_norm=True, cp=mesh.cp,
-        cp_reduce_per_microbatch=True,
+        cp_reduce_per_microbatch=False,  # the accumulation and the pipeline are manual over cp too
         xla_band_block=flops.band_block(m.seq_len // mesh.cp, m.window) if m.attention == "xla" else None)
 
 

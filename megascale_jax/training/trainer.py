@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from megascale_jax.config import Config
 from megascale_jax.model import flops
 from megascale_jax.model.transformer import Transformer, loss_fn, score_fn
-from megascale_jax.parallel import layout, microbatches, pipeline, sharding
+from megascale_jax.parallel import context_parallel, layout, microbatches, pipeline, sharding
 from megascale_jax.training import compile_cache, save_copy
 from megascale_jax.training.optim import current_learning_rate, layer_axes, make_optimizer
 from megascale_jax.training.state import TrainState
@@ -106,11 +106,16 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         # every stage's layer weights onto every device.
         if cfg.mesh.pp > 1:
             return pipeline.loss(cfg, mesh, params, batch)
+        if cfg.mesh.cp > 1:  # each cp rank its slice, as the training step runs it
+            return context_parallel.mean_over_slices(cfg, mesh, lambda p, b: loss_fn(model, p, b))(params, batch)
         return loss_fn(model, params, batch)
 
     def score_rows(params, batch, mask):
         if cfg.mesh.pp > 1:  # through the pipeline, as eval_loss
             return pipeline.score(cfg, mesh, params, batch, mask)
+        if cfg.mesh.cp > 1:
+            score = lambda p, b, m: score_fn(model, p, b, m)
+            return context_parallel.scores_over_slices(cfg, mesh, score)(params, batch, mask)
         return score_fn(model, params, batch, mask)
 
     def train_step(state: TrainState, batch):
