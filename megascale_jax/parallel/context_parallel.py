@@ -1,16 +1,18 @@
 """Context parallelism: every sequence split into mesh.cp contiguous slices, one per cp rank.
 
-Everything in a layer but attention works token by token, so on a sequence split over cp it runs
-as it is: the logical axes `seq` and `act_seq` map to cp (`sharding.LOGICAL_RULES`) and GSPMD
-keeps each token's norms, matmuls, MLP and loss on the rank that holds it. Rotary positions are
-global: in the global view the model computes them (`arange(seq_len)`, or each packed document's
-positions) and each rank's slice of them is its own. The weights are replicated over cp, as over
-dp, so their gradients are summed over cp once per step like dp's: for that the training step's
-gradient accumulation and the pipeline are manual over cp (`manual`), the model takes whole rows
-and cuts its rank's slice itself (`own_slice`, `first_position`), and each rank's gradients of
-its own tokens cross cp once, after the loop (parallel/microbatches.py). Only attention looks
-across tokens, and only attention runs here, in a `shard_map` manual over every mesh axis, on
-each rank's slice of n = seq_len/cp queries, keys and values:
+Everything in a layer but attention works token by token, so each rank runs it on its slice as
+it is. The training step (the gradient accumulation, parallel/microbatches.py, or the pipeline),
+evaluation and the downstream scores run the model in a `shard_map` manual over cp (and dp, and
+pp where there is one): the model takes whole rows of tokens and cuts its rank's slice out itself
+(`manual`, `own_slice`); rotary positions are global (`first_position`), and packed documents'
+layout comes from the whole rows; each rank's loss is the mean of its own tokens and its
+gradients those of its own tokens, which cross cp once, after the loop, since the weights are
+replicated over cp as over dp. (In GSPMD's global view — the logical axes `seq` and `act_seq`
+map to cp, `sharding.LOGICAL_RULES` — the model runs unchanged too; there GSPMD reduced the
+gradients over cp inside every microbatch, and gathered the sequence around sequence
+parallelism's explicit edges.) Only attention looks across tokens, and only attention runs here,
+in a `shard_map` manual over every remaining mesh axis, on each rank's slice of n = seq_len/cp
+queries, keys and values:
 
 * Sliding window w (a query sees itself and the previous w-1 keys): rank r, holding positions
   [r·n, (r+1)·n), needs the h = w-1 keys and values just before r·n — the halo. They arrive by
@@ -74,9 +76,9 @@ def cp_size() -> int:
 
 
 def manual() -> bool:
-    """Whether an enclosing `shard_map` is manual over cp (the microbatch accumulation's,
-    `parallel/microbatches.py`): then the model holds whole rows of tokens, cuts its rank's slice
-    out itself (`own_slice`), and every activation is that slice, not the global view."""
+    """Whether an enclosing `shard_map` is manual over cp (the training step's, evaluation's, the
+    pipeline's): then the model holds whole rows of tokens, cuts its rank's slice out itself
+    (`own_slice`), and every activation is that slice, not the global view."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or AXIS not in mesh.axis_names or mesh.shape[AXIS] == 1:
         return False
