@@ -132,9 +132,9 @@ def check_context_parallel(mo, m, p) -> None:
         return
     require(mo.seq_len % m.cp == 0, f"model.seq_len={mo.seq_len} must be divisible by mesh.cp={m.cp} "
                                     "(each cp rank holds seq_len/cp tokens of every sequence)")
-    require(mo.attention == "xla" or mo.window is not None,
-            f"mesh.cp={m.cp} with full attention (model.window=null) runs with model.attention=xla only yet "
-            f"(not {mo.attention}): set model.attention=xla, or a model.window")
+    require(mo.attention != "cudnn" or mo.window is not None,
+            f"mesh.cp={m.cp} with full attention (model.window=null) runs with model.attention=xla|pallas, not "
+            "cudnn (its kernel takes no queries' offset into the keys): set model.attention=pallas, or a model.window")
     require((mo.seq_len // m.cp) % mo.loss_chunks == 0,
             f"model.loss_chunks={mo.loss_chunks} must divide each cp rank's model.seq_len/mesh.cp="
             f"{mo.seq_len // m.cp} tokens (every loss slice takes its share of each rank's part)")

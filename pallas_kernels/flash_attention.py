@@ -69,37 +69,41 @@ def _div(a, b: int):
     return lax.div(a, jnp.asarray(b, a.dtype))
 
 
-def kv_block_range(q_block, *, seq_len: int, window: int | None, block_q: int, block_k: int):
+def kv_block_range(q_block, *, seq_len: int, window: int | None, block_q: int, block_k: int, q_offset=0):
     """Inclusive range (lo, hi) of KV blocks that query block `q_block` must visit.
 
-    Real rows r of the block (r < seq_len) see keys max(r - w + 1, 0) .. r, so the block needs
-    the KV blocks covering [max(first - w + 1, 0), last]. Empty (hi < lo) for a block of
-    padding rows only. Works on traced int32 scalars (kernels) and int32 arrays (counting).
+    Query row r (r < seq_len real rows) sits at position p = q_offset + r and sees keys
+    max(p - w + 1, 0) .. p, so the block needs the KV blocks covering [max(first - w + 1, 0),
+    last] of its rows' positions. Empty (hi < lo) for a block of padding rows only. Works on
+    traced int32 scalars (kernels; `q_offset` may be traced too) and int32 arrays (counting).
     """
-    first = jnp.asarray(q_block, jnp.int32) * block_q
-    last = jnp.minimum(first + block_q, seq_len) - 1
+    row = jnp.asarray(q_block, jnp.int32) * block_q
+    first = q_offset + row
+    last = q_offset + jnp.minimum(row + block_q, seq_len) - 1
     lo = jnp.zeros_like(first) if window is None else _div(jnp.maximum(first - window + 1, 0), block_k)
-    hi = jnp.where(first < seq_len, _div(last, block_k), lo - 1)
+    hi = jnp.where(row < seq_len, _div(last, block_k), lo - 1)
     return lo, hi
 
 
-def q_block_range(kv_block, *, seq_len: int, window: int | None, block_q: int, block_k: int):
+def q_block_range(kv_block, *, seq_len: int, window: int | None, block_q: int, block_k: int, q_offset=0):
     """Inclusive range (lo, hi) of query blocks that see KV block `kv_block`: the transpose of
-    `kv_block_range` (the dk/dv kernel's loop bounds). Keys first..last are seen by real rows
-    first .. min(last + w - 1, seq_len - 1)."""
+    `kv_block_range` (the dk/dv kernel's loop bounds). Keys first..last are seen by real rows at
+    positions max(first, q_offset) .. min(last + w - 1, q_offset + seq_len - 1)."""
     first = jnp.asarray(kv_block, jnp.int32) * block_k
-    reach = seq_len - 1 if window is None else jnp.minimum(first + block_k - 1 + window - 1, seq_len - 1)
-    lo = _div(first, block_q)
-    hi = jnp.where(first < seq_len, _div(jnp.asarray(reach, jnp.int32), block_q), lo - 1)
+    end = q_offset + seq_len - 1  # the last real row's position
+    reach = end if window is None else jnp.minimum(first + block_k - 1 + window - 1, end)
+    start = jnp.maximum(first, q_offset)
+    lo = _div(start - q_offset, block_q)
+    hi = jnp.where(start <= reach, _div(jnp.asarray(reach - q_offset, jnp.int32), block_q), lo - 1)
     return lo, hi
 
 
-def full_kv_block_range(q_block, *, window: int | None, block_q: int, block_k: int):
+def full_kv_block_range(q_block, *, window: int | None, block_q: int, block_k: int, q_offset=0):
     """Inclusive range (lo, hi) of KV blocks whose every key every row of query block `q_block`
-    sees (key block wholly at or below the block's first row, and within the window of its last):
-    the kernels skip the mask there. May be empty or reach past `kv_block_range`; `unmasked_span`
-    clamps it into the visited range."""
-    first = jnp.asarray(q_block, jnp.int32) * block_q
+    sees (key block wholly at or below the block's first row's position, and within the window of
+    its last): the kernels skip the mask there. May be empty or reach past `kv_block_range`;
+    `unmasked_span` clamps it into the visited range."""
+    first = q_offset + jnp.asarray(q_block, jnp.int32) * block_q
     last = first + block_q - 1
     hi = _div(first + 1, block_k) - 1
     if window is None:
@@ -107,12 +111,13 @@ def full_kv_block_range(q_block, *, window: int | None, block_q: int, block_k: i
     return jnp.where(last - window >= 0, _div(jnp.maximum(last - window, 0), block_k) + 1, 0), hi
 
 
-def full_q_block_range(kv_block, *, window: int | None, block_q: int, block_k: int):
+def full_q_block_range(kv_block, *, window: int | None, block_q: int, block_k: int, q_offset=0):
     """The transpose of `full_kv_block_range`: inclusive range of query blocks every row of which
-    sees every key of KV block `kv_block` (the dk/dv kernel's unmasked steps)."""
-    first = jnp.asarray(kv_block, jnp.int32) * block_k
+    sees every key of KV block `kv_block` (the dk/dv kernel's unmasked steps); row i at position
+    q_offset + i."""
+    first = jnp.asarray(kv_block, jnp.int32) * block_k - q_offset  # key positions in row indices
     last = first + block_k - 1
-    lo = _div(last + block_q - 1, block_q)
+    lo = _div(jnp.maximum(last, 0) + block_q - 1, block_q)
     if window is None:
         return lo, jnp.full_like(first, np.iinfo(np.int32).max - 1)
     reach = first + window - block_q  # a query block starting at i·block_q <= reach ends within the window
@@ -159,7 +164,7 @@ def _visible(rows, cols, window):
 # ---------------------------------------------------------------------------------------------
 
 class _Cfg(NamedTuple):
-    seq_len: int  # real (unpadded) length
+    seq_len: int  # real (unpadded) length of the queries
     window: int | None
     block_q: int
     block_k: int
@@ -167,6 +172,7 @@ class _Cfg(NamedTuple):
     interpret: bool
     num_stages: int = 2  # Triton's software-pipelining depth (the GPU lowering's; ignored in interpret mode)
     segments: bool = False  # whether the kernels take segment (document) ids of queries and keys
+    offset: bool = False  # whether the kernels take the queries' offset into the keys (else 0)
 
     @property
     def scale(self) -> float:
@@ -187,10 +193,21 @@ def _dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _segment_refs(refs, cfg: _Cfg):
-    """A kernel's refs after q, k, v: (query rows' segment ids, keys' segment ids, the rest); the
-    ids None without segments."""
-    return (refs[0], refs[1], refs[2:]) if cfg.segments else (None, None, refs)
+class Extras(NamedTuple):
+    """What the kernels take beside q, k and v: the queries' and the keys' segment ids ((batch,
+    q_len) and (batch, kv_len) int32, or None) and the queries' offset into the keys ((1,) int32,
+    or None: aligned, query i at key position i). Integers: not differentiated."""
+    q_segments: jax.Array | None = None
+    k_segments: jax.Array | None = None
+    offset: jax.Array | None = None
+
+
+def _extra_refs(refs, cfg: _Cfg):
+    """A kernel's refs after q, k, v: (query rows' segment ids, keys' segment ids, the queries'
+    offset, the rest); the ids None without segments, the offset 0 without one."""
+    q_seg, k_seg, refs = (refs[0], refs[1], refs[2:]) if cfg.segments else (None, None, refs)
+    offset, refs = (refs[0][0], refs[1:]) if cfg.offset else (0, refs)
+    return q_seg, k_seg, offset, refs
 
 
 def _block_mask(rows, cols, cfg: _Cfg, masked: bool, q_seg, k_seg):
@@ -204,14 +221,14 @@ def _block_mask(rows, cols, cfg: _Cfg, masked: bool, q_seg, k_seg):
 
 
 def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
-    q_seg_ref, k_seg_ref, (o_ref, lse_ref) = _segment_refs(refs, cfg)
+    q_seg_ref, k_seg_ref, offset, (o_ref, lse_ref) = _extra_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     qi = pl.program_id(2)
     q = q_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
-    rows = qi * bq + jnp.arange(bq)
-    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk)
+    rows = offset + qi * bq + jnp.arange(bq)  # the rows' positions among the keys
+    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
+    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
 
     def body(j, carry, masked: bool):
         acc, m, l = carry
@@ -237,15 +254,15 @@ def _fwd_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
-    q_seg_ref, k_seg_ref, (do_ref, lse_ref, delta_ref, dq_ref) = _segment_refs(refs, cfg)
+    q_seg_ref, k_seg_ref, offset, (do_ref, lse_ref, delta_ref, dq_ref) = _extra_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     qi = pl.program_id(2)
     q, do = q_ref[...], do_ref[...]
     q_seg = None if q_seg_ref is None else q_seg_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
-    rows = qi * bq + jnp.arange(bq)
-    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk)
+    rows = offset + qi * bq + jnp.arange(bq)
+    lo, hi = kv_block_range(qi, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
+    full = full_kv_block_range(qi, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
 
     def body(j, dq, masked: bool):
         k = k_ref[pl.ds(j * bk, bk), :]
@@ -265,19 +282,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
 def _dkdv_kernel(q_ref, k_ref, v_ref, *refs, cfg: _Cfg):
     # q/do refs: (seq, group, d) — every query head sharing this kv head; lse/delta: (group, seq);
     # segment ids: the queries' (seq,), this block's keys' (block_k,).
-    q_seg_ref, k_seg_ref, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _segment_refs(refs, cfg)
+    q_seg_ref, k_seg_ref, offset, (do_ref, lse_ref, delta_ref, dk_ref, dv_ref) = _extra_refs(refs, cfg)
     bq, bk = cfg.block_q, cfg.block_k
     kj = pl.program_id(2)
     k, v = k_ref[...], v_ref[...]
     k_seg = None if k_seg_ref is None else k_seg_ref[...]
     cols = kj * bk + jnp.arange(bk)
-    lo, hi = q_block_range(kj, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk)
-    full = full_q_block_range(kj, window=cfg.window, block_q=bq, block_k=bk)
+    lo, hi = q_block_range(kj, seq_len=cfg.seq_len, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
+    full = full_q_block_range(kj, window=cfg.window, block_q=bq, block_k=bk, q_offset=offset)
 
     def body(i, carry, masked: bool):
         dk, dv = carry
         q_seg = None if q_seg_ref is None else q_seg_ref[pl.ds(i * bq, bq)]
-        visible = _block_mask(i * bq + jnp.arange(bq), cols, cfg, masked, q_seg, k_seg)
+        visible = _block_mask(offset + i * bq + jnp.arange(bq), cols, cfg, masked, q_seg, k_seg)
         for g in range(q_ref.shape[1]):  # static: the GQA group is small
             q = q_ref[pl.ds(i * bq, bq), g, :]
             do = do_ref[pl.ds(i * bq, bq), g, :]
@@ -309,77 +326,87 @@ def _call(kernel, cfg: _Cfg, grid, in_specs, out_specs, out_shape, name):
         out_shape=out_shape, interpret=cfg.interpret, compiler_params=params, name=name)
 
 
-def _specs(b_q, seq, d, group):
+def _specs(b_q, kv_seq, d, group):
     """BlockSpecs over the (batch, heads, q blocks) grid."""
     per_q = pl.BlockSpec((None, b_q, None, d), lambda b, h, i: (b, i, h, 0))
-    per_kv = pl.BlockSpec((None, seq, None, d), lambda b, h, i: (b, 0, h // group, 0))
+    per_kv = pl.BlockSpec((None, kv_seq, None, d), lambda b, h, i: (b, 0, h // group, 0))
     per_row = pl.BlockSpec((None, None, b_q), lambda b, h, i: (b, h, i))
     return per_q, per_kv, per_row
 
 
-def _segment_specs(segments, cfg: _Cfg, seq: int, by_query_block: bool):
-    """(in_specs, arrays) of the segment ids a kernel takes after q, k, v: none without segments;
+def _extra_specs(extras: Extras | None, cfg: _Cfg, by_query_block: bool):
+    """(in_specs, arrays) of what a kernel takes after q, k, v (`_extra_refs`): the segment ids —
     over a (batch, heads, q blocks) grid the query block's ids and the whole row's for the keys,
-    over (batch, kv heads, kv blocks) the whole row's for the queries and the key block's."""
-    if segments is None:
-        return [], []
-    whole = pl.BlockSpec((None, seq), lambda b, h, i: (b, 0))
-    block = pl.BlockSpec((None, cfg.block_q if by_query_block else cfg.block_k), lambda b, h, i: (b, i))
-    return ([block, whole] if by_query_block else [whole, block]), [segments, segments]
+    over (batch, kv heads, kv blocks) the whole row's for the queries and the key block's — then
+    the queries' offset."""
+    specs, arrays = [], []
+    if cfg.segments:
+        q_seg, k_seg = extras.q_segments, extras.k_segments
+        if by_query_block:
+            specs += [pl.BlockSpec((None, cfg.block_q), lambda b, h, i: (b, i)),
+                      pl.BlockSpec((None, k_seg.shape[1]), lambda b, h, i: (b, 0))]
+        else:
+            specs += [pl.BlockSpec((None, q_seg.shape[1]), lambda b, h, i: (b, 0)),
+                      pl.BlockSpec((None, cfg.block_k), lambda b, h, i: (b, i))]
+        arrays += [q_seg, k_seg]
+    if cfg.offset:
+        specs.append(pl.BlockSpec((1,), lambda b, h, i: (0,)))
+        arrays.append(extras.offset)
+    return specs, arrays
 
 
-def _forward(q, k, v, segments, cfg: _Cfg):
+def _forward(q, k, v, extras: Extras | None, cfg: _Cfg):
     batch, seq, heads, d = q.shape
     group = heads // k.shape[2]
-    per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
-    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=True)
+    per_q, per_kv, per_row = _specs(cfg.block_q, k.shape[1], d, group)
+    extra_specs, extra = _extra_specs(extras, cfg, by_query_block=True)
     return _call(
-        _fwd_kernel, cfg, (batch, heads, seq // cfg.block_q), [per_q, per_kv, per_kv, *seg_specs],
+        _fwd_kernel, cfg, (batch, heads, seq // cfg.block_q), [per_q, per_kv, per_kv, *extra_specs],
         [per_q, per_row],
         [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
-        "flash_attention_fwd")(q, k, v, *seg)
+        "flash_attention_fwd")(q, k, v, *extra)
 
 
-def _backward(q, k, v, segments, o, lse, do, cfg: _Cfg):
+def _backward(q, k, v, extras: Extras | None, o, lse, do, cfg: _Cfg):
     batch, seq, heads, d = q.shape
     kv_heads = k.shape[2]
     group = heads // kv_heads
     # delta_i = sum_d dO_id O_id: the softmax-backward row term, one cheap fused XLA reduction.
     delta = jnp.einsum("bshd,bshd->bhs", do.astype(jnp.float32), o.astype(jnp.float32))
 
-    per_q, per_kv, per_row = _specs(cfg.block_q, seq, d, group)
-    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=True)
+    per_q, per_kv, per_row = _specs(cfg.block_q, k.shape[1], d, group)
+    extra_specs, extra = _extra_specs(extras, cfg, by_query_block=True)
     dq = _call(_dq_kernel, cfg, (batch, heads, seq // cfg.block_q),
-               [per_q, per_kv, per_kv, *seg_specs, per_q, per_row, per_row], per_q,
-               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")(q, k, v, *seg, do, lse, delta)
+               [per_q, per_kv, per_kv, *extra_specs, per_q, per_row, per_row], per_q,
+               jax.ShapeDtypeStruct(q.shape, q.dtype), "flash_attention_dq")(q, k, v, *extra, do, lse, delta)
 
     # Grid over (batch, kv heads, kv blocks); each program sees the whole group of query heads.
     group_q = pl.BlockSpec((None, seq, group, d), lambda b, h, j: (b, 0, h, 0))
     group_row = pl.BlockSpec((None, group, seq), lambda b, h, j: (b, h, 0))
     per_k = pl.BlockSpec((None, cfg.block_k, None, d), lambda b, h, j: (b, j, h, 0))
-    seg_specs, seg = _segment_specs(segments, cfg, seq, by_query_block=False)
-    dk, dv = _call(_dkdv_kernel, cfg, (batch, kv_heads, seq // cfg.block_k),
-                   [group_q, per_k, per_k, *seg_specs, group_q, group_row, group_row], [per_k, per_k],
+    extra_specs, extra = _extra_specs(extras, cfg, by_query_block=False)
+    dk, dv = _call(_dkdv_kernel, cfg, (batch, kv_heads, k.shape[1] // cfg.block_k),
+                   [group_q, per_k, per_k, *extra_specs, group_q, group_row, group_row], [per_k, per_k],
                    [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   "flash_attention_dkdv")(q, k, v, *seg, do, lse, delta)
+                   "flash_attention_dkdv")(q, k, v, *extra, do, lse, delta)
     return dq, dk, dv
 
 
 def with_pallas_backward(forward):
-    """Attention whose forward is `forward(q, k, v, segments, cfg) -> (o, lse)` and whose gradient
-    is the Pallas dq and dk/dv kernels (shared by the Pallas and the Triton forward). `segments`:
-    (batch, seq) int32 segment ids of queries and keys, or None; not differentiated."""
+    """Attention whose forward is `forward(q, k, v, extras, cfg) -> (o, lse)` and whose gradient
+    is the Pallas dq and dk/dv kernels (shared by the Pallas and the Triton forward). `extras`:
+    an `Extras` (segment ids, the queries' offset) or None; not differentiated."""
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-    def attention(q, k, v, segments, cfg: _Cfg):
-        return forward(q, k, v, segments, cfg)[0]
+    def attention(q, k, v, extras, cfg: _Cfg):
+        return forward(q, k, v, extras, cfg)[0]
 
-    def attention_fwd(q, k, v, segments, cfg: _Cfg):
-        o, lse = forward(q, k, v, segments, cfg)
-        return o, (q, k, v, segments, o, lse)
+    def attention_fwd(q, k, v, extras, cfg: _Cfg):
+        o, lse = forward(q, k, v, extras, cfg)
+        return o, (q, k, v, extras, o, lse)
 
     def attention_bwd(cfg: _Cfg, residuals, do):
-        return *_backward(*residuals, do, cfg), None  # no cotangent for the integer segment ids
+        return *_backward(*residuals, do, cfg), None  # no cotangent for the integer ids and offset
 
     attention.defvjp(attention_fwd, attention_bwd)
     return attention
@@ -388,11 +415,19 @@ def with_pallas_backward(forward):
 _flash = with_pallas_backward(_forward)
 
 
-def flash_attention(q, k, v, *, window: int | None = None, segment_ids=None, block_q: int | None = None,
-                    block_k: int | None = None, num_stages: int = 2, interpret: bool | None = None):
+def flash_attention(q, k, v, *, window: int | None = None, segment_ids=None, q_offset=None, kv_segment_ids=None,
+                    block_q: int | None = None, block_k: int | None = None, num_stages: int = 2,
+                    interpret: bool | None = None):
     """Causal (window=None) or sliding-window attention; same contract as `attention_reference`.
     segment_ids: (batch, seq) integer ids of the packed documents (queries and keys alike, as in
     self-attention); a query sees keys of its own segment only. None: one sequence.
+
+    q_offset: None — queries and keys aligned, of one length (self-attention). Otherwise the
+    queries are a contiguous run of the keys' positions: query i sits at key position
+    q_offset + i (an int, or an int32 scalar traced at run time, e.g. a context-parallel rank's
+    slice start), keys may be longer than queries, and q_offset + q_len <= kv_len must hold.
+    The kernels visit only the key blocks the queries' windows reach, as without an offset. Then
+    `segment_ids` are the queries' (batch, q_len) and `kv_segment_ids` the keys' (batch, kv_len).
 
     block_q, block_k: tile sizes (default per backend, `DEFAULT_BLOCKS`), clamped to the padded
     sequence for short inputs. num_stages: the Triton lowering's pipelining depth on a GPU (2
@@ -400,29 +435,44 @@ def flash_attention(q, k, v, *, window: int | None = None, segment_ids=None, blo
     interpret mode iff lowered for the CPU.
     """
     batch, seq, heads, d = q.shape
-    if k.shape != v.shape or k.shape[:2] != (batch, seq) or k.shape[3] != d or heads % k.shape[2]:
+    kv_len = k.shape[1]
+    if (k.shape != v.shape or k.shape[0] != batch or k.shape[3] != d or heads % k.shape[2]
+            or (kv_len != seq if q_offset is None else kv_len < seq)):
         raise ValueError(f"flash_attention: q {q.shape} and k/v {k.shape}/{v.shape} need k == v "
-                         f"shapes, equal batch/seq/head_dim and kv_heads dividing heads")
+                         f"shapes, equal batch/head_dim, kv_heads dividing heads and equal lengths "
+                         f"(keys at least as long with a q_offset)")
     if window is not None and window < 1:
         raise ValueError(f"flash_attention: window={window} must be >= 1 or None")
-    if segment_ids is not None and (segment_ids.shape != (batch, seq)
-                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise ValueError(f"flash_attention: segment_ids {segment_ids.shape} {segment_ids.dtype} must be "
-                         f"integers of shape (batch, seq) = {(batch, seq)}")
-    cap = max(8, pl.next_power_of_2(seq))  # no point in blocks longer than the sequence
+    if isinstance(q_offset, int) and not 0 <= q_offset <= kv_len - seq:
+        raise ValueError(f"flash_attention: q_offset={q_offset} must be in [0, {kv_len - seq}] "
+                         f"(queries within the {kv_len} keys' positions)")
+    kv_segment_ids = segment_ids if kv_segment_ids is None and q_offset is None else kv_segment_ids
+    for name, ids, length in (("segment_ids", segment_ids, seq), ("kv_segment_ids", kv_segment_ids, kv_len)):
+        if ids is not None and (ids.shape != (batch, length) or not jnp.issubdtype(ids.dtype, jnp.integer)):
+            raise ValueError(f"flash_attention: {name} {ids.shape} {ids.dtype} must be "
+                             f"integers of shape {(batch, length)}")
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("flash_attention: segment ids for the queries and the keys, or for neither")
+    cap = max(8, pl.next_power_of_2(max(seq, kv_len)))  # no point in blocks longer than the sequence
+    segments = segment_ids is not None
 
     def build(platform: str, interpret: bool):
         default_q, default_k = DEFAULT_BLOCKS[platform]
         bq, bk = min(block_q or default_q, cap), min(block_k or default_k, cap)
-        cfg = _Cfg(seq, window, bq, bk, d, interpret, num_stages, segments=segment_ids is not None)
+        cfg = _Cfg(seq, window, bq, bk, d, interpret, num_stages, segments=segments, offset=q_offset is not None)
 
-        def run(q, k, v, *segments):
-            q, k, v, *segments = (pad_axis(x, 1, math.lcm(bq, bk)) for x in (q, k, v, *segments))
-            segments = segments[0].astype(jnp.int32) if segments else None
-            return _flash(q, k, v, segments, cfg)[:, :seq]
+        def run(q, k, v, *rest):
+            pad = functools.partial(pad_axis, axis=1, multiple=math.lcm(bq, bk))
+            q, k, v = pad(q), pad(k), pad(v)
+            q_seg, k_seg = (pad(x).astype(jnp.int32) for x in rest[:2]) if segments else (None, None)
+            offset = rest[-1] if cfg.offset else None
+            extras = Extras(q_seg, k_seg, offset) if segments or cfg.offset else None
+            return _flash(q, k, v, extras, cfg)[:, :seq]
         return run
 
-    extra = () if segment_ids is None else (segment_ids,)
+    extra = (segment_ids, kv_segment_ids) if segments else ()
+    if q_offset is not None:
+        extra += (jnp.reshape(jnp.asarray(q_offset, jnp.int32), (1,)),)
     return by_platform(build, q, k, v, *extra, interpret=interpret)
 
 

@@ -76,8 +76,8 @@ if triton is not None:
         tl.store(lse_ptr + (b * HEADS + h) * SEQ + rows, m + tl.log(l))
 
 
-def _forward(q, k, v, segments, cfg: _Cfg):
-    assert segments is None, "the Triton forward takes no segment ids (packed documents): use flash_attention"
+def _forward(q, k, v, extras, cfg: _Cfg):
+    assert extras is None, "the Triton forward takes no segment ids (packed documents) nor offset: use flash_attention"
     batch, seq, heads, d = q.shape
     lo, hi = kv_block_range(jnp.arange(seq // cfg.block_q), seq_len=cfg.seq_len, window=cfg.window,
                             block_q=cfg.block_q, block_k=cfg.block_k)

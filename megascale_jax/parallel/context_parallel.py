@@ -39,16 +39,19 @@ slice much longer than the window (n >= 4 blocks of >= w - 1 queries) is attende
 scoring only the keys its window reaches (`attention.banded_attention`): n·(block + w - 1) scores
 a rank instead of n·(n + h), which is what makes a 64k-token sequence fit.
 
-The fused kernels (`model.attention=pallas|cudnn`, with a window) take queries and keys of one
-length, aligned, as in self-attention. So a rank hands them its halo + n keys and its n queries
-behind h zero queries — query j then sits at key j's position, and the kernel's own causal window
-is the global one — and keeps the last n outputs. Keys before the sequence's start (what rank 0
-receives) are masked as a document of their own (segment id -1, which no query of the slice has);
-packed documents' ids ride along as with XLA. The h padded queries cost h/n more of the kernel's
-work (a window of 4,096 on a 16k slice: 25%); their outputs are dropped, so their cotangent is
-zero and they add nothing to the keys' gradients. cuDNN takes the segments as a mask, i.e. its
-biased kernel. Full attention over cp stays XLA's (a kernel would need the queries' offset into
-the gathered keys, or a ring).
+The fused kernels (`model.attention=pallas|cudnn`). Pallas's takes the queries' offset into the
+keys (`flash_attention(q_offset=)`): with a window a rank hands it its halo + n keys and its n
+queries at offset h; under full attention the all-gathered keys and its queries at its slice's
+start r·n (traced: the rank's index), the kernel visiting only the key blocks up to each query
+block's position, so no rank does more than its own queries' work. Keys before the sequence's
+start (what rank 0 receives in its halo) are masked as a document of their own (segment id -1,
+which no query has); packed documents' ids ride along as with XLA. cuDNN's takes queries and keys
+of one length, aligned, as in self-attention: a rank gives it its n queries behind h zero queries
+— query j then sits at key j's position, and the kernel's own causal window is the global one —
+and keeps the last n outputs. The h padded queries cost h/n more of that kernel's work (a window
+of 4,096 on a 16k slice: 25%); their outputs are dropped, so their cotangent is zero and they add
+nothing to the keys' gradients. cuDNN takes the segments as a mask, i.e. its biased kernel, and
+runs with a window only (its kernel has no queries' offset for the gathered keys).
 """
 
 from __future__ import annotations
@@ -200,12 +203,46 @@ def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int, impl
     return masked_attention(q, keys, values, mask)
 
 
-def _fused(q, k, v, ids, *, first, cp: int, window: int, seq_len: int, implementation: str):
-    """A fused kernel on one rank's slice: h zero queries before its n, so that queries and keys
+def _fused(q, k, v, ids, *, first, cp: int, window: int | None, seq_len: int, implementation: str):
+    """A fused kernel on one rank's slice (see the module's docstring)."""
+    if implementation == "pallas":
+        return _pallas(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len)
+    return _cudnn(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len)
+
+
+def _pallas(q, k, v, ids, *, first, cp: int, window: int | None, seq_len: int):
+    """Pallas's kernel on the rank's n queries at their positions among the keys it holds
+    (`q_offset`): with a window the halo + n keys, the queries h positions in, keys before the
+    sequence's start a segment of their own (id -1, which no query has); under full attention the
+    all-gathered keys, the queries at the slice's start (traced: the rank's index), the kernel
+    visiting only the key blocks up to each query block's last position."""
+    from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
+
+    n = q.shape[1]
+    if window is None:
+        gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
+        keys, values = gather(k), gather(v)
+        key_ids = None if ids is None else gather(ids.astype(jnp.int32))
+        return flash_attention(q, keys, values, q_offset=first, segment_ids=None if ids is None else ids.astype(jnp.int32),
+                               kv_segment_ids=key_ids)
+    halo = halo_length(window, seq_len, cp)
+    positions = first - halo + jnp.arange(halo + n)
+    if ids is None:  # one document: nothing to send, only the pre-start keys to mask
+        ids = jnp.zeros((q.shape[0], n), jnp.int32)
+        key_ids = jnp.broadcast_to(jnp.where(positions >= 0, 0, -1), (q.shape[0], halo + n))
+    else:
+        ids = ids.astype(jnp.int32)
+        key_ids = jnp.where((positions >= 0)[None, :], with_halo(ids, halo, cp), -1)
+    return flash_attention(q, with_halo(k, halo, cp), with_halo(v, halo, cp), window=window, q_offset=halo,
+                           segment_ids=ids, kv_segment_ids=key_ids)
+
+
+def _cudnn(q, k, v, ids, *, first, cp: int, window: int, seq_len: int):
+    """cuDNN's kernel on one rank's slice: h zero queries before its n, so that queries and keys
     line up (see the module's docstring), keys before the sequence's start a segment of their own."""
     n, halo = q.shape[1], halo_length(window, seq_len, cp)
     # cuDNN's biased kernels take even lengths only: one masked key more in front where needed.
-    extra = (halo + n) % 2 if implementation == "cudnn" else 0
+    extra = (halo + n) % 2
     front = [(0, 0), (extra, 0), (0, 0), (0, 0)]
     keys, values = (jnp.pad(with_halo(x, halo, cp), front) for x in (k, v))
     segments = jnp.zeros((q.shape[0], halo + n), jnp.int32) if ids is None else with_halo(ids.astype(jnp.int32), halo, cp)
@@ -213,7 +250,7 @@ def _fused(q, k, v, ids, *, first, cp: int, window: int, seq_len: int, implement
     segments = jnp.where((positions >= first - halo)[None, :] & (positions >= 0)[None, :],
                          jnp.pad(segments, [(0, 0), (extra, 0)]), -1)
     queries = jnp.pad(q, [(0, 0), (extra + halo, 0), (0, 0), (0, 0)])
-    out = one_device_attend(queries, keys, values, window=window, implementation=implementation, documents=segments)
+    out = one_device_attend(queries, keys, values, window=window, implementation="cudnn", documents=segments)
     return out[:, extra + halo:]
 
 

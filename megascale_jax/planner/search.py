@@ -5,10 +5,10 @@ A layout is the config's mesh and parallel section: tp (within a node, dividing 
 1/2/4), the microbatch count (for a pipeline a multiple of pp from pp up, else
 gradient-accumulation steps), ZeRO-1 on or off, and sequence parallelism with collective matmul
 on or off. Each candidate passes `config.validate` (planning) exactly as a user's config would,
-so the search never proposes a layout the trainer refuses (cp > 1 today: XLA attention under full
-attention, sequence parallelism by GSPMD's edges only). A
-fused kernel on a slice is priced for its n queries; the w − 1 padded queries it also runs there
-(parallel/context_parallel.py) are not yet.
+so the search never proposes a layout the trainer refuses (cp > 1 today: no cuDNN attention under
+full attention). A fused kernel on a slice is priced for its n queries: Pallas's runs only those
+(at their offset into the keys); the w − 1 padded queries cuDNN's also runs there
+(parallel/context_parallel.py) are not priced yet.
 
 Every power-of-two cp is a candidate, not only long sequences': what cp costs (each layer's halo
 or k/v gather, and the gradients' all-reduce over cp) and what it saves (activations and scores

@@ -19,7 +19,7 @@ import pytest
 
 import pallas_kernels as pk
 from megascale_jax.model import documents
-from megascale_jax.model.attention import attend
+from megascale_jax.model.attention import attend, masked_attention
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 TOL = {jnp.float32: 5e-6, jnp.bfloat16: 2e-2}
@@ -151,6 +151,42 @@ def test_flash_attention_keeps_documents_apart(seq, heads, kv_heads, head_dim, w
     assert np.abs(np.asarray(crossing, np.float32) - np.asarray(got[0], np.float32)).max() > 0.1
 
 
+# (kv_len, queries, q_offset, window, heads, kv_heads, block_q, block_k, documents, traced offset)
+OFFSET_CASES = [
+    (48, 16, 32, None, 4, 2, 16, 16, False, True),  # the last of three slices under full attention
+    (48, 16, 16, None, 2, 2, 8, 16, True, True),  # a middle slice, packed documents
+    (40, 24, 11, 9, 4, 1, 16, 8, False, False),  # a window, an offset not a block multiple, GQA 4
+    (40, 16, 24, 7, 2, 2, 16, 16, True, False),  # a window's halo in front of the queries, documents
+]
+
+
+@pytest.mark.parametrize("kv_len,n,offset,window,heads,kv_heads,block_q,block_k,docs,traced", OFFSET_CASES)
+def test_flash_attention_on_a_run_of_the_keys_positions_matches_xla(kv_len, n, offset, window, heads, kv_heads,
+                                                                     block_q, block_k, docs, traced):
+    """Queries at key positions q_offset .. q_offset + n - 1 (a context-parallel rank's slice
+    against the keys it holds): the output and every gradient equal XLA's masked attention over
+    the same positions, the offset a Python int or an int32 traced at run time."""
+    batch, d = 2, 16
+    q, k, v, do = _random((batch, n, heads, d), (batch, kv_len, kv_heads, d), (batch, kv_len, kv_heads, d),
+                          (batch, n, heads, d))
+    ids = jnp.asarray(np.sort(np.random.default_rng(kv_len + n).integers(0, 3, (batch, kv_len)), axis=1), jnp.int32)
+    q_ids, k_ids = (ids[:, offset:offset + n], ids) if docs else (None, None)
+    positions, keys = offset + np.arange(n), np.arange(kv_len)
+    mask = (keys[None, :] <= positions[:, None]) & ((positions[:, None] - keys[None, :] < window) if window else True)
+    mask = jnp.asarray(mask)
+    if docs:
+        mask = mask[None] & (q_ids[:, :, None] == k_ids[:, None, :])
+
+    def kernel(q, k, v, off):
+        return pk.flash_attention(q, k, v, window=window, q_offset=off if traced else offset, segment_ids=q_ids,
+                                  kv_segment_ids=k_ids, block_q=block_q, block_k=block_k)
+
+    got = _value_and_vjp(kernel, (q, k, v, jnp.int32(offset)), do)
+    want = _value_and_vjp(lambda q, k, v, off: masked_attention(q, k, v, mask), (q, k, v, jnp.int32(offset)), do)
+    _assert_close(got[0], want[0], jnp.float32)
+    _assert_close(got[1][:3], want[1][:3], jnp.float32)
+
+
 def test_flash_attention_rejects_bad_shapes():
     q, k = _random((1, 8, 3, 16), (1, 8, 2, 16))
     with pytest.raises(ValueError, match="kv_heads dividing heads"):
@@ -165,9 +201,10 @@ def test_flash_attention_rejects_bad_shapes():
 # Block skipping: the kernels' loop bounds, checked against the dense mask
 # ---------------------------------------------------------------------------------------------
 
-def _needed_pairs(seq, window, block_q, block_k):
-    """(q block, kv block) pairs holding at least one visible (query, key) entry, from the mask."""
-    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+def _needed_pairs(seq, window, block_q, block_k, q_offset=0, kv_len=None):
+    """(q block, kv block) pairs holding at least one visible (query, key) entry, from the mask;
+    query row i at key position q_offset + i."""
+    i, j = q_offset + np.arange(seq)[:, None], np.arange(kv_len or seq)[None, :]
     visible = (j <= i) & ((i - j < window) if window is not None else True)
     rows, cols = np.nonzero(visible)
     return set(zip((rows // block_q).tolist(), (cols // block_k).tolist()))
@@ -191,6 +228,35 @@ def test_block_ranges_are_exactly_the_blocks_the_window_touches(seq, window, blo
     assert _visited_pairs(pk.kv_block_range, padded // block_q, False, **kw) == needed
     assert _visited_pairs(pk.q_block_range, padded // block_k, True, **kw) == needed
     assert pk.visited_kv_blocks(seq, window, block_q, block_k) == len(needed)
+
+
+@pytest.mark.parametrize("seq,kv_len,q_offset,window,block_q,block_k", [
+    (16, 48, 32, None, 16, 16), (16, 48, 16, None, 8, 16), (24, 40, 11, 9, 16, 8), (16, 40, 24, 7, 16, 16),
+    (64, 256, 192, None, 32, 16), (64, 256, 100, 40, 16, 32), (40, 200, 37, 100, 8, 8)])
+def test_block_ranges_with_an_offset_are_exactly_the_blocks_the_queries_reach(seq, kv_len, q_offset, window,
+                                                                             block_q, block_k):
+    """Queries at key positions q_offset + i (a cp rank's slice against the keys it holds): the
+    forward's and the dk/dv kernel's bounds are the blocks with a visible entry, and the unmasked
+    spans exactly the visited blocks the mask does not cut."""
+    lcm = np.lcm(block_q, block_k)
+    q_blocks, kv_blocks = -(-seq // lcm) * lcm // block_q, -(-kv_len // lcm) * lcm // block_k
+    kw = dict(seq_len=seq, window=window, block_q=block_q, block_k=block_k, q_offset=q_offset)
+    needed = _needed_pairs(seq, window, block_q, block_k, q_offset, kv_len)
+    assert _visited_pairs(pk.kv_block_range, q_blocks, False, **kw) == needed
+    assert _visited_pairs(pk.q_block_range, kv_blocks, True, **kw) == needed
+    i = q_offset + np.arange(q_blocks * block_q)[:, None]
+    j = np.arange(kv_blocks * block_k)[None, :]
+    visible = (j <= i) & ((i - j < window) if window is not None else True)
+    tiles = visible.reshape(q_blocks, block_q, kv_blocks, block_k)
+    whole = {(a, b) for a, b in zip(*np.nonzero(tiles.all(axis=(1, 3))))}
+    full_kw = dict(window=window, block_q=block_q, block_k=block_k, q_offset=q_offset)
+    for range_fn, full_fn, n_blocks, transpose in ((pk.kv_block_range, pk.full_kv_block_range, q_blocks, False),
+                                                   (pk.q_block_range, pk.full_q_block_range, kv_blocks, True)):
+        lo, hi = range_fn(jnp.arange(n_blocks), **kw)
+        a, b = (np.asarray(x) for x in pk.unmasked_span(lo, hi, *full_fn(jnp.arange(n_blocks), **full_kw)))
+        unmasked = {(n, o) for n in range(n_blocks) for o in range(a[n], b[n])}
+        unmasked = {(o, n) for n, o in unmasked} if transpose else unmasked
+        assert unmasked == whole & needed, (range_fn.__name__, sorted(unmasked ^ (whole & needed))[:5])
 
 
 @pytest.mark.parametrize("seq,window,block_q,block_k", [

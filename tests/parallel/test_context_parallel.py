@@ -102,6 +102,8 @@ SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the ful
     # the Pallas kernel on each slice behind its halo's padded queries (interpret mode on the CPU)
     ["mesh.cp=2", "model.attention=pallas"],
     pytest.param(["mesh.cp=8", "model.attention=pallas"], marks=SLOW),  # two hops, rank 0's keys masked
+    # full attention: each rank's queries at their offset into the all-gathered keys
+    ["mesh.cp=4", "model.attention=pallas", "model.window=null"],
     ["mesh.cp=2", "model.loss_chunks=2"],  # the loss in slices, each a share of every rank's part
     # sequence parallelism (GSPMD's): the residual stream over cp and tp between blocks
     ["mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=xla"],
@@ -140,6 +142,8 @@ def test_context_parallel_matches_one_device(overrides):
      "model.loss_chunks=2"],
     # Pallas with documents and GQA: the keys' ids and the pre-start segment in one kernel
     ["mesh.dp=1", "mesh.cp=4", "mesh.tp=2", "model.attention=pallas", "model.document_eos=10"],
+    ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.window=null", "model.document_eos=10",
+     "model.block=serial"],
 ], ids=lambda o: " ".join(o))
 def test_context_parallel_layouts_match_one_device(overrides):
     assert_matches_one_device(overrides)
@@ -257,8 +261,8 @@ def test_the_batch_is_whole_rows_on_every_cp_rank():
 
 @pytest.mark.parametrize("overrides,message", [
     (["mesh.cp=3"], "model.seq_len=32 must be divisible by mesh.cp=3"),
-    (["mesh.cp=2", "model.attention=pallas", "model.window=null"],
-     "mesh.cp=2 with full attention .* runs with model.attention=xla only yet"),
+    (["mesh.cp=2", "model.attention=cudnn", "model.window=null"],
+     "mesh.cp=2 with full attention .* runs with model.attention=xla|pallas, not cudnn"),
     (["mesh.cp=2", "model.loss_chunks=32"], "model.loss_chunks=32 must divide each cp rank's model.seq_len/mesh.cp=16"),
     (["mesh.dp=2", "mesh.cp=4", "mesh.tp=2"],
      r"mesh dp\*pp\*cp\*tp=2\*1\*4\*2=16 devices do not match mesh.cpu_devices=8"),
@@ -292,10 +296,14 @@ def test_the_pallas_kernels_lower_for_cuda_on_each_slice():
     """Pallas's attention on each cp rank's slice for CUDA: the kernels (forward, dq, dk/dv) are
     Triton calls in the program beside the halo's permutes. cuDNN's needs the CUDA plugin even to
     lower: tests/aot compiles it for eight H100s."""
-    text = cuda_step_text(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.dtype=bfloat16",
-                           "model.d_model=128", "model.heads=2", "model.kv_heads=2"])
+    common = ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "model.attention=pallas", "model.dtype=bfloat16",
+              "model.d_model=128", "model.heads=2", "model.kv_heads=2"]
+    text = cuda_step_text(common)
     assert text.count("stablehlo.collective_permute") == 4, text.count("stablehlo.collective_permute")
     assert text.count("__gpu$xla.gpu.triton") >= 3, text.count("__gpu$xla.gpu.triton")  # forward, dq, dk/dv
+    # full attention: the queries' offset into the all-gathered keys is an input of each kernel
+    text = cuda_step_text(common + ["model.window=null"])
+    assert text.count("stablehlo.all_gather") >= 2 and text.count("__gpu$xla.gpu.triton") >= 3
 
 
 @pytest.mark.slow

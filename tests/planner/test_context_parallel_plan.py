@@ -209,7 +209,7 @@ def test_the_plan_shows_cp_in_its_layout(capsys):
 
 BAD = [
     (["mesh.cp=3"], "model.seq_len=2048 must be divisible by mesh.cp=3"),
-    (["mesh.cp=2", "model.attention=cudnn", "model.window=null"], "runs with model.attention=xla only"),
+    (["mesh.cp=2", "model.attention=cudnn", "model.window=null"], "runs with model.attention=xla|pallas, not cudnn"),
     (["mesh.cp=4", "--gpus", "6"], "--gpus=6 is not divisible by mesh.tp x mesh.pp x mesh.cp = 1 x 1 x 4"),
     (["mesh.cp=4", "mesh.dp=4"], "mesh.dp=4 disagrees with --gpus=8 / (mesh.tp x mesh.pp x mesh.cp = 4) = 2"),
 ]
