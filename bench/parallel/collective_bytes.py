@@ -14,7 +14,8 @@ rest are the layouts issue 38 names. `ideal` is the planner's formula per axis w
 reduction per step (`planner/traffic.py`): dp, ring all-reduce of the gradient bytes P once per
 step (P: every parameter one device holds, counted from the compiled state), 2(dp-1)/dp x P (with ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the
 parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them
-(for a cp rank's seq_len/cp tokens a row); cp (context parallelism): per layer and direction the
+(for a cp rank's seq_len/cp tokens a row); cp (context parallelism): per layer of the device's
+stage and direction (and for a recomputed forward: remat=full, a pipeline's input stash) the
 halo's keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
 gradients' reduce-scatter), plus the gradients' all-reduce, 2(cp-1)/cp x P, since the weights
 are replicated over cp, written here apart from the planner's `traffic.cp_bytes` (tests/planner
@@ -70,6 +71,12 @@ LAYOUTS = {
         "model.kv_heads=2"],
     "dp2 cp2 tp2, window 64": ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.zero1=false"],
     "cp8, window 24 (two hops)": ["mesh.dp=1", "mesh.cp=8", "mesh.tp=1", "model.window=24", "parallel.zero1=false"],
+    # the accumulation and the pipeline manual over cp: the gradients cross cp once a step
+    "dp2 cp2 tp2, 2 microbatches, ZeRO-1": ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2",
+                                            "parallel.zero1=true"],
+    "pp2 cp2 tp2, 1F1B, SP + collective matmul": [
+        "mesh.dp=1", "mesh.pp=2", "mesh.cp=2", "mesh.tp=2", "parallel.microbatches=2", "parallel.zero1=false",
+        "parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul"],
 }
 AXES = ("tp", "pp", "cp", "dp")
 
@@ -106,7 +113,10 @@ def cp_ideal_bytes(cfg, held: int) -> float:
         per_layer = 2 * (m.cp - 1) / m.cp * rows * mo.seq_len * kv_width * itemsize
     else:
         per_layer = halo_bytes(mo.window, mo.seq_len, m.cp, rows, kv_width, itemsize)
-    return 2 * mo.layers * per_layer + 2 * (m.cp - 1) / m.cp * held * 4  # both directions; float32 gradients
+    # forward and backward, and the forward again where it is recomputed (remat=full, or the
+    # pipeline's input stash), for the layers of the device's stage; float32 gradients
+    recomputed = mo.remat == "full" or (m.pp > 1 and cfg.parallel.pp_stash == "inputs")
+    return (3 if recomputed else 2) * (mo.layers // m.pp) * per_layer + 2 * (m.cp - 1) / m.cp * held * 4
 
 
 def measure_given(layouts: list[str], bench: Bench) -> int:

@@ -341,7 +341,8 @@ def cp_gradients_s(w: Workload, gpu: Gpu) -> float:
     if w.cp == 1:
         return 0.0
     reductions = w.microbatches if w.cp_reduce_per_microbatch else 1
-    return reductions * costs.ring_all_reduce_s(stage_params(w) * w.grad_bytes, w.cp, cp_link(w, gpu))
+    params = traffic.cp_reduced_params(w, stage_params(w))
+    return reductions * costs.ring_all_reduce_s(params * w.grad_bytes, w.cp, cp_link(w, gpu))
 
 
 def cp_attention_s(w: Workload, gpu: Gpu) -> float:

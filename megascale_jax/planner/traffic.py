@@ -157,8 +157,8 @@ def cp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
         one permute a slice it reaches back, the same positions in all;
       - full attention: k and v all-gathered (their gradients reduce-scattered), 2·gather(seq_len·K);
     * gradients: the weights are replicated over cp, so their gradients are all-reduced over cp,
-      all_reduce(P · grad bytes, cp), after the dp reduction (not once over dp × cp), once a
-      step: the accumulation and the pipeline are manual over cp as over dp
+      all_reduce(P · grad bytes, cp) — with ZeRO-1 P/dp, the dp shard the reduce-scatter left
+      (`cp_reduced_params`) — after the dp reduction (not once over dp × cp), once a step: the accumulation and the pipeline are manual over cp as over dp
       (parallel/microbatches.py); with `cp_reduce_per_microbatch` (a runtime that leaves the
       accumulation to GSPMD, as this project's did before) once per microbatch, m times."""
     if w.cp == 1:
@@ -171,7 +171,13 @@ def cp_bytes(w: Workload, params: float | None = None) -> dict[str, float]:
     attention = layer_runs(w) * (cp_forward_passes(w) + 1) * per_direction
     params = stage_params(w) if params is None else params
     reductions = w.microbatches if w.cp_reduce_per_microbatch else 1
-    return {"attention": attention, "gradients": reductions * all_reduce(params * w.grad_bytes, w.cp)}
+    return {"attention": attention, "gradients": reductions * all_reduce(cp_reduced_params(w, params) * w.grad_bytes, w.cp)}
+
+
+def cp_reduced_params(w: Workload, params: float) -> float:
+    """The gradient values a device reduces over cp: after the dp reduction, with ZeRO-1 only its
+    dp shard of them (a reduce-scatter left 1/dp; parallel/microbatches.py), else all."""
+    return params / w.dp if w.zero1 and w.dp > 1 and not w.cp_reduce_per_microbatch else params
 
 
 def halo_positions(w: Workload) -> int:

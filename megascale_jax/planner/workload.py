@@ -51,7 +51,7 @@ class Workload:
     # MegaScale §3.2, PyTorch FSDP; predict.dp_s)
     dp_overlap: Literal["none", "backward", "chunks"]
     # how this project's runtime communicates (False for published Megatron runs)
-    masked_idle_ticks: bool = False  # pp > 1 with explicit tp collectives: idle ticks run masked chunks
+    masked_idle_ticks: bool = False  # pp > 1 with explicit tp or cp collectives: idle ticks run masked chunks
     gspmd_edges: bool = False  # embedding and head partitioned by GSPMD (traffic.tp_bytes says how)
     dp_reduce_per_microbatch: bool = False  # gradients all-reduced once per microbatch (traffic.dp_bytes)
     activation_bytes: int = 2  # bf16/fp16 activations
@@ -181,7 +181,8 @@ def from_config(cfg: Config, gpus: int) -> Workload:
         tp_overlap=par.tp_overlap == "collective_matmul", pp_async=True,
         pp_split_over_tp=par.sequence_parallel, edge_on_every_stage=True,
         dp_overlap="backward" if mesh.pp > 1 else "none",
-        masked_idle_ticks=mesh.tp > 1 and par.tp_overlap != "xla",
+        # pipeline.explicit_collectives: tp's explicit edges or cp's halo (a collective every stage joins)
+        masked_idle_ticks=(mesh.tp > 1 and par.tp_overlap != "xla") or mesh.cp > 1,
         gspmd_edges=par.tp_overlap == "xla",  # else Megatron's vocab-parallel edges (tensor_parallel.embed_lookup)
         dp_reduce_per_microbatch=False,  # at pp = 1 too: parallel/microbatches.py reduces once per step
         # parallel/microbatches.py: m = 1 with dp = cp = 1 takes jax.value_and_grad's gradients as
