@@ -2,7 +2,9 @@
 
 `loss_and_grads(cfg, mesh, params, batch)` returns the same loss and gradients as plain
 autodiff of the whole model, computed by p stages in lockstep inside one `jax.shard_map` that is
-manual over `pp` and `dp` (tp stays automatic: GSPMD shards each stage's matmuls as usual).
+manual over `pp` and `dp`, and `cp` where the sequence is split (each rank runs its slice of every
+microbatch: `context_parallel.manual`); tp stays automatic: GSPMD shards each stage's matmuls as
+usual.
 `loss(cfg, mesh, params, batch)` is its forward-only twin, for evaluation. In the shard_map a
 `Stage` is one stage's view and the forward half of its tick (evaluation's whole tick but the
 loss), `TrainingTick` the training scan's body, `GradientPlacement` where each gradient lives.
@@ -41,9 +43,10 @@ loss), `TrainingTick` the training scan's body, `GradientPlacement` where each g
   microbatch's backward, which for every chunk but the first runs while other chunks still have
   backward work (the cool-down). That tick reduces it over dp — an all-reduce, or with ZeRO-1 a
   reduce-scatter straight to the optimizer moments' dp split (`grad_specs`) — so the transfer can
-  overlap the backward work that follows (MegaScale's per-chunk reduce-scatter). It sits under
-  a `cond` whose predicate comes from the table row of the stage, the same on every dp replica
-  of the stage, and only dp replicas of one stage take part: they all join it or all skip it.
+  overlap the backward work that follows (MegaScale's per-chunk reduce-scatter), and then, with
+  cp > 1, sums it over cp (only the dp shard, with ZeRO-1). It sits under a `cond` whose
+  predicate comes from the table row of the stage, the same on every dp and cp replica of the
+  stage, and only replicas of one stage take part: they all join it or all skip it.
 * Documents (`model.document_eos`: packed documents kept apart). A chunk needs its microbatch's
   document layout (ids for the attention mask, in-document positions for rotary) and the last
   stage the weights that drop the targets after an end-of-document token. The batch enters the
