@@ -172,7 +172,7 @@ NEEDS = {"megascale_jax.tokenize": "tokenizers", "megascale_jax.export_hf": "saf
 
 
 # What a chain's run directories must hold afterwards, where a user would look (relative to the checkout).
-EXPECTED_FILES = {"runs/exp1": ["metrics.jsonl"],
+EXPECTED_FILES = {"runs/exp1": ["metrics.jsonl"], "runs/long": ["metrics.jsonl"],
                   "runs/supervised": ["report/summary.txt", "redis/redis.log"]}
 CHAINS = chains(documented_commands())
 
