@@ -14,9 +14,9 @@ rest are the layouts issue 38 names. `ideal` is the planner's formula per axis w
 reduction per step (`planner/traffic.py`): dp, ring all-reduce of the gradient bytes P once per
 step (P: every parameter one device holds, counted from the compiled state), 2(dp-1)/dp x P (with ZeRO-1 a reduce-scatter of the gradients plus an all-gather of the
 parameters, the same bytes); tp and pp as `traffic.tp_bytes` / `traffic.pp_bytes` state them
-(for a cp rank's seq_len/cp tokens a row); cp (context parallelism): per layer of the device's
-stage and direction (and for a recomputed forward: remat=full, a pipeline's input stash) the
-halo's keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
+(for a cp rank's seq_len/cp tokens a row); cp (context parallelism): per layer run of the
+device's stage and direction (and for a recomputed forward: remat=full, a pipeline's input stash;
+with a pipeline its masked idle ticks are layer runs too, as for tp) the halo's keys and values (`context_parallel.halo_bytes`; window=null: their all-gather and their
 gradients' reduce-scatter), plus the gradients' all-reduce, 2(cp-1)/cp x P, since the weights
 are replicated over cp, written here apart from the planner's `traffic.cp_bytes` (tests/planner
 holds the two equal).
@@ -101,22 +101,30 @@ def measure(overrides: list[str]) -> dict:
 
 
 def cp_ideal_bytes(cfg, held: int) -> float:
-    """Bytes one device sends over cp per step (the module docstring): 0 at cp = 1."""
+    """Bytes one device sends over cp per step (the module docstring): 0 at cp = 1. Per layer run;
+    with a pipeline every stage runs a chunk every tick, its idle ticks masked
+    (`pipeline.explicit_collectives`), and those are layer runs too — as the tp ideal counts them
+    for tp's explicit collectives (`traffic.layer_runs`)."""
     from megascale_jax.parallel.context_parallel import halo_bytes
+    from megascale_jax.pipeline_schedule import build
 
-    m, mo = cfg.mesh, cfg.model
+    m, mo, par = cfg.mesh, cfg.model, cfg.parallel
     if m.cp == 1:
         return 0.0
-    rows, itemsize = cfg.train.global_batch // m.dp, np.dtype(mo.dtype).itemsize
+    rows, itemsize = cfg.train.global_batch // (m.dp * par.microbatches), np.dtype(mo.dtype).itemsize  # a microbatch's
     kv_width = mo.kv_heads * mo.head_dim // m.tp if mo.kv_heads % m.tp == 0 else mo.head_dim
     if mo.window is None:  # k and v gathered, their gradients reduce-scattered: (cp-1)/cp of the whole each
         per_layer = 2 * (m.cp - 1) / m.cp * rows * mo.seq_len * kv_width * itemsize
     else:
         per_layer = halo_bytes(mo.window, mo.seq_len, m.cp, rows, kv_width, itemsize)
+    if m.pp > 1:
+        runs = build(par.pp_schedule, m.pp, par.pp_virtual, par.microbatches).ticks * mo.layers // (m.pp * par.pp_virtual)
+    else:
+        runs = par.microbatches * mo.layers
     # forward and backward, and the forward again where it is recomputed (remat=full, or the
-    # pipeline's input stash), for the layers of the device's stage; float32 gradients
-    recomputed = mo.remat == "full" or (m.pp > 1 and cfg.parallel.pp_stash == "inputs")
-    return (3 if recomputed else 2) * (mo.layers // m.pp) * per_layer + 2 * (m.cp - 1) / m.cp * held * 4
+    # pipeline's input stash); float32 gradients
+    recomputed = mo.remat == "full" or (m.pp > 1 and par.pp_stash == "inputs")
+    return (3 if recomputed else 2) * runs * per_layer + 2 * (m.cp - 1) / m.cp * held * 4
 
 
 def measure_given(layouts: list[str], bench: Bench) -> int:
