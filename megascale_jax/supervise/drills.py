@@ -23,7 +23,9 @@ from megascale_jax.config import Config
 class Drill:
     """A fault the driver injects on purpose (tests, bench/resilience/ettr.py), `KIND[:RANK]@WHEN`: WHEN is a
     step (fires when a heartbeat first reports it) or `t` + seconds since the launch; drills fire
-    once, in the order given.
+    once, in the order given, one a poll of the driver (0.1 s apart: a second drill at the same
+    step lands in the recovery from the first), except that `KIND:R1,R2@WHEN` hits several ranks
+    in one poll (`together`: two faults at once).
     * `kill:RANK` SIGKILL; `stop:RANK` SIGSTOP (a hang); `redis` kills the embedded Redis server;
     * `faulty:RANK` breaks the rank's slot like a broken GPU: SIGKILL now, and diagnostics name it
       every time they run there;
@@ -45,6 +47,7 @@ class Drill:
     rank: int | None
     step: int | None = None
     at_s: float | None = None
+    together: bool = False  # fires in the same poll as the drill before it (KIND:R1,R2@WHEN)
 
     KINDS = ("kill", "stop", "faulty", "host", "slow", "nan", "redis", "corrupt", "return")
     RANKLESS = ("redis", "corrupt", "return")
@@ -62,6 +65,16 @@ class Drill:
             raise ValueError(f"--drill {spec!r} must be KIND:RANK@STEP or KIND:RANK@tSECONDS with KIND one of "
                              "kill, stop, faulty, host, slow, nan; or redis@STEP, corrupt@STEP, return@STEP (or @tSECONDS)")
         return cls(kind, int(rank) if rank else None, None if timed else at, at if timed else None)
+
+    @classmethod
+    def parse_all(cls, spec: str) -> list["Drill"]:
+        """`KIND:R1,R2,...@WHEN`: one drill a rank, fired together; otherwise `parse`'s one."""
+        target, _, when = spec.partition("@")
+        kind, _, ranks = target.partition(":")
+        if "," not in ranks:
+            return [cls.parse(spec)]
+        drills = [cls.parse(f"{kind}:{rank}@{when}") for rank in ranks.split(",")]
+        return [drills[0]] + [dataclasses.replace(d, together=True) for d in drills[1:]]
 
     def due(self, step: int, elapsed_s: float) -> bool:
         return step >= self.step if self.step is not None else elapsed_s >= self.at_s

@@ -57,7 +57,8 @@ def parse_args(argv):
                         help="seconds a worker may take to its first heartbeat and first step")
     parser.add_argument("--drill", action="append", default=[], metavar="KIND[:RANK]@STEP",
                         help="inject a fault (tests, drills): kill:RANK@STEP, stop:RANK@STEP, nan:RANK@STEP "
-                             "(a one-off non-finite value), faulty:RANK@STEP (a broken machine) or redis@STEP")
+                             "(a one-off non-finite value), faulty:RANK@STEP (a broken machine) or redis@STEP; "
+                             "KIND:R1,R2@STEP hits several ranks at once")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. mesh.dp=4 train.steps=50")
     return cli.parse(parser, argv)
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
             raise ConfigError(f"--nprocs={args.nprocs} must be >= 1")
         cfg = load_config(args.config, args.overrides)
         overrides = per_process_overrides(cfg, args.overrides, args.nprocs)
-        drills = [Drill.parse(spec) for spec in args.drill]
+        drills = [drill for spec in args.drill for drill in Drill.parse_all(spec)]
         if any(d.kind == "redis" for d in drills) and args.redis:
             raise ConfigError("--drill redis@STEP kills the embedded Redis; leave out --redis")
         if any(d.rank is not None and d.rank >= args.nprocs for d in drills):

@@ -49,6 +49,9 @@ class Shape:
 def shrunk(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) -> Shape:
     """The largest shape that fits `healthy` processes, with the same global batch and rows per
     microbatch per replica; ConfigError (naming the fix) when there is none."""
+    if healthy == 0:
+        raise ConfigError("no healthy slot is left to run on: every slot of the job is excluded; give the job hosts "
+                          "(supervisor spares, or a line in RUN_DIR/returned_hosts.txt) and resume")
     if shape.dp == 1:
         raise ConfigError("mesh.dp=1 cannot shrink: there is no data-parallel replica to drop; set "
                           "supervisor.on_no_spare=stop to stop when no spare is left")

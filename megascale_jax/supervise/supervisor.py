@@ -324,11 +324,13 @@ class Supervisor:
         return peer_exit(group, raised, self.drill_at or alive_at)
 
     def _fire_drill(self, attempt: Attempt, now: float) -> None:
-        fired = self.drills.fire(attempt.group, attempt.monitor.records, attempt.monitor.max_step, self.placement,
-                                 self.shape.nprocs, self.redis.server, now)
-        if fired:
+        """The next drill if it is due, and with it those given as one (`KIND:R1,R2@WHEN`: faults at once)."""
+        while fired := self.drills.fire(attempt.group, attempt.monitor.records, attempt.monitor.max_step,
+                                        self.placement, self.shape.nprocs, self.redis.server, now):
             self.drill_at = now
             self.events.log("drill", fired.pop("summary"), **fired)
+            if not (self.drills.pending and self.drills.pending[0].together):
+                break
 
     def _check_stragglers(self, now: float) -> Fault | None:
         """Log newly flagged stragglers of this attempt; the first one is a fault if they are to be
@@ -545,5 +547,10 @@ class Supervisor:
             lines.append("  last lines of its log:\n" + "\n".join(f"    | {line}" for line in self.faults[-1].log_tail))
         lines.append(f"  restarts: {restarts}; reason: {reason}\n  worker logs: {run_dirs.logs_dir(self.job.run_dir)}; "
                      f"events: {self.events.path}")
+        # what is kept: the newest committed checkpoint, and how to go on from it
+        steps = run_dirs.committed_steps(run_dirs.checkpoint_dir(self.job.cfg, self.job.run_dir))
+        again = f"resume with: {self.job.resume_command}" if self.job.resume_command else "re-run the same command to resume"
+        lines.append(f"  newest committed checkpoint: step {steps[-1]} — {again}" if steps
+                     else f"  no committed checkpoint — {again} from the start")
         log.info("\n".join(lines))
         return 1

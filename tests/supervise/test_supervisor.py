@@ -278,6 +278,8 @@ def test_drill_specs():
     assert Drill.parse("kill:1@6") == Drill("kill", 1, 6)
     assert Drill.parse("redis@3") == Drill("redis", None, 3)
     assert Drill.parse("nan:1@4") == Drill("nan", 1, 4)
+    assert Drill.parse_all("host:0,1@6") == [Drill("host", 0, 6), Drill("host", 1, 6, together=True)]
+    assert Drill.parse_all("kill:1@t5") == [Drill("kill", 1, None, 5.0)]
     for bad in ("kill@6", "redis:1@3", "explode:0@1", "stop:0"):
         with pytest.raises(ValueError, match="must be"):
             Drill.parse(bad)
@@ -632,6 +634,38 @@ def test_a_fault_during_a_recovery_takes_the_last_spare_and_the_job_shrinks_and_
     for fault, restart in zip(faults, restarts):
         assert restart["resume_step"] <= fault["step"], (fault, restart)
     final_record(run_dir)  # every step once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spares", [2, 0])
+def test_two_hosts_lost_at_once_are_replaced_or_the_job_ends_saying_so(tmp_path, spares):
+    """Issue 64's bad input, two faults at once: both hosts of a 2-process job lost in one poll of
+    the driver (`--drill host:0,1@6`), their memory snapshots with them — so
+    each one's peer copy too. With two spares: one fault, one diagnosis naming both lost hosts, both
+    slots excluded, both spares promoted, one restart from the newest committed checkpoint (no
+    memory copy survived), every step once. With none: the job ends with the one reason it cannot
+    go on and the checkpoint to resume from, which is still committed."""
+    run_dir = tmp_path / "run"
+    done = run_module("megascale_jax.launch", ["--nprocs", "2", "--spares", str(spares), "--run-dir", str(run_dir),
+                                               "--drill", "host:0,1@6", *JOB,
+                                               "checkpoint.memory_every=2", f"checkpoint.memory_dir={tmp_path / 'shm'}"])
+    log = events(run_dir)
+    drills = [e for e in log if e["kind"] == "drill"]
+    assert [d["rank"] for d in drills] == [0, 1] and drills[0]["step"] == drills[1]["step"]
+    diagnosis, = [e for e in log if e["kind"] == "diagnosis"]
+    assert sorted(diagnosis["faulty"]) == ["0", "1"] and all("host lost" in v for v in diagnosis["faulty"].values())
+    assert sorted(e["host"] for e in log if e["kind"] == "evict") == ["vm/slot0", "vm/slot1"]
+    committed = run_dirs.committed_steps(os.path.join(run_dir, "checkpoints"))
+    if spares:
+        assert done.returncode == 0, done.stdout + done.stderr
+        restart, = [e for e in log if e["kind"] == "restart"]
+        assert restart["resume_from"] == "checkpoint" and restart["resume_step"] <= drills[0]["step"]
+        assert [e["host"] for e in log if e["kind"] == "spare_promoted"] == ["vm/slot2", "vm/slot3"]
+        final_record(run_dir)  # every step once
+    else:
+        assert done.returncode == 1 and log[-1]["kind"] == "give_up"
+        assert "no healthy slot is left to run on" in log[-1]["summary"]
+        assert committed and f"newest committed checkpoint: step {committed[-1]}" in done.stdout + done.stderr
 
 
 def verdict_host(log) -> str:
