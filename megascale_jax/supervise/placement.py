@@ -75,7 +75,7 @@ def grown(cfg: Config, shape: Shape, healthy: int, devices_per_process: int) -> 
 def _largest(cfg: Config, dps, rows: int, healthy: int, devices_per_process: int) -> Shape | None:
     """The first dp of `dps` (largest first) whose replicas are whole processes, no more than
     `healthy`, and whose microbatches of `rows` rows per replica make up the global batch."""
-    replica = cfg.mesh.pp * cfg.mesh.tp  # devices of one data-parallel replica
+    replica = cfg.mesh.size // cfg.mesh.dp  # devices of one data-parallel replica: pp x cp x tp
     for dp in dps:
         if (dp * replica) % devices_per_process or dp * replica // devices_per_process > healthy:
             continue  # whole processes only, and no more than are left

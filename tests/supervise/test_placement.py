@@ -40,6 +40,8 @@ def test_leftover_healthy_processes_stand_by_after_a_shrink():
     (["mesh.dp=3", "mesh.tp=2", "mesh.pp=1"], 12, 3, 2, Shape(1, 1, 3)),
     # 2 devices per process: dp 3 is no whole number of processes; dp 2 on 1 process
     (["mesh.dp=4", "mesh.tp=1", "mesh.pp=1"], 16, 2, 1, Shape(1, 2, 2)),
+    # a replica is pp x cp x tp devices: cp 2, one replica per process; dp 2 on 2 processes (not 1)
+    (["mesh.dp=4", "mesh.cp=2", "mesh.tp=1", "mesh.pp=1"], 8, 4, 3, Shape(2, 2, 2)),
 ])
 def test_the_shrunk_shape_keeps_the_global_batch_and_the_rows_per_microbatch(mesh, batch, nprocs, healthy, expected):
     cfg = config(*mesh, f"train.global_batch={batch}")
@@ -48,7 +50,7 @@ def test_the_shrunk_shape_keeps_the_global_batch_and_the_rows_per_microbatch(mes
     rows = batch // cfg.mesh.dp  # per microbatch per replica, before
     assert got == expected
     assert got.dp * got.microbatches * rows == batch
-    assert got.dp * cfg.mesh.pp * cfg.mesh.tp == got.nprocs * (cfg.mesh.size // nprocs)
+    assert got.dp * cfg.mesh.pp * cfg.mesh.cp * cfg.mesh.tp == got.nprocs * (cfg.mesh.size // nprocs)
 
 
 @pytest.mark.parametrize("mesh, batch, shape, healthy, expected", [
