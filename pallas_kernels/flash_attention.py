@@ -3,6 +3,7 @@
     flash_attention(q, k, v, window=w)   q: (batch, seq, heads, head_dim)
                                          k, v: (batch, seq, kv_heads, head_dim)
     flash_attention(q, k, v, window=w, segment_ids=ids)   ids: (batch, seq) int
+    flash_attention(q, k, v, q_offset=r, ...)   k, v longer than q: query i at key position r + i
 
 A query at position i sees keys j with i - w < j <= i (window=None: every j <= i), exactly like
 `megascale_jax.model.attention.attend`. Query heads h = kv * group + g share kv head `kv` (GQA).

@@ -183,72 +183,68 @@ def _local(q, k, v, ids=None, *, cp: int, window: int | None, seq_len: int, impl
     """One rank's slice: its n queries against the keys it holds and those it receives."""
     n = q.shape[1]
     first = jax.lax.axis_index(AXIS) * n  # this slice's first position in the sequence
-    if implementation != "xla":
-        return _fused(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len, implementation=implementation)
-    if window is None:
-        gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
-        keys, values, key_ids = gather(k), gather(v), None if ids is None else gather(ids)
-        key_positions = jnp.arange(seq_len)
-    else:
-        halo = halo_length(window, seq_len, cp)
-        keys, values = with_halo(k, halo, cp), with_halo(v, halo, cp)
-        key_ids = None if ids is None else with_halo(ids, halo, cp)
-        block = band_block(n, window)
-        if block is not None:  # a slice much longer than the window: only the keys each block reaches
-            return banded_attention(q, keys, values, window, block, first=first, halo=halo, ids=ids, key_ids=key_ids)
-        key_positions = first - halo + jnp.arange(halo + n)
+    keys, values, key_ids, halo = attended_keys(k, v, ids, cp=cp, window=window, seq_len=seq_len)
+    key_start = 0 if window is None else first - halo  # the first key's position in the sequence
+    if implementation == "pallas":
+        return _pallas(q, keys, values, ids, key_ids, key_start, q_offset=first if window is None else halo,
+                       window=window)
+    if implementation == "cudnn":
+        return _cudnn(q, keys, values, key_ids, key_start, window=window)
+    if window is not None and (block := band_block(n, window)) is not None:
+        # a slice much longer than the window: only the keys each block reaches
+        return banded_attention(q, keys, values, window, block, first=first, halo=halo, ids=ids, key_ids=key_ids)
+    key_positions = key_start + jnp.arange(keys.shape[1])
     mask = window_mask(first + jnp.arange(n), key_positions, window) & (key_positions >= 0)[None, :]
     if ids is not None:
         mask = mask[None] & (ids[:, :, None] == key_ids[:, None, :])
     return masked_attention(q, keys, values, mask)
 
 
-def _fused(q, k, v, ids, *, first, cp: int, window: int | None, seq_len: int, implementation: str):
-    """A fused kernel on one rank's slice (see the module's docstring)."""
-    if implementation == "pallas":
-        return _pallas(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len)
-    return _cudnn(q, k, v, ids, first=first, cp=cp, window=window, seq_len=seq_len)
-
-
-def _pallas(q, k, v, ids, *, first, cp: int, window: int | None, seq_len: int):
-    """Pallas's kernel on the rank's n queries at their positions among the keys it holds
-    (`q_offset`): with a window the halo + n keys, the queries h positions in, keys before the
-    sequence's start a segment of their own (id -1, which no query has); under full attention the
-    all-gathered keys, the queries at the slice's start (traced: the rank's index), the kernel
-    visiting only the key blocks up to each query block's last position."""
-    from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
-
-    n = q.shape[1]
+def attended_keys(k, v, ids, *, cp: int, window: int | None, seq_len: int):
+    """The keys and values a rank attends to, their documents' ids (None without) and the halo's
+    length: under full attention all of them, all-gathered (halo 0); with a window the halo
+    received from the ranks before (`with_halo`), then the rank's own."""
     if window is None:
         gather = functools.partial(jax.lax.all_gather, axis_name=AXIS, axis=1, tiled=True)
-        keys, values = gather(k), gather(v)
-        key_ids = None if ids is None else gather(ids.astype(jnp.int32))
-        return flash_attention(q, keys, values, q_offset=first, segment_ids=None if ids is None else ids.astype(jnp.int32),
-                               kv_segment_ids=key_ids)
+        return gather(k), gather(v), None if ids is None else gather(ids), 0
     halo = halo_length(window, seq_len, cp)
-    positions = first - halo + jnp.arange(halo + n)
-    if ids is None:  # one document: nothing to send, only the pre-start keys to mask
-        ids = jnp.zeros((q.shape[0], n), jnp.int32)
-        key_ids = jnp.broadcast_to(jnp.where(positions >= 0, 0, -1), (q.shape[0], halo + n))
-    else:
-        ids = ids.astype(jnp.int32)
-        key_ids = jnp.where((positions >= 0)[None, :], with_halo(ids, halo, cp), -1)
-    return flash_attention(q, with_halo(k, halo, cp), with_halo(v, halo, cp), window=window, q_offset=halo,
-                           segment_ids=ids, kv_segment_ids=key_ids)
+    key_ids = None if ids is None else with_halo(ids, halo, cp)
+    return with_halo(k, halo, cp), with_halo(v, halo, cp), key_ids, halo
 
 
-def _cudnn(q, k, v, ids, *, first, cp: int, window: int, seq_len: int):
+def kernel_segments(key_ids, key_start, batch: int, length: int):
+    """The keys' segment ids a fused kernel masks with: the documents' (0 for one document), and
+    -1 — a segment no query has — for positions before the sequence's start (a rank's received
+    zeros). Nothing is sent for them: one document's ids are made here."""
+    positions = key_start + jnp.arange(length)
+    ids = jnp.zeros((batch, length), jnp.int32) if key_ids is None else key_ids.astype(jnp.int32)
+    return jnp.where((positions >= 0)[None, :], ids, -1)
+
+
+def _pallas(q, keys, values, ids, key_ids, key_start, *, q_offset, window: int | None):
+    """Pallas's kernel on the rank's n queries at their positions among the keys it holds
+    (`q_offset`: the halo's length with a window, the slice's start — traced, the rank's index —
+    under full attention), visiting only the key blocks each query block reaches."""
+    from pallas_kernels import flash_attention  # deferred: only this path needs Pallas
+
+    batch, n = q.shape[:2]
+    if window is None and ids is None:  # every key exists: no segments at all
+        return flash_attention(q, keys, values, q_offset=q_offset)
+    q_ids = jnp.zeros((batch, n), jnp.int32) if ids is None else ids.astype(jnp.int32)
+    return flash_attention(q, keys, values, window=window, q_offset=q_offset, segment_ids=q_ids,
+                           kv_segment_ids=kernel_segments(key_ids, key_start, batch, keys.shape[1]))
+
+
+def _cudnn(q, keys, values, key_ids, key_start, *, window: int):
     """cuDNN's kernel on one rank's slice: h zero queries before its n, so that queries and keys
     line up (see the module's docstring), keys before the sequence's start a segment of their own."""
-    n, halo = q.shape[1], halo_length(window, seq_len, cp)
+    halo = keys.shape[1] - q.shape[1]
     # cuDNN's biased kernels take even lengths only: one masked key more in front where needed.
-    extra = (halo + n) % 2
+    extra = keys.shape[1] % 2
     front = [(0, 0), (extra, 0), (0, 0), (0, 0)]
-    keys, values = (jnp.pad(with_halo(x, halo, cp), front) for x in (k, v))
-    segments = jnp.zeros((q.shape[0], halo + n), jnp.int32) if ids is None else with_halo(ids.astype(jnp.int32), halo, cp)
-    positions = first - halo - extra + jnp.arange(extra + halo + n)
-    segments = jnp.where((positions >= first - halo)[None, :] & (positions >= 0)[None, :],
-                         jnp.pad(segments, [(0, 0), (extra, 0)]), -1)
+    segments = jnp.pad(kernel_segments(key_ids, key_start, q.shape[0], keys.shape[1]), [(0, 0), (extra, 0)],
+                       constant_values=-1)
+    keys, values = jnp.pad(keys, front), jnp.pad(values, front)
     queries = jnp.pad(q, [(0, 0), (extra + halo, 0), (0, 0), (0, 0)])
     out = one_device_attend(queries, keys, values, window=window, implementation="cudnn", documents=segments)
     return out[:, extra + halo:]

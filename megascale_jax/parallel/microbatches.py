@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from megascale_jax.model.transformer import loss_fn
-from megascale_jax.parallel import sharding
+from megascale_jax.parallel import context_parallel, sharding
 from megascale_jax.parallel.pipeline import dp_dim, manual_spec, reduce_over_dp
 
 
@@ -37,7 +37,7 @@ def loss_and_grads(cfg, model, mesh: Mesh, params, batch: jax.Array, m: int, gra
     if m == 1 and dp == 1 and mesh.shape["cp"] == 1:
         return jax.value_and_grad(lambda p: loss_fn(model, p, batch))(params)
     is_spec = lambda x: isinstance(x, P)
-    manual = ("dp", "cp") if mesh.shape["cp"] > 1 else ("dp",)
+    manual = context_parallel.SLICED if mesh.shape["cp"] > 1 else ("dp",)
     # the dimension each gradient leaves split over dp (ZeRO-1), -1 for replicated
     dims = jax.tree.map(lambda s: -1 if dp == 1 or dp_dim(s) is None else dp_dim(s), grad_specs, is_leaf=is_spec)
     tp_specs = jax.tree.map(lambda s: P(*(None if a in ("dp", "pp") else a for a in s)), grad_specs, is_leaf=is_spec)
