@@ -108,7 +108,8 @@ SLOW = pytest.mark.slow  # the fast tier keeps cp 2 and cp 8 (two hops); the ful
     # sequence parallelism (GSPMD's): the residual stream over cp and tp between blocks
     ["mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=xla"],
     # ... and its explicit edges with collective matmul, on each rank's slice (the step manual over cp)
-    ["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true", "parallel.tp_overlap=collective_matmul"],
+    pytest.param(["mesh.dp=2", "mesh.cp=2", "mesh.tp=2", "parallel.sequence_parallel=true",
+                  "parallel.tp_overlap=collective_matmul"], marks=SLOW),  # 11 s: the full suite's
     # the pipeline (GPipe) with packed documents; 1F1B and full attention in the layouts below
     ["mesh.pp=2", "mesh.cp=4", "parallel.microbatches=4", "model.layers=4", "parallel.pp_schedule=gpipe",
      "model.document_eos=10"],
