@@ -54,7 +54,7 @@ from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.training import compile_cache
 from megascale_jax.training.save_copy import SaveCopy, to_pinned_host
-from megascale_jax.training.checkpoint_damage import (CorruptCheckpoint, damage_is_corruption, describe_read_error,
+from megascale_jax.training.checkpoint_damage import (ChecksumMismatch, CorruptCheckpoint, damage_is_corruption, describe_read_error,
                                                       quiet_late_tensorstore_callbacks)
 from megascale_jax.run_dir import committed_steps
 
@@ -138,8 +138,9 @@ def _quiet_orbax_errors() -> OrbaxErrors:
 
 
 class CheckpointUnreadable(Exception):
-    """A multi-process restore found a damaged checkpoint: it was moved aside, and this attempt
-    ends, since the processes cannot agree in-process on falling back (see restore_latest)."""
+    """A multi-process restore could not read a checkpoint on this process: it was moved aside, and
+    this attempt ends, since the processes cannot agree in-process on falling back (see
+    restore_latest). Wrong values read without an error fall back in-process (ChecksumMismatch)."""
 
 
 class Checkpointer:
@@ -362,9 +363,11 @@ class Checkpointer:
 
     def restore_latest(self, abstract_state, up_to: int | None = None) -> tuple[Any, dict] | None:
         """(state, meta) of the newest checkpoint (not after step `up_to`) that verifies, placed
-        per `abstract_state`'s shardings; None when there is none. Bad ones are reported and moved aside; with several
-        processes the first bad one ends the attempt instead (CheckpointUnreadable), so that all
-        of them fall back together on the restart."""
+        per `abstract_state`'s shardings; None when there is none. Bad ones are reported and moved
+        aside, and the previous one is tried. With several processes that holds for wrong values
+        (ChecksumMismatch: every process finds them, together); a read that fails on one process
+        ends the attempt instead (CheckpointUnreadable), so that all of them fall back together on
+        the restart: its peers may be waiting for it inside orbax's restore."""
         quiet_late_tensorstore_callbacks()
         for step in reversed([s for s in committed_steps(self.directory) if up_to is None or s <= up_to]):
             try:
@@ -376,7 +379,7 @@ class Checkpointer:
                     os.rename(where, aside)
                 except FileNotFoundError:
                     pass  # a peer moved it first
-                if jax.process_count() > 1:
+                if jax.process_count() > 1 and not isinstance(e, ChecksumMismatch):
                     # The peers may have read their part and be waiting in orbax's barrier for this
                     # process, which must not go on to another step's reads alone.
                     raise CheckpointUnreadable(
@@ -526,7 +529,7 @@ def _verify(sums, expected: dict[str, int], prefix: str = "") -> None:
     actual = _flat(jax.device_get(sums))
     bad = [prefix + path for path, value in actual.items() if expected.get(prefix + path) != value]
     if bad:
-        raise CorruptCheckpoint(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
+        raise ChecksumMismatch(f"checksum mismatch in {len(bad)} arrays, e.g. {bad[0]}")
 
 
 class _IteratorState:

@@ -28,6 +28,13 @@ class CorruptCheckpoint(Exception):
     """A committed checkpoint whose contents cannot be read back or fail verification."""
 
 
+class ChecksumMismatch(CorruptCheckpoint):
+    """Every array was read, and some differ from the checksums saved with them. The checksums of
+    what was read are one compiled program over the global state whose results every process holds
+    alike (integer sums, the same in any order), compared with the same saved meta: every process
+    of the job reaches this verdict together, so all of them can fall back in-process."""
+
+
 # Exceptions that mean the code reading a checkpoint is wrong (ours, or orbax as we call it), not
 # the files: taken for corruption, they would move every good checkpoint aside one restart after
 # another. They propagate as they are; damaged files raise OSError, ValueError or tensorstore's
