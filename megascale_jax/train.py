@@ -67,15 +67,17 @@ def observers_for(cfg, run_dir: str, mesh, redis: str | None = None, job: str | 
 
 def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixture.MixedBatches,
           val_batches: data.SequenceBatches | mixture.MixedBatches, redis: str | None = None, job: str | None = None,
-          resume_step: int | None = None, tasks: list = ()) -> list[dict]:
+          resume_step: int | None = None, tasks: list = (), clock: progress.StartupClock | None = None) -> list[dict]:
     """Train `cfg.train.steps` steps; returns the metric records also written to metrics.jsonl.
     Under a supervisor, `redis` and `job` say where this process sends its heartbeats; with
     `resume_step` no saved state newer than that step is restored; `tasks` (downstream.prepare):
-    the downstream tasks scored at train.eval_tasks_every."""
+    the downstream tasks scored at train.eval_tasks_every; `clock`: the start-up's phases so far."""
+    clock = clock or progress.StartupClock()
     mesh = make_mesh(cfg.mesh)
     watch = observers_for(cfg, run_dir, mesh, redis, job)
+    clock.lap("mesh")
     try:
-        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step, tasks)
+        return _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step, tasks, clock)
     except TrainingDiverged as e:
         watch.state("diverged", -1, cli.error_line(e))  # the supervisor does not retry it on healthy devices
         raise
@@ -92,10 +94,10 @@ def train(cfg: Config, run_dir: str, train_batches: data.SequenceBatches | mixtu
         watch.close()
 
 
-def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step=None, tasks=()) -> list[dict]:
+def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_step, tasks, clock) -> list[dict]:
     # ---- start: the trainer, where it starts from, the first batch, the compiled steps
     watch.state("initialising", 0)
-    t0, clock = time.perf_counter(), progress.StartupClock()
+    t0 = time.perf_counter()
     trainer = build_trainer(cfg, mesh)
     clock.lap("trainer")
     # The state's shapes from the optimizer's init alone: tracing the model again costs seconds.
@@ -399,8 +401,12 @@ def load_data(cfg: Config, run_dir: str | None) -> tuple:
 
 def warm_up() -> None:
     """What main() imports only once it runs, imported ahead by a warm standby worker
-    (cluster/standby.py), so that a restart pays for neither."""
+    (cluster/standby.py), so that a restart pays for none of it. A standby always joins through
+    Redis, which a trainer without --redis never imports: 0.13 s alone, ~0.25 s of every restarted
+    worker's rendezvous with four processes starting on two cores (the `join` start-up phase)."""
     timings.tensorboard_writing()
+    import redis  # noqa: F401
+    import redis.backoff, redis.retry  # noqa: F401,E401 — redis_auth's check that the server is closed
 
 
 def main(argv=None) -> int:
@@ -417,6 +423,7 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     args = parse_args(argv)
+    clock = progress.StartupClock()  # every phase of a start, the log's "start-up phases" line
     try:
         cfg = load_config(args.config, args.overrides)
         # A task count the mesh cannot be split over: one line before JAX or the rendezvous starts
@@ -432,14 +439,18 @@ def _main(argv) -> int:
         except RuntimeError:
             pass  # backend already started (called in-process); check_runtime reports a mismatch
         coordinator, process_id, job = args.coordinator, args.process_id or 0, None
+        clock.lap("config")
         if args.redis:
             job = args.job or rendezvous.job_id_from_env()
             member = rendezvous.join(args.redis, job, args.num_processes, args.process_id)
             coordinator, process_id = member.coordinator, member.rank
+            clock.lap("join")
         if coordinator:
             rendezvous.start_distributed(coordinator, args.num_processes, process_id)
+            clock.lap("distributed")
         cli.setup_logging(jax.process_index(), jax.process_count(), quiet=jax.process_index() != 0)
         check_runtime(cfg, jax.default_backend(), jax.device_count(), jax.process_count())
+        clock.lap("backend")
         check_forced_cpu_devices(jax.default_backend(), cfg.mesh.cpu_devices_per_process(args.num_processes),
                                  os.environ.get("XLA_FLAGS", ""))
         cfg = with_device_defaults(cfg, jax.default_backend())  # written so to the run directory
@@ -457,11 +468,12 @@ def _main(argv) -> int:
             run_dir, lock = prepare_run_dir(args.run_dir, cfg, args.config, args.resume_step)
             if corpus.token_file:  # data.source=jsonl|parquet: which tokenizer the ids mean
                 tokenizer.record_in_run_dir(corpus.token_file, run_dir)
+        clock.lap("data")
     except (ConfigError, data.DataError, rendezvous.RendezvousError) as e:
         return cli.user_error(e)
     try:
         with compile_cache.use(run_dir, cfg.train.compile_cache) as cache:  # before anything compiles
-            train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step, tasks)
+            train(cfg, run_dir, train_batches, val_batches, args.redis, job, args.resume_step, tasks, clock)
         if cache:  # every process's own count, in its own log (ranks > 0 log warnings only)
             logger.info(cache.summary()) if jax.process_index() == 0 else print(cache.summary(), flush=True)
     except (ConfigError, data.DataError) as e:  # checkpoint.dir unwritable, a checkpoint of another model
