@@ -179,6 +179,9 @@ class HeartbeatMonitor:
         self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
         self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
         self.reachable = True
+        # rank -> the longest time between two of its heartbeats seen while it trained: how close a
+        # healthy rank came to hang_timeout_s (a silence that ends the attempt is never closed by a beat)
+        self.longest_silence: dict[int, float] = {}
 
     @property
     def max_step(self) -> int:
@@ -206,6 +209,10 @@ class HeartbeatMonitor:
                     self.bad[rank] = raw
                 continue
             if record["seq"] != self.records.get(rank, {}).get("seq"):
+                if record["state"] == "training" and self.records.get(rank, {}).get("state") == "training" \
+                        and rank in self.arrived:
+                    silence = now - self.arrived[rank]
+                    self.longest_silence[rank] = max(self.longest_silence.get(rank, 0.0), silence)
                 self.arrived[rank] = now
                 self._track_step_time(rank, record)
                 self._track_progress(rank, record, now)

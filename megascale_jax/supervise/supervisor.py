@@ -116,6 +116,7 @@ class Supervisor:
         self.grow: Grow | None = None  # a grow planned in this attempt, once slots came back
         self.returned_mtime, self.returned_read = 0.0, 0  # returned_hosts.txt as last read, its lines taken
         self.restarts = 0  # recoveries so far (a grow is an attempt, not a restart)
+        self.longest_silence = 0.0  # the longest heartbeat silence of a rank that went on training, any attempt
 
     def request_stop(self, signum: int) -> None:
         """SIGINT/SIGTERM to the launcher (called from its signal handler)."""
@@ -166,7 +167,10 @@ class Supervisor:
                 self._record(fault, last_step, restarts)
             action = self._decide(fault, restarts)
             if isinstance(action, Done):
-                self.events.log("done", action.reason, restarts=restarts)
+                # How near a healthy rank came to being called hung: the margin a hang_timeout_s has.
+                self.events.log("done", action.reason, restarts=restarts,
+                                longest_heartbeat_silence_s=round(self.longest_silence, 2),
+                                hang_timeout_s=self.job.cfg.supervisor.hang_timeout_s)
                 self._free_excluded_snapshots()
                 return 0
             if isinstance(action, (Spare, Shrink, GiveUp)) and action.evict:
@@ -200,6 +204,7 @@ class Supervisor:
             return fault, attempt.monitor.max_step
         finally:
             attempt.group.stop()
+            self.longest_silence = max(self.longest_silence, *attempt.monitor.longest_silence.values(), 0.0)
             if isinstance(fault, Grow):
                 fault.at = time.time()
             elif fault is not None and fault.rank is not None:

@@ -116,6 +116,24 @@ def test_monitor_tells_a_stall_from_a_hang(client):
     assert (fault.cause, fault.rank, fault.at) == ("hang", 0, 9.5)
 
 
+def test_the_monitor_keeps_the_longest_silence_of_a_rank_that_goes_on_training(client):
+    """The margin a hang timeout has on healthy ranks (the `done` event's
+    longest_heartbeat_silence_s): gaps between two beats both in state training, by the driver's
+    clock. A start-up beat before them is not a silence of training; a silence no beat ended (a
+    hang, the attempt's end) is not a healthy rank's."""
+    job = "silence"
+    monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
+    beats = {0: [(0.0, "compiling"), (4.0, "training"), (4.5, "training"), (6.0, "training"), (6.3, "training")],
+             1: [(0.0, "compiling"), (4.0, "training"), (5.0, "training")]}  # then silent: no beat ends it
+    for seq, t in enumerate(sorted({t for rows in beats.values() for t, _ in rows} | {9.0})):
+        for rank, rows in beats.items():
+            state = dict(rows).get(t)
+            if state:
+                beat(client, job, rank, seq, 1, state=state)
+        monitor.poll(t)
+    assert monitor.longest_silence == {0: 1.5, 1: 1.0}
+
+
 def test_a_stall_is_judged_against_the_recent_step_time_when_it_is_longer_than_the_timeout(client):
     """Steps of 1 s, then a slow phase of 3 s steps (an overloaded host: once in the ETTR drill,
     steps of 3-5 s, then one of 10.2 s, called a stall at the 10 s timeout). The limit is
@@ -697,6 +715,9 @@ def test_a_fault_free_job_says_when_training_started_and_when_it_was_done(refere
 def test_recovered_run_ends_at_the_uninterrupted_loss(drilled, reference):
     run_dir, log, _ = drilled
     assert sum(e["kind"] == "restart" for e in log) == 2
+    # the end says how near a healthy rank came to being called hung (the hang itself is not counted)
+    done = next(e for e in log if e["kind"] == "done")
+    assert 0 <= done["longest_heartbeat_silence_s"] < done["hang_timeout_s"], done
     recovered = final_record(run_dir)
     assert recovered["loss"] == reference["loss"] and recovered["grad_norm"] == reference["grad_norm"]
 
