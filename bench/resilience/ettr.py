@@ -51,16 +51,19 @@ RANKLESS = ("redis", "corrupt")
 # crossed it by noise (a false eviction in the first drilled run); the slow drill is 50%. The stall
 # floor (no step for that long while heartbeats go on) stays 10 s: the 20-min run had steps of 6-8 s
 # (restarts and the slow drill), which a 6 s floor would have called stalls. Heartbeat silence is
-# judged apart: 4 s, four missed heartbeats. Stragglers are checked every 2 s (was 5 s: the slow
-# drill waited 2.5 s on average for the next check after its window had filled). Checkpoints copy
-# on the device and write in the background (checkpoint.background_host_copy): a save blocked
-# 0.08-0.16 s with orbax's own host copy, 1.6 ms (median, ettr_cpu_30min.json) this way, which lets
-# checkpoints come often enough that a damaged newest one (the corrupt drill) costs seconds of
-# redone steps, not a minute.
+# judged apart: 2 s, eight heartbeats of 0.25 s (4 s at 1 s before 2026-11-29; the longest silence
+# of a rank that went on training was 0.71 s in a 5.6-min drill with a fault every 30 s and the
+# standby imports after each restart: bench/results/ettr_cpu_6min_hang.json). Stragglers are checked
+# every 2 s (was 5 s: the slow drill waited 2.5 s on average for the next check after its window had
+# filled). Checkpoints copy on the device and write in the background
+# (checkpoint.background_host_copy): a save blocked 0.08-0.16 s with orbax's own host copy, 1.6 ms
+# (median, ettr_cpu_30min.json) this way, which lets checkpoints come often enough that a damaged
+# newest one (the corrupt drill) costs seconds of redone steps, not a minute.
 MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq_len=128", "train.global_batch=16",
          "mesh.tp=1", "mesh.pp=1", "supervisor.max_restarts=100", "supervisor.evict_stragglers=true",
          "supervisor.straggler_check_s=2", "observe.straggler_window=10", "observe.straggler_threshold=0.2",
-         "supervisor.hang_timeout_s=4", "supervisor.stall_floor_s=10", "checkpoint.background_host_copy=true"]
+         "supervisor.heartbeat_s=0.25", "supervisor.hang_timeout_s=2", "supervisor.stall_floor_s=10",
+         "checkpoint.background_host_copy=true"]
 
 
 def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> tuple[float, float]:

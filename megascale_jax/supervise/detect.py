@@ -177,7 +177,8 @@ class HeartbeatMonitor:
         self.state_since: dict[int, tuple[str, float]] = {}  # rank -> (phase, when it began): "startup" or a state
         self.reached: dict[str, dict[int, float]] = {s: {} for s in START_PHASES}  # phase -> rank -> first seen there or later
         self.events_seen: set[tuple[int, int]] = set()  # (rank, event id) of the workers' events logged
-        self.triaged: set[tuple[int, str]] = set()  # (step, outcome) of NaN triages logged
+        # logged already: (step, outcome) of NaN triages, ("damaged", step) of damaged checkpoints
+        self.triaged: set[tuple] = set()
         self.reachable = True
         # rank -> the longest time between two of its heartbeats seen while it trained: how close a
         # healthy rank came to hang_timeout_s (a silence that ends the attempt is never closed by a beat)
@@ -347,8 +348,9 @@ class HeartbeatMonitor:
 
 def log_worker_events(monitor: HeartbeatMonitor, events: EventLog) -> Fault | None:
     """The workers' own events (heartbeat `events`), each logged once: every process reports
-    the same NaN triage (the loss is all-reduced), with its own device self-test. A failed
-    self-test is a fault of that rank."""
+    the same NaN triage (the loss is all-reduced), with its own device self-test, and the same
+    damaged checkpoint it went past (training/checkpoint.py: wrong values, found by every process
+    at once). A failed self-test is a fault of that rank."""
     fault = None
     for rank, record in sorted(monitor.records.items()):
         for event in record.get("events", []):
@@ -365,6 +367,11 @@ def log_worker_events(monitor: HeartbeatMonitor, events: EventLog) -> Fault | No
                 # a diverged one is a fault, judged by the driver, as is a failed self-test (below)
                 said = {"verdict": "transient NaN"} if fields["outcome"] == "transient" and test.get("ok") else {}
                 events.log("nan_triage", f"step {fields['step']} {what}", rank=rank, **fields, **said)
+            if event["kind"] == "damaged_checkpoint" and ("damaged", fields["step"]) not in monitor.triaged:
+                monitor.triaged.add(("damaged", fields["step"]))  # every process found it: said once
+                events.log("damaged_checkpoint", f"checkpoint step {fields['step']} is damaged ({fields['error']}): "
+                           "moved aside, and every process went on from the one before in this attempt",
+                           rank=rank, **fields, verdict="damaged checkpoint")
             if test and not test.get("ok") and fault is None:
                 fault = Fault("device", rank, f"device self-test failed after a transient NaN at step "
                               f"{fields['step']}: {test}", time.time(), time.time())

@@ -149,6 +149,7 @@ class Checkpointer:
 
     def __init__(self, cfg: Config, directory: str, warn: Callable[[str], None]):
         self.cfg, self.directory, self.warn = cfg, directory, warn
+        self.damaged: list[dict] = []  # {"step", "error"} of each checkpoint restore_latest moved aside and went past
         self._lock = threading.Lock()
         self._commit_times: dict[int, float] = {}  # step -> time the background write finished
         self._pending: dict | None = None  # the save in flight: {"step", "start", "block_s"}
@@ -387,6 +388,7 @@ class Checkpointer:
                         f"moved to {aside}: restart, and every process resumes from the previous one") from None
                 self.warn(f"warning: checkpoint step {step} ({where}) is unreadable: {e}; moved to {aside}, "
                           "trying the previous one")
+                self.damaged.append({"step": step, "error": str(e)})
         self.manager.reload()  # forget the steps moved aside
         return None
 

@@ -779,6 +779,8 @@ def test_wrong_values_in_the_newest_checkpoint_fall_back_in_process_on_every_pro
     assert done.returncode == 0, done.stdout + done.stderr
     log = events(run_dir)
     assert not any(e["kind"] in ("fault", "restart") for e in log), log
+    said = [e for e in log if e["kind"] == "damaged_checkpoint"]  # once, though both processes found it
+    assert [(e["step"], e["verdict"]) for e in said] == [(16, "damaged checkpoint")], said
     for rank in (0, 1):
         text = (run_dir / "logs" / f"worker{rank}.log").read_text()
         assert "checkpoint step 16" in text and "checksum mismatch" in text and "trying the previous one" in text

@@ -195,6 +195,21 @@ def test_a_transient_nan_says_its_verdict_and_excludes_nothing(tmp_path):
     assert said.kind == "faulty device" and "self-test failed after a transient NaN at step 3" in said.summary
 
 
+def test_a_damaged_checkpoint_gone_past_in_the_attempt_says_its_verdict_once(tmp_path):
+    """`corrupt` when the damage reads as wrong values: every process finds the mismatch, moves the
+    checkpoint aside and restores the one before in the same attempt (no exit 4, no restart), and
+    says so in its heartbeat; the driver logs it once, with the verdict that names the fault."""
+    events = EventLog(str(tmp_path))
+    found = {"id": 0, "kind": "damaged_checkpoint", "step": 16, "error": "checksum mismatch in 1 arrays, e.g. .step"}
+    monitor = types.SimpleNamespace(records={r: {"events": [found]} for r in (0, 1)}, events_seen=set(), triaged=set())
+    assert log_worker_events(monitor, events) is None
+    assert log_worker_events(monitor, events) is None  # seen: not again
+    with open(events.path) as f:
+        logged = [json.loads(line) for line in f]
+    assert [(e["kind"], e["verdict"], e["step"]) for e in logged] == [("damaged_checkpoint", "damaged checkpoint", 16)]
+    assert "checksum mismatch" in logged[0]["summary"] and "in this attempt" in logged[0]["summary"]
+
+
 def test_a_dead_redis_says_its_verdict(tmp_path):
     """`redis`: the embedded server killed; the driver restarts it, no fault, no restart."""
     class Server:
