@@ -72,7 +72,9 @@ def build_trainer(cfg: Config, mesh: Mesh) -> Trainer:
         return jnp.zeros((1, cfg.model.seq_len), jnp.int32)
 
     # Shapes and logical axes come from an abstract init; nothing is allocated (or compiled) here.
-    boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), dummy()))["params"]
+    # A restart reads them from the run's compile cache instead of tracing the model again.
+    boxed = compile_cache.remember("abstract_params", cfg.to_dict(),
+                                   lambda: jax.eval_shape(lambda: model.init(jax.random.key(0), dummy()))["params"])
     optimizer = make_optimizer(cfg.optim, cfg.train.steps, layer_axes(boxed))
     param_shardings = sharding.param_shardings(boxed, mesh, cfg)
     abstract_params = nn.unbox(boxed)

@@ -9,6 +9,7 @@ module's note). The train step and evaluation are loaded without tracing (`load_
 """
 
 import collections
+import dataclasses
 import glob
 import os
 import re
@@ -427,3 +428,41 @@ def test_without_the_jobs_key_no_executable_is_handed_over(tmp_path, monkeypatch
     with compile_cache.use(str(tmp_path)):
         compile_cache.load_or_compile("s", lambda: jax.jit(jnp.sin).lower(x), {}, (x,))
     assert store.values == {} and len(warnings) == 1 and "MEGASCALE_JOB_KEY_FILE" in warnings[0]
+
+
+def test_the_trainer_reads_the_models_abstract_parameters_from_the_cache_on_a_restart(tmp_path, monkeypatch):
+    """build_trainer's abstract parameters (shapes, dtypes, logical axes: the model's init traced)
+    are kept in the run's store: a second build with the same config traces no init and gives the
+    same tree; another config makes its own; an unreadable entry is one warning and a new trace."""
+    from megascale_jax.config import load_config
+    from megascale_jax.parallel.mesh import make_mesh
+    from megascale_jax.training import trainer as trainers
+
+    cfg = load_config(None, ["model.layers=2", "model.d_model=64", "model.seq_len=32", "mesh.dp=1", "mesh.tp=1"])
+    mesh = make_mesh(cfg.mesh)
+    traced = collections.Counter()
+    init = trainers.Transformer.init
+
+    def counted_init(self, *args, **kwargs):
+        traced[self.cfg.d_model] += 1
+        return init(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainers.Transformer, "init", counted_init)
+    with compile_cache.use(str(tmp_path)):
+        first = trainers.build_trainer(cfg, mesh)
+        again = trainers.build_trainer(cfg, mesh)
+        wider = trainers.build_trainer(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_model=128)),
+                                        mesh)
+    assert traced == {64: 1, 128: 1}
+    same = jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype), first.abstract_params,
+                        again.abstract_params)
+    assert all(jax.tree.leaves(same)) and jax.tree.structure(first.abstract_params) == \
+        jax.tree.structure(again.abstract_params)
+    assert first.state_shardings == again.state_shardings  # the logical axes came back too
+    assert jax.tree.leaves(wider.abstract_params)[0].shape != jax.tree.leaves(first.abstract_params)[0].shape
+    for entry in glob.glob(str(tmp_path / "compile_cache" / "process-0" / "abstract_params-*")):
+        with open(entry, "wb") as f:
+            f.write(b"not a pickle")
+    with compile_cache.use(str(tmp_path)):
+        trainers.build_trainer(cfg, mesh)
+    assert traced == {64: 2, 128: 1}
