@@ -54,8 +54,8 @@ from megascale_jax import cli
 from megascale_jax.config import Config, ConfigError
 from megascale_jax.training import compile_cache
 from megascale_jax.training.save_copy import SaveCopy, to_pinned_host
-from megascale_jax.training.checkpoint_damage import (ChecksumMismatch, CorruptCheckpoint, damage_is_corruption, describe_read_error,
-                                                      quiet_late_tensorstore_callbacks)
+from megascale_jax.training.checkpoint_damage import (ChecksumMismatch, CorruptCheckpoint, damage_is_corruption,
+                                                      describe_read_error, quiet_late_tensorstore_callbacks)
 from megascale_jax.run_dir import committed_steps
 
 # Config sections that fix the state's shapes: a checkpoint restores only into the same ones.
