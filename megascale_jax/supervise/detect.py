@@ -180,8 +180,10 @@ class HeartbeatMonitor:
         # logged already: (step, outcome) of NaN triages, ("damaged", step) of damaged checkpoints
         self.triaged: set[tuple] = set()
         self.reachable = True
-        # rank -> the longest time between two of its heartbeats seen while it trained: how close a
-        # healthy rank came to hang_timeout_s (a silence that ends the attempt is never closed by a beat)
+        # rank -> the longest time between two of its heartbeats while it trained, by its own clock:
+        # how close a healthy rank came to hang_timeout_s (a silence that ends the attempt is never
+        # closed by a beat). The worker's clock, not the arrivals: a driver busy for a while (a
+        # drill's files, a straggler check) sees the next beat late, yet judges no hang for it.
         self.longest_silence: dict[int, float] = {}
 
     @property
@@ -210,10 +212,7 @@ class HeartbeatMonitor:
                     self.bad[rank] = raw
                 continue
             if record["seq"] != self.records.get(rank, {}).get("seq"):
-                if record["state"] == "training" and self.records.get(rank, {}).get("state") == "training" \
-                        and rank in self.arrived:
-                    silence = now - self.arrived[rank]
-                    self.longest_silence[rank] = max(self.longest_silence.get(rank, 0.0), silence)
+                self._track_silence(rank, self.records.get(rank), record)
                 self.arrived[rank] = now
                 self._track_step_time(rank, record)
                 self._track_progress(rank, record, now)
@@ -223,6 +222,16 @@ class HeartbeatMonitor:
                     self.state_since[rank] = (phase, now)
             self.records[rank] = record
         return True
+
+    def _track_silence(self, rank: int, before: dict | None, record: dict) -> None:
+        """The gap between two beats in state training: exact when no beat came between them, else
+        their mean gap (the driver read only the last of several)."""
+        if not before or before.get("state") != "training" or record["state"] != "training":
+            return
+        beats = record["seq"] - before["seq"]
+        if beats > 0 and isinstance(record.get("time"), (int, float)) and isinstance(before.get("time"), (int, float)):
+            gap = (record["time"] - before["time"]) / beats
+            self.longest_silence[rank] = max(self.longest_silence.get(rank, 0.0), gap)
 
     def resumed_from(self) -> int | None:
         """The step training (re)started from, once some rank finished a step past it."""

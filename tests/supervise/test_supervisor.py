@@ -118,20 +118,24 @@ def test_monitor_tells_a_stall_from_a_hang(client):
 
 def test_the_monitor_keeps_the_longest_silence_of_a_rank_that_goes_on_training(client):
     """The margin a hang timeout has on healthy ranks (the `done` event's
-    longest_heartbeat_silence_s): gaps between two beats both in state training, by the driver's
-    clock. A start-up beat before them is not a silence of training; a silence no beat ended (a
-    hang, the attempt's end) is not a healthy rank's."""
+    longest_heartbeat_silence_s): gaps between two beats both in state training, by the worker's
+    clock (the driver, busy, may read a beat late: no silence of the worker's). A start-up beat
+    before them is not a silence of training; a silence no beat ended (a hang, the attempt's end)
+    is not a healthy rank's; beats the driver did not read between two it did count as their mean."""
     job = "silence"
     monitor = HeartbeatMonitor(client, job, 2, hang_timeout_s=5, startup_timeout_s=60, now=0.0)
-    beats = {0: [(0.0, "compiling"), (4.0, "training"), (4.5, "training"), (6.0, "training"), (6.3, "training")],
-             1: [(0.0, "compiling"), (4.0, "training"), (5.0, "training")]}  # then silent: no beat ends it
-    for seq, t in enumerate(sorted({t for rows in beats.values() for t, _ in rows} | {9.0})):
+    # (when the driver reads, seq, the beat's own time, state)
+    beats = {0: [(0.0, 0, 0.0, "compiling"), (4.0, 1, 4.0, "training"), (4.5, 2, 4.5, "training"),
+                 (7.0, 3, 6.0, "training"),  # read a second late: the worker's gap is 1.5 s
+                 (7.2, 6, 6.9, "training")],  # 3 beats in 0.9 s, the last read only: 0.3 s
+             1: [(0.0, 0, 0.0, "compiling"), (4.0, 1, 4.0, "training"), (5.0, 2, 5.0, "training")]}  # then silent
+    for read in sorted({row[0] for rows in beats.values() for row in rows} | {9.0}):
         for rank, rows in beats.items():
-            state = dict(rows).get(t)
-            if state:
-                beat(client, job, rank, seq, 1, state=state)
-        monitor.poll(t)
-    assert monitor.longest_silence == {0: 1.5, 1: 1.0}
+            for at, seq, t, state in rows:
+                if at == read:
+                    beat(client, job, rank, seq, 1, state=state, time=t)
+        monitor.poll(read)
+    assert monitor.longest_silence == pytest.approx({0: 1.5, 1: 1.0})
 
 
 def test_a_stall_is_judged_against_the_recent_step_time_when_it_is_longer_than_the_timeout(client):
