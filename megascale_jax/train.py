@@ -108,7 +108,7 @@ def _train_loop(cfg, run_dir, mesh, train_batches, val_batches, watch, resume_st
     saves = Saves(cfg, run_dir, trainer.to_canonical, abstract_state, logger.warning, clock)
     hf_weights = (lambda: hf_import.load_params(cfg, trainer.abstract_params)) if cfg.model.init_from else None
     start = choose_start(trainer, saves, abstract_state, clock, hf_weights, up_to=resume_step)
-    for damaged in saves.ckpt.damaged if saves.ckpt else []:  # fallen back past in this attempt: the verdict's
+    for damaged in saves.damaged_checkpoints():  # gone past in this attempt: the supervisor's verdict
         watch.event("damaged_checkpoint", **damaged)
     state, last = start.state, cfg.train.steps
     feed = data.Feed(data.Prefetcher(train_batches, trainer.batch_sharding, start.data_position, cfg.data.prefetch),

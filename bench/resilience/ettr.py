@@ -304,21 +304,22 @@ def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     step_s = statistics.median(r["step_time_s"] for r in records)
     # Faults in a fault-free run are false alarms (a hang or a stall called on a healthy rank):
     # the detector's false-positive count over a run as long as the drilled one.
-    alarms = undrilled_faults(read_jsonl(os.path.join(run_dir, "events.jsonl")))
+    events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
+    alarms = undrilled_faults(events)
     reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"],
                  "steps": len(records), "step_s_median": step_s, "goodput": len(records) * step_s / wall,
                  "false_alarms": alarms, "budget": budget(run_dir, start, wall, busy, [], step_s),
-                 "longest_heartbeat_silence_s": longest_heartbeat_silence(run_dir)}
+                 "longest_heartbeat_silence_s": longest_heartbeat_silence(events)}
     print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(alarms)} false alarms, "
           f"longest heartbeat silence of a training rank {reference['longest_heartbeat_silence_s']}s", flush=True)
     return reference
 
 
-def longest_heartbeat_silence(run_dir: str) -> float | None:
+def longest_heartbeat_silence(events: list[dict]) -> float | None:
     """The longest gap between two heartbeats of a rank that went on training, any attempt (the
     `done` event): how near a healthy rank came to supervisor.hang_timeout_s. None before the
     supervisor recorded it, or when the run did not finish."""
-    done = [e for e in read_jsonl(os.path.join(run_dir, "events.jsonl")) if e["kind"] == "done"]
+    done = [e for e in events if e["kind"] == "done"]
     return done[-1].get("longest_heartbeat_silence_s") if done else None
 
 
@@ -478,7 +479,7 @@ def main(argv=None) -> int:
         "restarts": sum(e["kind"] == "restart" for e in events), "shrinks": sum(e["kind"] == "shrink" for e in events),
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows), "per_kind": per_kind(rows), "faults": rows,
         "undrilled_faults": undrilled_faults(events), "startup_phases_s": startup_phases(run_dir),
-        "longest_heartbeat_silence_s": longest_heartbeat_silence(run_dir),
+        "longest_heartbeat_silence_s": longest_heartbeat_silence(events),
         "budget": budget(run_dir, start, wall, busy, rows, step_s_median),
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None, "mtbf_for_97_s": None,

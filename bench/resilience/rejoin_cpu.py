@@ -16,12 +16,13 @@ collectives, `jax_enable_recoverability` on:
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 
 from bench.common import Bench, with_repo_on_path
-from megascale_jax.cluster.rendezvous import free_port
+from megascale_jax.cluster.rendezvous import free_port, wait_until_listening
 
 
 def member(rank: int, port: int, role: str, wait_s: float) -> None:
@@ -75,6 +76,8 @@ def member(rank: int, port: int, role: str, wait_s: float) -> None:
     pjit._cpp_pjit_cache_fun_only.clear()
     pjit._cpp_pjit_cache_explicit_attributes.clear()
     _jax.PjitFunctionCache.clear_all()
+    if rank:  # as rendezvous.start_distributed: dialling before rank 0 listens costs gRPC's 1 s backoff
+        wait_until_listening(f"127.0.0.1:{port + 1}")
     jax.distributed.initialize(f"127.0.0.1:{port + 1}", 2, rank, heartbeat_timeout_seconds=5)  # the 2 survivors
     seen["new_runtime_s"] = round(time.perf_counter() - start, 3)
     seen["new_devices"] = jax.device_count()
@@ -85,10 +88,19 @@ def member(rank: int, port: int, role: str, wait_s: float) -> None:
     os._exit(0)
 
 
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
 def experiment(wait_s: float) -> dict:
     env = with_repo_on_path({**os.environ, "JAX_PLATFORMS": "cpu"})
     port = free_port()
-    while free_port() == port + 1:  # the re-formed runtime's port must be free too
+    while not _free(port + 1):  # the survivors' new runtime listens there
         port = free_port()
 
     def start(rank, role):

@@ -258,9 +258,7 @@ def remember(name: str, config: dict, make: Callable[[], object]) -> object:
     An unreadable entry is made again, one warning."""
     if not _store:
         return make()
-    key = hashlib.sha256(json.dumps([name, config, _source_digest(), jax.__version__, jaxlib.__version__,
-                                     flax.__version__, optax.__version__], sort_keys=True, default=str).encode())
-    path = os.path.join(_store["directory"], f"{name}-{key.hexdigest()}.pickle")
+    path = os.path.join(_store["directory"], f"{name}-{_program_key(name, config, ())}.pickle")
     if (entry := _read(path)) is not None:
         try:
             return pickle.loads(entry)

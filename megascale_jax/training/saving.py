@@ -110,6 +110,10 @@ class Saves:
             return None
         return restored[0], step, restored[1]["data_state"]["next_index"], source
 
+    def damaged_checkpoints(self) -> list[dict]:
+        """{"step", "error"} of each checkpoint the restore moved aside and went past."""
+        return self.ckpt.damaged if self.ckpt else []
+
     def begin(self, start: int, last: int, data_position: int, recorder, watch) -> None:
         """Training starts after step `start`, at data index `data_position`, and ends at `last`."""
         self.start, self.last, self.data_position = start, last, data_position
