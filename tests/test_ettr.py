@@ -3,6 +3,7 @@ where the wall time that was not productive went. Expected values are worked out
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -213,3 +214,29 @@ def test_start_up_ends_when_every_rank_trains_not_when_the_first_step_is_done(tm
     write_run(tmp_path, events, [], [{"step": s, "step_time_s": 1.0, "loss": 1.0} for s in range(1, 11)])
     b = ettr.budget(str(tmp_path), T, 50.0, 10.0, [], step_s=1.0)
     assert b["startup_s"] == 31.5 and b["other_s"] == pytest.approx(50 - 10 - 31.5)
+
+
+def test_slow_spells_are_the_runs_of_windows_over_the_quiet_step():
+    """Steps of 0.5 s with 0.8 s from step 201 to 300 and one slow step at 50 (a restart's first
+    step, not a spell): one spell, its steps and median."""
+    times = [0.5] * 400
+    times[49] = 3.0
+    times[200:300] = [0.8] * 100
+    records = [{"step": n + 1, "step_time_s": t} for n, t in enumerate(times)]
+    assert ettr.slow_spells(records) == [[201, 300, 0.8]]
+    assert ettr.slow_spells(records[:10]) == []
+
+
+def test_cpu_load_counts_a_reaped_grandchild_as_the_job():
+    """The job: a process whose child burns 0.3 s of CPU and is reaped before the job ends (its time
+    is then the job's reaped children's). Counted by CPU time, not by the wall clock."""
+    from bench.resilience.cpu_load import CpuLoad, process_table, tree_ticks
+
+    burn = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass"
+    job = subprocess.Popen([sys.executable, "-c", f"import subprocess,sys; subprocess.run([sys.executable,'-c',{burn!r}])"])
+    with CpuLoad(job.pid, every_s=0.05) as load:
+        job.wait()
+    assert load.summary()["job_core_s"] >= 0.3
+    table = {10: (1, 5), 11: (10, 7), 12: (11, 3), 13: (1, 100)}  # 13 is not under 10
+    assert tree_ticks(10, table) == 15
+    assert os.getpid() in process_table()

@@ -41,6 +41,7 @@ import time
 import yaml
 
 from bench.common import Bench
+from bench.resilience.cpu_load import CpuLoad
 from megascale_jax import run_dir as run_dirs
 
 KINDS = ("kill", "stop", "slow", "faulty", "host", "redis", "corrupt", "nan")
@@ -66,21 +67,27 @@ MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq
          "checkpoint.background_host_copy=true"]
 
 
-def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0) -> tuple[float, float]:
-    """Run a supervised job to its end; (its start as time.time(), its wall time in seconds)."""
+def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (),
+           spares: int = 0) -> tuple[float, float, dict]:
+    """Run a supervised job to its end; (its start as time.time(), its wall time in seconds, who
+    used the CPUs meanwhile: `cpu_load.CpuLoad`'s summary and its samples as [t, job, foreign,
+    steal] cores)."""
     command = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", str(nprocs), "--spares", str(spares),
                "--run-dir", run_dir, *[f"--drill={d}" for d in drills], *MODEL, f"mesh.dp={nprocs}",
                f"mesh.cpu_devices={nprocs}", *args]
     print("$", " ".join(command[1:]), flush=True)
     start = time.time()
-    done = subprocess.run(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    with CpuLoad(process.pid) as load:
+        output, _ = process.communicate()
     wall = time.time() - start
     with open(os.path.join(run_dir, "launcher.log"), "w") as f:
-        f.write(done.stdout)
-    if done.returncode != 0:
-        raise SystemExit(f"launch failed ({done.returncode}); see {run_dir}/launcher.log:\n{done.stdout[-3000:]}")
-    return start, wall
+        f.write(output)
+    if process.returncode != 0:
+        raise SystemExit(f"launch failed ({process.returncode}); see {run_dir}/launcher.log:\n{output[-3000:]}")
+    samples = [[s["t"], s["job_cores"], s["foreign_cores"], s["steal_cores"]] for s in load.samples]
+    return start, wall, {**load.summary(), "samples_t_job_foreign_steal": samples}
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -299,7 +306,7 @@ def saves_block_within_steps(run_dir: str) -> bool:
 
 def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     run_dir = os.path.join(work, "reference")
-    start, wall = launch(run_dir, nprocs, job)
+    start, wall, load = launch(run_dir, nprocs, job)
     busy, records = productive(run_dir)
     step_s = statistics.median(r["step_time_s"] for r in records)
     # Faults in a fault-free run are false alarms (a hang or a stall called on a healthy rank):
@@ -309,10 +316,32 @@ def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     reference = {"wall_s": wall, "productive_s": busy, "ettr": busy / wall, "final_loss": records[-1]["loss"],
                  "steps": len(records), "step_s_median": step_s, "goodput": len(records) * step_s / wall,
                  "false_alarms": alarms, "budget": budget(run_dir, start, wall, busy, [], step_s),
-                 "longest_heartbeat_silence_s": longest_heartbeat_silence(events)}
+                 "longest_heartbeat_silence_s": longest_heartbeat_silence(events),
+                 "slow_spells": slow_spells(records), "cpu_load": load}
     print(f"reference: ETTR {reference['ettr']:.1%} ({busy:.0f}s of {wall:.0f}s), {len(alarms)} false alarms, "
           f"longest heartbeat silence of a training rank {reference['longest_heartbeat_silence_s']}s", flush=True)
     return reference
+
+
+def slow_spells(records: list[dict], window: int = 20, slower: float = 1.2) -> list[list]:
+    """Runs of steps whose 20-step median is over 1.2x the quiet step (the 10th percentile of
+    those medians): [first step, last step, their median step time]. A fault slows a few steps
+    after its restart; a spell of hundreds is the machine (`cpu_load` says who had the cores)."""
+    times = [r["step_time_s"] for r in records]
+    medians = [statistics.median(times[i:i + window]) for i in range(0, len(times) - window + 1, window)]
+    if not medians:
+        return []
+    quiet = sorted(medians)[len(medians) // 10]
+    spells, start = [], None
+    for n, m in enumerate(medians + [0.0]):
+        if m > slower * quiet and start is None:
+            start = n
+        elif m <= slower * quiet and start is not None:
+            first, last = start * window, min(n * window, len(times)) - 1
+            spells.append([records[first]["step"], records[last]["step"],
+                           round(statistics.median(times[first:last + 1]), 3)])
+            start = None
+    return spells
 
 
 def longest_heartbeat_silence(events: list[dict]) -> float | None:
@@ -375,6 +404,7 @@ def recount(path: str) -> None:
         result.update(compare(result, result["reference"]))
     result.update(launched_at=start, faults=rows, per_kind=per_kind(rows), undrilled_faults=undrilled_faults(events),
                   steps_lost=sum(r["steps_lost"] or 0 for r in rows), startup_phases_s=startup_phases(run_dir),
+                  slow_spells=slow_spells(records),
                   budget=budget(run_dir, start, result["wall_s"], busy, rows, result["step_s_median"]))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
@@ -457,7 +487,7 @@ def main(argv=None) -> int:
         kind = kinds.pop()
         drills.append(f"{kind}@t{t:.0f}" if kind in RANKLESS else f"{kind}:{rng.randrange(args.nprocs)}@t{t:.0f}")
     run_dir = os.path.join(work, "drilled")
-    start, wall = launch(run_dir, args.nprocs, job, drills, args.spares)
+    start, wall, load = launch(run_dir, args.nprocs, job, drills, args.spares)
     busy, records = productive(run_dir)
     step_s_median = statistics.median(r["step_time_s"] for r in records)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))
@@ -484,6 +514,7 @@ def main(argv=None) -> int:
         "final_loss": final, "reference": None, "final_loss_equal": None, "final_loss_rel_diff": None,
         "fault_cost_s": None, "fault_cost_per_fault_s": None, "mtbf_for_95_s": None, "mtbf_for_97_s": None,
         "shrunk": shrunk, "cpu_cores": os.cpu_count(), "work_dir": work, "launched_at": start,
+        "slow_spells": slow_spells(records), "cpu_load": load,
     }
     if reference is not None:
         result.update(compare(result, reference))
@@ -497,6 +528,9 @@ def main(argv=None) -> int:
         print(f"  {kind:8s} n={row['n']} detected {row['detected_s']} s, relaunched {row['relaunched_s']} s, "
               f"training {row['training_s']} s, resumed {row['resumed_s']} s, "
               f"lost {row['steps_lost']} steps")
+    print(f"  slow spells (first step, last step, median step s): {result['slow_spells']}; CPU meanwhile: "
+          f"job {load['job_core_s']} core-s, others {load['foreign_core_s']}, steal {load['steal_core_s']}, "
+          f"others above a quarter core for >= 10 s at {load['foreign_spells_s']} s", flush=True)
     print("  restored from: " + ", ".join(f"{r['kind']} {r.get('restore_source')}" for r in rows), flush=True)
     for r in rows:  # what each drill was judged to be, and why a slot was excluded for it
         print(f"  {r['kind']}:{r['rank']} judged {' then '.join(r['verdicts']) or 'nothing'}"
