@@ -20,14 +20,22 @@ import json
 import os
 import sys
 import traceback
+from types import ModuleType
 
 
-def main() -> int:
+def load(name: str) -> tuple[ModuleType | None, str | None]:
+    """Import `name` and run its `warm_up()`: (the module, None), or (None, the traceback)."""
     try:
-        module, failed = importlib.import_module(sys.argv[1]), None  # the expensive part, done while standing by
+        module = importlib.import_module(name)  # the expensive part, done while standing by
         getattr(module, "warm_up", lambda: None)()
+        return module, None
     except Exception:  # noqa: BLE001 — reported where the supervisor looks: the worker's log, once assigned
-        module, failed = None, traceback.format_exc()
+        return None, traceback.format_exc()
+
+
+def serve(module: ModuleType | None, failed: str | None) -> int:
+    """Wait for the command line on stdin, then run it (module docstring). Also the body of a
+    standby forked from a zygote (supervise/zygote.py), which imported `module` once for all."""
     line = sys.stdin.readline()
     if not line:
         return 0
@@ -44,6 +52,10 @@ def main() -> int:
     os.environ.update(job["env"])
     sys.argv = [module.__file__, *job["argv"]]
     return module.main(job["argv"])
+
+
+def main() -> int:
+    return serve(*load(sys.argv[1]))
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from megascale_jax.supervise.placement import Placement, Shape, grown
 from megascale_jax.supervise.policy import Done, GiveUp, Shrink, Spare
 from megascale_jax.supervise.transport import RedisLink
 from megascale_jax.supervise.workers import StandbyPool, WorkerGroup
+from megascale_jax.supervise.zygote import Zygote
 
 log = get_logger("supervise", tag="[supervisor] ")
 rank0 = get_logger("supervise.progress", tag="[rank 0] ")  # rank 0's progress, from its heartbeat
@@ -135,16 +136,20 @@ class Supervisor:
         # Warm processes for the first attempt's ranks only; the spares' are started with the
         # refills, once training runs: 7 processes importing jax at launch on this 2-core machine
         # (4 ranks + 3 spares) delayed the first step by the spares' imports.
-        self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs)
+        # Every warm process is a fork of one zygote that imported the workers' modules once
+        # (supervise/zygote.py): a refill costs milliseconds, not an interpreter's imports each.
+        self.zygote = Zygote("megascale_jax.train", self.job.env)
+        self.pool = StandbyPool("megascale_jax.train", self.job.env, self.job.nprocs, self.zygote)
         # Warm diagnostics processes for the active slots, started once training runs (refill):
         # at launch they would take the CPU from the workers' own start-up. The module's main(argv)
         # runs one diagnostics worker, its warm_up() does the imports.
-        self.diagnose_pool = StandbyPool(diagnose.__name__, self.job.env, 0)
+        self.diagnose_pool = StandbyPool(diagnose.__name__, self.job.env, 0, self.zygote)
         try:
             return self._run()
         finally:
             self.pool.close()
             self.diagnose_pool.close()
+            self.zygote.close()
 
     def _run(self) -> int:
         """Attempt after attempt: run, detect, decide, recover."""

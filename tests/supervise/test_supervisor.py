@@ -377,7 +377,9 @@ def test_the_password_is_in_no_file_log_or_command_line_of_a_launch(watched_refe
     assert os.stat(run_dir / "redis" / "password").st_mode & 0o777 == 0o600
     assert password not in console
     assert not [p.split("\0")[0] for p in processes if password in p]  # not in `ps`, nor any environment
-    workers = [p for p in processes if "megascale_jax.cluster.standby megascale_jax.train" in p
+    # Workers and standbys are forks of the zygote (its command line), or cold standbys where it is gone.
+    workers = [p for p in processes if ("megascale_jax.cluster.standby megascale_jax.train" in p
+                                        or "megascale_jax.supervise.zygote megascale_jax.train" in p)
                and f"\0{run_dirs.HOLDER_ENV}={launcher}" in p]  # this launch's, not another test's
     assert workers and all(f"{redis_auth.PASSWORD_FILE_ENV}={run_dir / 'redis' / 'password'}" in p for p in workers)
     files = [os.path.join(d, name) for d, _, names in os.walk(run_dir) for name in names]
