@@ -240,3 +240,12 @@ def test_cpu_load_counts_a_reaped_grandchild_as_the_job():
     table = {10: (1, 5), 11: (10, 7), 12: (11, 3), 13: (1, 100)}  # 13 is not under 10
     assert tree_ticks(10, table) == 15
     assert os.getpid() in process_table()
+
+
+def test_cpu_samples_are_kept_as_ten_second_averages_weighted_by_length():
+    from bench.resilience.cpu_load import binned
+
+    samples = [{"t": 4.0, "dt": 4.0, "job_cores": 2.0, "foreign_cores": 0.0, "steal_cores": 0.0},
+               {"t": 9.0, "dt": 5.0, "job_cores": 0.2, "foreign_cores": 1.0, "steal_cores": 0.5},
+               {"t": 12.0, "dt": 3.0, "job_cores": 1.0, "foreign_cores": 0.3, "steal_cores": 0.0}]
+    assert binned(samples) == [[9.0, 1.0, 0.56, 0.28], [12.0, 1.0, 0.3, 0.0]]

@@ -32,6 +32,20 @@ def machine_ticks() -> tuple[int, int]:
     return user + nice + system + irq + softirq, steal
 
 
+def stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (field 3 onwards): the name is in
+    parentheses and may hold spaces. OSError when the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def own_cpu_s(pid: int) -> float:
+    """CPU seconds of process `pid` so far, its own (user + system), not its children's."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def process_table() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, CPU ticks of it and its reaped children) for every process now."""
     table = {}
@@ -39,14 +53,26 @@ def process_table() -> dict[int, tuple[int, int]]:
         if not name.isdigit():
             continue
         try:
-            with open(f"/proc/{name}/stat") as f:
-                stat = f.read()
+            fields = stat_fields(int(name))
         except OSError:  # it ended while we looked
             continue
-        # The command name (field 2) is in parentheses and may hold spaces: split after it.
-        fields = stat[stat.rindex(")") + 2:].split()
         table[int(name)] = (int(fields[1]), sum(int(v) for v in fields[11:15]))
     return table
+
+
+def binned(samples: list[dict], seconds: float = 10.0) -> list[list[float]]:
+    """`samples` averaged over `seconds` (weighted by each sample's length), as [end t, job,
+    foreign, steal] cores: what a result file keeps (a sample a second is ~20k lines of JSON for a
+    30-min run)."""
+    bins: dict[int, list[dict]] = {}
+    for s in samples:
+        bins.setdefault(int(s["t"] // seconds), []).append(s)
+    rows = []
+    for group in bins.values():
+        dt = sum(s["dt"] for s in group)
+        rows.append([group[-1]["t"], *(round(sum(s[k] * s["dt"] for s in group) / dt, 2)
+                                       for k in ("job_cores", "foreign_cores", "steal_cores"))])
+    return rows
 
 
 def tree_ticks(root: int, table: dict[int, tuple[int, int]]) -> int:

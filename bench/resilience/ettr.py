@@ -41,7 +41,7 @@ import time
 import yaml
 
 from bench.common import Bench
-from bench.resilience.cpu_load import CpuLoad
+from bench.resilience.cpu_load import CpuLoad, binned
 from megascale_jax import run_dir as run_dirs
 
 KINDS = ("kill", "stop", "slow", "faulty", "host", "redis", "corrupt", "nan")
@@ -67,27 +67,32 @@ MODEL = ["train.eval_every=0", "model.layers=4", "model.d_model=256", "model.seq
          "checkpoint.background_host_copy=true"]
 
 
-def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (),
-           spares: int = 0) -> tuple[float, float, dict]:
+def launch(run_dir: str, nprocs: int, args: list[str], drills: list[str] = (), spares: int = 0,
+           checkout: str | None = None, sample_s: float = 1.0) -> tuple[float, float, CpuLoad]:
     """Run a supervised job to its end; (its start as time.time(), its wall time in seconds, who
-    used the CPUs meanwhile: `cpu_load.CpuLoad`'s summary and its samples as [t, job, foreign,
-    steal] cores)."""
+    used the CPUs meanwhile, sampled every `sample_s`). `checkout`: run another checkout's
+    megascale_jax (from a neutral directory: `python -m` puts the working directory first)."""
     command = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", str(nprocs), "--spares", str(spares),
                "--run-dir", run_dir, *[f"--drill={d}" for d in drills], *MODEL, f"mesh.dp={nprocs}",
                f"mesh.cpu_devices={nprocs}", *args]
     print("$", " ".join(command[1:]), flush=True)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **({"PYTHONPATH": checkout} if checkout else {})}
     start = time.time()
-    process = subprocess.Popen(command, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    with CpuLoad(process.pid) as load:
+    process = subprocess.Popen(command, env=env, cwd=tempfile.gettempdir() if checkout else None,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with CpuLoad(process.pid, sample_s) as load:
         output, _ = process.communicate()
     wall = time.time() - start
     with open(os.path.join(run_dir, "launcher.log"), "w") as f:
         f.write(output)
     if process.returncode != 0:
         raise SystemExit(f"launch failed ({process.returncode}); see {run_dir}/launcher.log:\n{output[-3000:]}")
-    samples = [[s["t"], s["job_cores"], s["foreign_cores"], s["steal_cores"]] for s in load.samples]
-    return start, wall, {**load.summary(), "samples_t_job_foreign_steal": samples}
+    return start, wall, load
+
+
+def load_record(load: CpuLoad) -> dict:
+    """What a result keeps of a run's CPU samples: the summary, and the cores every 10 s."""
+    return {**load.summary(), "every_10s_t_job_foreign_steal": binned(load.samples)}
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -306,7 +311,8 @@ def saves_block_within_steps(run_dir: str) -> bool:
 
 def run_reference(nprocs: int, job: list[str], work: str) -> dict:
     run_dir = os.path.join(work, "reference")
-    start, wall, load = launch(run_dir, nprocs, job)
+    start, wall, sampled = launch(run_dir, nprocs, job)
+    load = load_record(sampled)
     busy, records = productive(run_dir)
     step_s = statistics.median(r["step_time_s"] for r in records)
     # Faults in a fault-free run are false alarms (a hang or a stall called on a healthy rank):
@@ -487,7 +493,8 @@ def main(argv=None) -> int:
         kind = kinds.pop()
         drills.append(f"{kind}@t{t:.0f}" if kind in RANKLESS else f"{kind}:{rng.randrange(args.nprocs)}@t{t:.0f}")
     run_dir = os.path.join(work, "drilled")
-    start, wall, load = launch(run_dir, args.nprocs, job, drills, args.spares)
+    start, wall, sampled = launch(run_dir, args.nprocs, job, drills, args.spares)
+    load = load_record(sampled)
     busy, records = productive(run_dir)
     step_s_median = statistics.median(r["step_time_s"] for r in records)
     events = read_jsonl(os.path.join(run_dir, "events.jsonl"))

@@ -17,30 +17,18 @@ Writes bench/results/restart_aftermath_cpu.json.
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
 
 from bench.common import REPO, Bench
 from bench.resilience import ettr
-from bench.resilience.cpu_load import CpuLoad
 
 DRILLS = ["kill:1@60", "kill:2@120"]
 STEPS = 200
 
 
 def run(checkout: str, run_dir: str) -> dict:
-    command = [sys.executable, "-m", "megascale_jax.launch", "--nprocs", "4", "--spares", "2", "--run-dir", run_dir,
-               *[f"--drill={d}" for d in DRILLS], *ettr.MODEL, "mesh.dp=4", "mesh.cpu_devices=4",
-               *ettr.job_overrides(STEPS, 5, 5)]
-    start = time.time()
-    with open(run_dir + ".log", "w") as log:
-        process = subprocess.Popen(command, cwd=tempfile.gettempdir(), stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": checkout})
-        with CpuLoad(process.pid, every_s=0.1) as load:
-            process.wait()
-    if process.returncode != 0:
-        raise SystemExit(f"launch failed ({process.returncode}); see {run_dir}.log")
+    start, wall, load = ettr.launch(run_dir, 4, ettr.job_overrides(STEPS, 5, 5), DRILLS, spares=2,
+                                    checkout=checkout, sample_s=0.1)
     events = ettr.read_jsonl(os.path.join(run_dir, "events.jsonl"))
     times = {r["step"]: r["step_time_s"] for r in ettr.read_jsonl(os.path.join(run_dir, "metrics.jsonl"))}
     started = next(e for e in events if e["kind"] == "started")
@@ -52,7 +40,7 @@ def run(checkout: str, run_dir: str) -> dict:
                          "next_20_steps_s": round(sum(after), 2), "next_20_median_s": round(statistics.median(after), 3),
                          "job_core_s_next_15s": round(sum(s["job_cores"] * s["dt"] for s in load.samples
                                                           if at <= s["t"] < at + 15), 1)})
-    return {"checkout": checkout, "wall_s": round(time.time() - start, 1),
+    return {"checkout": checkout, "wall_s": round(wall, 1),
             "launch_to_first_step_s": round(started["time"] - start, 2),
             "median_step_before_s": round(statistics.median(times[s] for s in range(30, 56)), 3),
             "restarts": restarts, "other_processes_core_s": load.summary()["foreign_core_s"]}

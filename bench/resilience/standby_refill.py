@@ -16,26 +16,18 @@ import statistics
 import time
 
 from bench.common import Bench
-from bench.resilience.cpu_load import TICK
+from bench.resilience.cpu_load import own_cpu_s
 from megascale_jax.supervise.workers import StandbyPool, worker_env
 from megascale_jax.supervise.zygote import Zygote
 
 MODULE = "megascale_jax.train"
 
 
-def cpu_s(pid: int) -> float:
-    """CPU seconds of process `pid` so far (its own, not its children's)."""
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def settled(pids: list[int], quiet_s: float = 0.5) -> float:
     """Wait until none of `pids` has used CPU for `quiet_s`; their CPU seconds then, summed."""
     last, since = None, time.monotonic()
     while True:
-        now = sum(cpu_s(pid) for pid in pids)
+        now = sum(own_cpu_s(pid) for pid in pids)
         if now != last:
             last, since = now, time.monotonic()
         elif time.monotonic() - since >= quiet_s:

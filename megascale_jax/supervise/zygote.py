@@ -149,9 +149,8 @@ class Zygote:
     process cannot adopt orphans (not Linux)."""
 
     def __init__(self, module: str, env: dict, timeout_s: float = 120.0):
-        self.ok = become_subreaper()
         self.sock, self.process = None, None
-        if not self.ok:
+        if not become_subreaper():
             return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.process = subprocess.Popen(
