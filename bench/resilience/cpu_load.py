@@ -12,7 +12,8 @@ The job is a process tree: the launcher and its descendants. A process's CPU tim
 live tree keeps the time of workers that ended (the launcher reaps them) — what it misses is a
 child that ended and was reaped between two samples by a parent that itself ended then, which
 is none of this job's processes. `foreign` is the machine's busy time less the job's: another
-user's jobs, this session's own commands, the kernel's threads.
+user's jobs, this session's own commands, the kernel's threads. A result keeps the summary
+and 10-s averages (`binned`).
 """
 
 from __future__ import annotations
