@@ -206,6 +206,32 @@ def test_what_the_faults_cost_and_the_fault_rate_each_target_allows():
     assert ettr.compare(result, {**reference, "ettr": 0.96})["mtbf_for_97_s"] is None
 
 
+def test_a_reference_is_borrowed_only_from_a_fault_free_run_of_the_same_job(tmp_path, capsys):
+    """Another seed's fault-free run serves a result of the same job (overrides, processes, steps):
+    compared as if run for it, and marked borrowed; from another job, or from a result without one,
+    one line and exit 2, the result unchanged."""
+    job = {"config": ["mesh.dp=2", "train.steps=1500"], "nprocs": 2, "steps": 1500}
+    reference = {"wall_s": 1000.0, "productive_s": 990.0, "ettr": 0.99, "final_loss": 2.0, "step_s_median": 0.6,
+                 "goodput": 0.92}
+    paths = {name: tmp_path / f"{name}.json" for name in ("drilled", "seed0", "other_job", "none")}
+    docs = {"drilled": {**job, "wall_s": 1000.0, "productive_s": 900.0, "faults_fired": 4, "final_loss": 2.0,
+                        "fault_every_s": [120, 300], "reference": None},
+            "seed0": {**job, "reference": reference}, "other_job": {**job, "nprocs": 4, "reference": reference},
+            "none": {**job, "reference": None}}
+    for name, doc in docs.items():
+        paths[name].write_text(json.dumps(doc))
+    for lender, why in (("other_job", "its nprocs differ"), ("none", "it has none")):
+        with pytest.raises(SystemExit) as stop:
+            ettr.reference_for(str(paths["drilled"]), str(paths[lender]))
+        assert stop.value.code == 2 and why in capsys.readouterr().err
+        assert json.loads(paths["drilled"].read_text()) == docs["drilled"]
+    ettr.reference_for(str(paths["drilled"]), str(paths["seed0"]))
+    got = json.loads(paths["drilled"].read_text())
+    assert got["reference"]["borrowed_from"] == os.path.relpath(paths["seed0"])
+    assert got["final_loss_equal"] and got["fault_cost_per_fault_s"] == pytest.approx(22.5)
+    assert got["goodput"] == pytest.approx(1500 * 0.6 / 1000)
+
+
 def test_start_up_ends_when_every_rank_trains_not_when_the_first_step_is_done(tmp_path):
     """`started` comes once a step is done (at T + 40, 39.5 s after the launch at T + 0.5); every
     rank was training 31 s after that launch, so start-up is 31.5 s and the step is productive."""

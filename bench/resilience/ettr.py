@@ -2,6 +2,7 @@
 
     python -m bench.resilience.ettr [--minutes 30] [--nprocs 4] [--spares 2] [--fault-every 120 300] [--seed 0]
     python -m bench.resilience.ettr --reference-for bench/results/ettr_cpu.json  # step 2 of a --no-reference run
+    python -m bench.resilience.ettr --reference-for SEED1.json --reference-from SEED0.json  # the same job's, borrowed
     python -m bench.resilience.ettr --recount bench/results/ettr_cpu.json        # per-fault rows and budget again
 
 1. Calibrate: a short fault-free launch measures the step time (or `--step-s` gives it), which
@@ -381,12 +382,25 @@ def compare(result: dict, reference: dict) -> dict:
             "mtbf_for_95_s": mtbf_for(0.95), "mtbf_for_97_s": mtbf_for(0.97)}
 
 
-def reference_for(path: str) -> None:
-    """The fault-free run of a result written with --no-reference, added to that result."""
+def reference_for(path: str, borrow: str | None = None) -> None:
+    """The fault-free run of a result written with --no-reference, added to that result; with
+    `borrow`, another result's fault-free run of the same job (the same overrides, processes and
+    steps: seeds change only the fault schedule) instead of running it again."""
     with open(path) as f:
         result = json.load(f)
-    job = [c for c in result["config"] if c not in MODEL]  # the drilled run's own overrides, --set included
-    result.update(compare(result, run_reference(result["nprocs"], job, tempfile.mkdtemp(prefix="bench-ettr-ref-"))))
+    if borrow is None:
+        job = [c for c in result["config"] if c not in MODEL]  # the drilled run's own overrides, --set included
+        reference = run_reference(result["nprocs"], job, tempfile.mkdtemp(prefix="bench-ettr-ref-"))
+    else:
+        with open(borrow) as f:
+            other = json.load(f)
+        differs = [k for k in ("config", "nprocs", "steps") if other.get(k) != result.get(k)]
+        if differs or not other.get("reference"):
+            print(f"error: {borrow} holds no fault-free run of {path}'s job ("
+                  + (f"its {', '.join(differs)} differ" if differs else "it has none") + ")", file=sys.stderr)
+            raise SystemExit(2)
+        reference = {**other["reference"], "borrowed_from": os.path.relpath(borrow)}
+    result.update(compare(result, reference))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(summary_of_comparison(result) + f"; updated {path}")
@@ -449,11 +463,16 @@ def main(argv=None) -> int:
     bench.add_argument("--no-reference", action="store_true", help="skip the fault-free run")
     bench.add_argument("--reference-for", metavar="RESULT_JSON",
                        help="only run the fault-free run of a --no-reference result and add it there")
+    bench.add_argument("--reference-from", metavar="OTHER_RESULT_JSON",
+                       help="with --reference-for: take the fault-free run of another result of the same job "
+                            "(another seed) instead of running it")
     bench.add_argument("--recount", metavar="RESULT_JSON",
                        help="only recompute a result's per-fault rows and budget from its run directory")
     args = bench.parse_args(argv)
+    if args.reference_from and not args.reference_for:
+        bench.parser.error("--reference-from goes with --reference-for RESULT_JSON")
     if args.reference_for:
-        reference_for(args.reference_for)
+        reference_for(args.reference_for, args.reference_from)
         return 0
     if args.recount:
         recount(args.recount)
