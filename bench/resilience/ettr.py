@@ -399,7 +399,8 @@ def reference_for(path: str, borrow: str | None = None) -> None:
             print(f"error: {borrow} holds no fault-free run of {path}'s job ("
                   + (f"its {', '.join(differs)} differ" if differs else "it has none") + ")", file=sys.stderr)
             raise SystemExit(2)
-        reference = {**other["reference"], "borrowed_from": os.path.relpath(borrow)}
+        lender = other["reference"].get("borrowed_from") or os.path.relpath(borrow)  # the run's own file
+        reference = {**other["reference"], "borrowed_from": lender}
     result.update(compare(result, reference))
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
