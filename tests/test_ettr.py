@@ -230,6 +230,10 @@ def test_a_reference_is_borrowed_only_from_a_fault_free_run_of_the_same_job(tmp_
     assert got["reference"]["borrowed_from"] == os.path.relpath(paths["seed0"])
     assert got["final_loss_equal"] and got["fault_cost_per_fault_s"] == pytest.approx(22.5)
     assert got["goodput"] == pytest.approx(1500 * 0.6 / 1000)
+    paths["seed2"] = tmp_path / "seed2.json"  # borrowed from a borrower: still named by the run's own file
+    paths["seed2"].write_text(json.dumps(docs["drilled"]))
+    ettr.reference_for(str(paths["seed2"]), str(paths["drilled"]))
+    assert json.loads(paths["seed2"].read_text())["reference"]["borrowed_from"] == os.path.relpath(paths["seed0"])
 
 
 def test_start_up_ends_when_every_rank_trains_not_when_the_first_step_is_done(tmp_path):
