@@ -25,11 +25,14 @@ and says so in pytest's header. The README's first command runs without them (te
 the other documented commands keep them.
 """
 
+import atexit
 import contextlib
 import io
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import psutil
 
@@ -95,6 +98,20 @@ def no_process_left_behind():
     if left:
         pytest.fail(f"{len(left)} process(es) left running by this module, now killed: "
                     + "; ".join(f"pid {pid}: {command}" for pid, command in left.items()), pytrace=False)
+
+
+def pytest_configure(config):
+    """One JAX compilation cache for the trainings each test process starts, where a run of a
+    program an earlier run compiled loads it (training/compile_cache.py): set after JAX read its
+    settings, so the test process's own compilations do not use it, and not in xdist's controller,
+    whose environment its workers inherit before they import JAX (they make their own, and no two
+    processes share one). tests/supervise/test_compile_cache.py takes it out of the runs whose own
+    directory it counts."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="megascale-tests-jax-cache-")
+        atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_report_header(config):

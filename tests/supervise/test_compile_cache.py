@@ -29,11 +29,13 @@ SMALL = ["model.layers=2", "model.d_model=64", "model.seq_len=64", "train.global
          "mesh.dp=2", "mesh.tp=1", "mesh.cpu_devices=2", "train.steps=12", "train.eval_every=4",
          "checkpoint.every=4", "supervisor.heartbeat_s=0.5", "supervisor.hang_timeout_s=6"]
 COUNTS = re.compile(r"compilation cache: (\d+) hits, (\d+) misses")
+SHARED_BY_THE_SUITE = "JAX_COMPILATION_CACHE_DIR"  # conftest's: these runs count their own directory's entries
 
 
 def run_module(module, args, timeout=600):
     return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+                          env={**{k: v for k, v in os.environ.items() if k != SHARED_BY_THE_SUITE},
+                               "JAX_PLATFORMS": "cpu"})
 
 
 def entries(run_dir) -> list[str]:
@@ -112,6 +114,32 @@ def test_the_cache_is_set_for_the_block_only(tmp_path):
         assert (counts.hits, counts.misses) == (0, 1)
     assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == before
     assert len(entries(tmp_path)) == 1
+
+
+def test_a_users_jax_cache_directory_is_shared_by_runs(tmp_path):
+    """JAX_COMPILATION_CACHE_DIR (here its config value: JAX reads the variable at import): a second
+    run directory loads what the first compiled from it, each run keeps only its own store there,
+    and JAX's setting is given back."""
+    shared, x = tmp_path / "shared", jax.numpy.arange(7.0)
+    jax.config.update("jax_compilation_cache_dir", str(shared))
+    try:
+        for run, want in (("first", (0, 1)), ("second", (1, 0))):
+            with compile_cache.use(str(tmp_path / run)) as counts:
+                jax.jit(lambda x: x * 5 - 2)(x).block_until_ready()
+                assert (counts.hits, counts.misses) == want
+            assert entries(tmp_path / run) == [] and (tmp_path / run / "compile_cache" / "process-0").is_dir()
+        assert len(glob.glob(str(shared / "*-cache"))) == 1
+        assert jax.config.jax_compilation_cache_dir == str(shared)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", None)
+
+
+def test_a_cpu_job_of_several_processes_keeps_its_runs_own_directory():
+    """Its entries would serve process 0 alone (JAX keys them by process on the CPU)."""
+    where = compile_cache.jax_entries_directory
+    assert where("run/compile_cache", "/shared", "cpu", 2) == "run/compile_cache"
+    assert where("run/compile_cache", "/shared", "cpu", 1) == where("run/compile_cache", "/shared", "gpu", 8) == "/shared"
+    assert where("run/compile_cache", None, "gpu", 1) == where("run/compile_cache", "", "cpu", 1) == "run/compile_cache"
 
 
 def test_who_can_read_process_0s_entries():
