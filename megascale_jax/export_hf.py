@@ -1,4 +1,4 @@
-"""`python -m megascale_jax.export_hf RUN_DIR OUT_DIR [--step N] [--overwrite] [--max-shard-gb G]`
+"""`python -m megascale_jax.export_hf RUN_DIR OUT_DIR [--step N] [--dtype float32|bfloat16] [--overwrite] [--max-shard-gb G]`
 
 Writes a run's newest committed checkpoint (or step N) as a Hugging Face model directory that
 `transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)` and `AutoTokenizer` load with no
@@ -22,6 +22,8 @@ def parse_args(argv):
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the --run-dir of a training run")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="directory for config.json, safetensors and tokenizer")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest committed)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the weights' type: float32 (the run's own, exactly) or bfloat16 (half the size)")
     parser.add_argument("--overwrite", action="store_true", help="replace a model already in OUT_DIR")
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into shards of at most this size")
     return cli.parse(parser, argv)
@@ -37,11 +39,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from megascale_jax.interop import hf_export
 
     try:
-        done = hf_export.export(args.run_dir, args.out_dir, args.step, args.overwrite, int(args.max_shard_gb * 1e9))
+        done = hf_export.export(args.run_dir, args.out_dir, args.step, args.overwrite, int(args.max_shard_gb * 1e9),
+                                args.dtype)
     except (ConfigError, hf_export.ExportError, OSError) as e:
         return cli.user_error(e)
     print(f"exported step {done['step']} of {args.run_dir} as {done['architecture']} "
-          f"({done['parameters'] / 1e6:.2f}M parameters) to {args.out_dir}: {', '.join(done['files'])}")
+          f"({done['parameters'] / 1e6:.2f}M parameters, {args.dtype}) to {args.out_dir}: {', '.join(done['files'])}")
     return 0
 
 

@@ -167,6 +167,7 @@ def cases() -> list[tuple[str, object, list[str]]]:
         add("out of range", sample.main, "run", *(["--prompt", "x"] if "--prompt" not in argv else []), *argv)
     add("run directory", export_hf.main, "run", "a_file")
     add("run directory", export_hf.main, "run", "run")
+    add("command line", export_hf.main, "run", "hf_out", "--dtype", "float16")
     # ---- evaluate
     for name in ("missing.jsonl", "empty_choices.jsonl", "gold.jsonl", "gold_type.jsonl", "no_context.jsonl",
                  "mixed.jsonl", "list.jsonl", "empty_target.jsonl", "empty.jsonl", "broken.jsonl", "binary.jsonl",

@@ -1,7 +1,9 @@
 """A run's checkpoint as a Hugging Face model directory (`python -m megascale_jax.export_hf`).
 
-Writes `config.json` (hf_models), `model.safetensors` in float32, sharded with an index above
-`max_shard_bytes` (default 5 GB, as `save_pretrained`), and the tokenizer the run's token ids
+Writes `config.json` (hf_models), `model.safetensors` in float32 (the run's master weights,
+exactly) or bfloat16 (half the bytes: each weight rounded to nearest even, as torch's
+`.to(torch.bfloat16)` rounds it; transformers then loads the model in bfloat16), sharded with an
+index above `max_shard_bytes` (default 5 GB, as `save_pretrained`), and the tokenizer the run's token ids
 mean: `tokenizer.json` with a `tokenizer_config.json` naming transformers' generic
 `PreTrainedTokenizerFast`, so `AutoModelForCausalLM.from_pretrained(OUT_DIR)` and
 `AutoTokenizer.from_pretrained(OUT_DIR)` load it with no custom code and no network.
@@ -16,12 +18,16 @@ import json
 import os
 import sys
 
+import ml_dtypes
+import numpy as np
+
 from megascale_jax.config import ModelConfig
 from megascale_jax.interop import hf_models, hf_weights
 from megascale_jax.training import tokenizer as tokenizers_
 from megascale_jax.training import trained
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}  # what the safetensors hold
 _WRITTEN = ("config.json", hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE, "tokenizer.json", "tokenizer_config.json")
 
 
@@ -47,7 +53,7 @@ def check_target(out_dir: str, overwrite: bool) -> None:
 
 
 def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool = False,
-           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+           max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, dtype: str = "float32") -> dict:
     """Write the HF directory of a run; returns {step, architecture, files, parameters}."""
     cfg = trained.run_config(run_dir)
     try:
@@ -61,30 +67,32 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
         raise ExportError(str(e)) from None
     end = tokenizers_.run_end_of_text(run_dir, cfg)
     run = trained.load(run_dir, step, warn=lambda line: print(line, file=sys.stderr))
-    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes, end)}
+    return {"step": run.step, **write(cfg.model, run.params, out_dir, tokenizer, max_shard_bytes, end, dtype)}
 
 
 def write(model: ModelConfig, params, out_dir: str, tokenizer=None,
-          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, end: int | None = None) -> dict:
+          max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, end: int | None = None, dtype: str = "float32") -> dict:
     """config.json, the safetensors and (given a `tokenizers.Tokenizer`) the tokenizer files of
     canonical-order `params` in `out_dir`; returns {architecture, files, parameters}. `end`: the
     token that ends a document (a model's own tokenizer's EOS, e.g. Llama's `</s>`), else this
-    project's BPE's `<|endoftext|>` where the vocabulary has it."""
+    project's BPE's `<|endoftext|>` where the vocabulary has it. `dtype`: one of `DTYPES`."""
     try:
         mapping = hf_models.mapping_for(model)
     except hf_models.Unsupported as e:
         raise ExportError(str(e)) from None
+    if dtype not in DTYPES:
+        raise ExportError(f"cannot export in {dtype!r}; choose one of {', '.join(DTYPES)}")
     if end is None and tokenizer is not None:
         end = tokenizer.token_to_id(tokenizers_.END_OF_TEXT)
     # this project's BPE begins and ends documents with one token; a model's own tokenizer adds its
     # BOS itself (its post-processor, saved in tokenizer.json): only its EOS is named
     own = tokenizer.id_to_token(end) if tokenizer is not None and end is not None else None
     bpe = own == tokenizers_.END_OF_TEXT
-    tensors = hf_weights.to_hf(model, mapping, params)
+    tensors = {name: t.astype(DTYPES[dtype], copy=False) for name, t in hf_weights.to_hf(model, mapping, params).items()}
     os.makedirs(out_dir, exist_ok=True)
     files = hf_weights.write_safetensors(tensors, out_dir, max_shard_bytes)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_models.hf_config(model, bos_id=end if bpe else None, eos_id=end), f, indent=2)
+        json.dump(hf_models.hf_config(model, bos_id=end if bpe else None, eos_id=end, dtype=dtype), f, indent=2)
     if tokenizer is not None:
         tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
         special = {"bos_token": own, "eos_token": own} if bpe else {"eos_token": own} if own is not None else {}

@@ -94,8 +94,8 @@ def mapping_for(m: ModelConfig) -> Mapping:
     return mapping
 
 
-def hf_config(m: ModelConfig, bos_id: int | None = None, eos_id: int | None = None) -> dict:
-    """config.json for the HF architecture `m` is (see `mapping_for`)."""
+def hf_config(m: ModelConfig, bos_id: int | None = None, eos_id: int | None = None, dtype: str = "float32") -> dict:
+    """config.json for the HF architecture `m` is (see `mapping_for`), its weights in `dtype`."""
     mapping = mapping_for(m)
     rope = {"rope_type": "default", "rope_theta": m.rope_base}
     config: dict[str, Any] = {
@@ -104,7 +104,7 @@ def hf_config(m: ModelConfig, bos_id: int | None = None, eos_id: int | None = No
         "num_hidden_layers": m.layers, "num_attention_heads": m.heads, "num_key_value_heads": m.kv_heads,
         "max_position_embeddings": m.seq_len, "tie_word_embeddings": m.tied_embeddings,
         "rope_theta": m.rope_base,  # transformers 4 reads this; 5 reads rope_parameters (and converts this)
-        "initializer_range": 0.02, "use_cache": True, "torch_dtype": "float32",
+        "initializer_range": 0.02, "use_cache": True, "torch_dtype": dtype,  # transformers 5 also reads it as `dtype`
         "bos_token_id": bos_id, "eos_token_id": eos_id,
     }
     if mapping in (LLAMA, MISTRAL):

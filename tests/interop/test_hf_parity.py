@@ -103,6 +103,37 @@ def test_export_then_import_is_bitwise(tmp_path):
         jax.tree.map(np.testing.assert_array_equal, back, params)
 
 
+@pytest.mark.parametrize("case", ["llama_bias_tied", "phi"])
+def test_a_bfloat16_export_is_torchs_rounding_of_the_float32_one(case, tmp_path):
+    """--dtype bfloat16: every tensor is torch's own bfloat16 rounding of the float32 export's, the
+    file half its size; transformers loads the model in bfloat16 and its logits stay within
+    bfloat16's error of ours; imported back, the weights are those roundings."""
+    from safetensors.torch import load_file
+
+    cfg = model_cfg(case)
+    params = random_params(cfg, seed=5)
+    tokens = np.random.default_rng(2).integers(0, cfg.vocab, (2, SEQ))
+    hf_export.write(cfg, params, str(tmp_path / "f32"))
+    done = hf_export.write(cfg, params, str(tmp_path / "bf16"), dtype="bfloat16")
+    full, half = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("f32", "bf16"))
+    assert sorted(full) == sorted(half) and all(t.dtype == torch.float32 for t in full.values())
+    for name, t in full.items():
+        assert half[name].dtype == torch.bfloat16 and torch.equal(half[name], t.to(torch.bfloat16)), name
+    sizes = [os.path.getsize(tmp_path / d / "model.safetensors") for d in ("f32", "bf16")]
+    assert sizes[1] < 0.51 * sizes[0], sizes
+    with open(tmp_path / "bf16" / "config.json") as f:
+        assert json.load(f)["torch_dtype"] == "bfloat16"
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"), attn_implementation="eager")
+    assert model.dtype == torch.bfloat16 and model.num_parameters() == done["parameters"]
+    with torch.no_grad():
+        logits = model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+    want = ours(cfg, params, tokens)
+    assert np.abs(logits - want).max() <= 0.05 * np.abs(want).max()
+    back = hf_import.load_params(Config(model=dataclasses.replace(cfg, init_from=str(tmp_path / "bf16"))), params)
+    rounded = jax.tree.map(lambda a: torch.from_numpy(np.asarray(a)).to(torch.bfloat16).float().numpy(), params)
+    jax.tree.map(np.testing.assert_array_equal, back, rounded)
+
+
 def _random_hf_model(case: str, directory: str):
     """A transformers model with torch's own random init, saved as safetensors."""
     cfg = model_cfg(case)
