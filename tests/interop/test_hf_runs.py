@@ -194,8 +194,11 @@ def test_export_refuses_an_occupied_target_unless_overwrite(scratch, run_main):
     one_line_error(*run_main(export_hf.main, ["run_one", "hf_occupied"], scratch)[::2], "already holds a model",
                    "--overwrite")
     assert (target / "model.safetensors").stat().st_mtime_ns == before
-    code, _, err = run_main(export_hf.main, ["run_one", "hf_occupied", "--overwrite"], scratch)
-    assert code == 0, err
+    code, out, err = run_main(export_hf.main, ["run_one", "hf_occupied", "--overwrite", "--dtype", "bfloat16"], scratch)
+    assert code == 0 and "parameters, bfloat16) to hf_occupied" in out, err
+    from safetensors.torch import load_file as load_torch
+    half, full = (load_torch(str(scratch / d / "model.safetensors")) for d in ("hf_occupied", "hf_one"))
+    assert len(full) > 5 and all(torch.equal(half[name], t.to(torch.bfloat16)) for name, t in full.items())
 
 
 @pytest.mark.slow
