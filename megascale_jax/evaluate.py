@@ -1,5 +1,5 @@
 """`python -m megascale_jax.evaluate RUN_DIR --tasks PATH[,PATH...] [--step N] [--limit N]
-[--batch-size B] [--bootstrap-iters N] [--json]`
+[--num-fewshot N] [--batch-size B] [--bootstrap-iters N] [--json]`
 
 Scores a run's newest committed checkpoint (or step N) on downstream tasks exactly as
 EleutherAI's lm-evaluation-harness scores the same model exported with `export_hf`
@@ -38,6 +38,9 @@ def parse_args(argv):
                         "or lm-eval task .yaml with local data")
     parser.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest)")
     parser.add_argument("--limit", type=int, default=None, help="score only each task's first N items")
+    parser.add_argument("--num-fewshot", type=int, default=None,
+                        help="few-shot examples before each item, drawn as lm-eval draws them (default: each "
+                             "task's own num_fewshot; a .jsonl task only 0)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of model.seq_len tokens a forward (default 8)")
     parser.add_argument("--bootstrap-iters", type=int, default=100_000,
                         help="resamples for perplexity's stderr, as lm-eval's (default 100000; 0: none)")
@@ -48,6 +51,8 @@ def parse_args(argv):
 def option_error(args) -> str | None:
     if args.limit is not None and args.limit < 1:
         return f"--limit {args.limit}: score at least 1 item"
+    if args.num_fewshot is not None and args.num_fewshot < 0:
+        return f"--num-fewshot {args.num_fewshot}: must be >= 0"
     if args.batch_size < 1:
         return f"--batch-size {args.batch_size}: must be >= 1"
     if args.bootstrap_iters < 0:
@@ -57,11 +62,11 @@ def option_error(args) -> str | None:
     return None
 
 
-def prepare_all(paths: list[str], limit, tokenizer, prefix, max_length):
+def prepare_all(paths: list[str], limit, tokenizer, prefix, max_length, num_fewshot=None):
     from megascale_jax.evaluation import evaluator, requests
 
     encoder = requests.for_tokenizer(tokenizer, prefix)
-    return [evaluator.prepare(evaluator.load_task(p, limit), encoder, max_length) for p in paths]
+    return [evaluator.prepare(evaluator.load_task(p, limit, num_fewshot), encoder, max_length) for p in paths]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,11 +87,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg = trained.run_config(args.run_dir)
         tokenizer = run_tokenizer(args.run_dir, cfg)
         prefix = prefix_token(tokenizer, run_end_of_text(args.run_dir, cfg))
-        prepared = prepare_all(paths, args.limit, tokenizer, prefix, cfg.model.seq_len)
+        prepared = prepare_all(paths, args.limit, tokenizer, prefix, cfg.model.seq_len, args.num_fewshot)
         run = trained.load(args.run_dir, args.step, warn=lambda line: print(line, file=sys.stderr))
         max_length = run.cfg.model.seq_len
         if max_length != cfg.model.seq_len:  # the checkpoint's model is not config.yaml's
-            prepared = prepare_all(paths, args.limit, tokenizer, prefix, max_length)
+            prepared = prepare_all(paths, args.limit, tokenizer, prefix, max_length, args.num_fewshot)
     except (ConfigError, TokenizerError, TaskError) as e:
         return cli.user_error(e)
     score_batch = scoring.one_device_scorer(run.cfg.model, run.params)
@@ -94,7 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         print(json.dumps(table.as_json(results, max_length, run.step), indent=1))
     else:
-        print(f"{args.run_dir} step {run.step}, max length {max_length}, zero-shot")
+        shots = sorted({r.num_fewshot for r in results})
+        print(f"{args.run_dir} step {run.step}, max length {max_length}, "
+              + ("zero-shot" if shots == [0] else f"{shots[0]}-shot" if len(shots) == 1 else "n-shot as listed"))
         print(table.markdown(results, max_length), flush=True)
     return 0
 

@@ -178,7 +178,9 @@ def cases() -> list[tuple[str, object, list[str]]]:
                  ["no_checkpoint", "--tasks", "tasks/ok.jsonl"], ["metrics_only", "--tasks", "tasks/ok.jsonl"],
                  ["run", "--tasks", "tasks/ok.jsonl", "--step", "7"], ["run", "--tasks", ","],
                  ["run", "--tasks", "tasks/ok.jsonl", "--batch-size", "0"], ["run", "--tasks", "tasks/ok.jsonl", "--limit", "-3"],
-                 ["run", "--tasks", "tasks/ok.jsonl", "--bootstrap-iters", "-1"], ["run"], ["--tasks", "tasks/ok.jsonl"]):
+                 ["run", "--tasks", "tasks/ok.jsonl", "--bootstrap-iters", "-1"], ["run"], ["--tasks", "tasks/ok.jsonl"],
+                 ["run", "--tasks", "tasks/ok.jsonl", "--num-fewshot", "-1"],
+                 ["run", "--tasks", "tasks/ok.jsonl", "--num-fewshot", "2"]):
         add("evaluate", evaluate.main, *argv)
     for damaged in ("damaged_run", "no_meta_run"):
         add("checkpoint", evaluate.main, damaged, "--tasks", "tasks/ok.jsonl")

@@ -36,16 +36,18 @@ class TaskResult:
     requests: int
     truncated: int
     loglikelihoods: list  # per item: its choices' log-likelihoods (multiple choice) or its own
+    num_fewshot: int = 0
 
 
-def load_task(path: str, limit: int | None = None) -> tasks.Task:
-    """A task from a `.jsonl` file (the schema above) or an lm-eval task `.yaml`."""
+def load_task(path: str, limit: int | None = None, num_fewshot: int | None = None) -> tasks.Task:
+    """A task from a `.jsonl` file (the schema above) or an lm-eval task `.yaml`; `num_fewshot`
+    overrides a YAML task's own; a JSONL task draws its examples from its own items."""
     if not os.path.isfile(path):
         raise tasks.TaskError(f"task file {path} does not exist; pass a .jsonl task file or an lm-eval task .yaml")
     if path.endswith((".yaml", ".yml")):
-        return lm_eval_yaml.load(path, limit)
+        return lm_eval_yaml.load(path, limit, num_fewshot)
     if path.endswith((".jsonl", ".json")):
-        return tasks.load_jsonl(path, limit)
+        return lm_eval_yaml.with_examples(tasks.load_jsonl(path, limit), path, num_fewshot or 0)
     raise tasks.TaskError(f"task file {path}: unknown format; pass a .jsonl task file or an lm-eval task .yaml/.yml")
 
 
@@ -71,4 +73,4 @@ def score(prepared: Prepared, score_batch: batching.ScoreBatch, batch_size: int,
     lls = per_item if task.output_type == MULTIPLE_CHOICE else [sum(v) for v in per_item]
     return TaskResult(task.name, task.version, task.output_type,
                       metrics.aggregate(task, lls, greedy_item, bootstrap_iters), len(task.items),
-                      len(prepared.requests), prepared.truncated, lls)
+                      len(prepared.requests), prepared.truncated, lls, task.num_fewshot)

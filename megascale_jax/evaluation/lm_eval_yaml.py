@@ -15,20 +15,31 @@ The same file then runs in both: `lm_eval --model hf --include_path DIR --tasks 
   template, rendered with lm-eval's environment (StrictUndefined, trailing newline kept, its
   `regex_replace` filter). A rendered target of digits is the gold index when the task has
   choices; a rendered choice list is a Python literal (`ast.literal_eval`).
-* the context is `description` + doc_to_text (zero-shot: no few-shot examples, no chat template),
-  a choice's continuation `target_delimiter` (default " ") + the choice; a loglikelihood
+* the context is `description` + the few-shot examples + doc_to_text (no chat template), a
+  choice's continuation `target_delimiter` (default " ") + the choice; a loglikelihood
   request's continuation is doc_to_target as rendered, with no delimiter; a rolling request's
-  text is doc_to_target.
+  text is doc_to_target (its few-shot examples are never used).
+* few-shot (`num_fewshot`, or `--num-fewshot` as lm-eval's `--num_fewshot`; `with_examples` for
+  this project's JSONL tasks, as the YAML of `JSONL_FIELDS` with `fewshot_split: test`): each
+  example is doc_to_text + target_delimiter + its answer (the gold choice's text, or
+  doc_to_target) + fewshot_delimiter (default two newlines). They come from `fewshot_config`'s
+  `split` or its `samples`, else `fewshot_split`, else the training split, the validation split,
+  the test split in that order (`Task.fewshot_docs`); drawn by `random.Random(1234)` (the
+  evaluator's `fewshot_random_seed`), one draw a scored item in the items' order: `rnd.sample`
+  of n, or of n + 1 less the scored item where the few-shot split is named and is the test split
+  (`ContextSampler.sample`), or the first n (`sampler: first_n`).
 
-What would need Python from the task's directory (`!function`, process_docs) or few-shot
-sampling is refused with the key that needs it, before anything is scored.
+What would need Python from the task's directory (`!function`, process_docs) or generation is
+refused with the key that needs it, before anything is scored.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import os
+import random
 
 import yaml
 
@@ -41,7 +52,11 @@ AGGREGATION = {"acc": "mean", "acc_norm": "mean", "acc_bytes": "mean", "perplexi
                "bits_per_byte": "bits_per_byte"}
 # keys whose meaning needs the task's own Python, few-shot sampling or generation
 UNSUPPORTED = ("process_docs", "process_results", "custom_dataset", "doc_to_image", "doc_to_audio", "gen_prefix",
-               "use_prompt", "fewshot_config")
+               "use_prompt")
+FEWSHOT_SEED = 1234  # lm-eval's DEFAULT_OTHER_SEED, simple_evaluate's fewshot_random_seed
+# fewshot_config's keys this loader does as lm-eval does (FewshotConfig); the others need Python
+FEWSHOT_KEYS = ("sampler", "split", "samples", "fewshot_delimiter", "target_delimiter", "doc_to_text",
+                "doc_to_choice", "doc_to_target")
 
 
 class _Function:
@@ -86,15 +101,15 @@ def read_config(path: str, seen: frozenset = frozenset()) -> dict:
     return merged
 
 
-def data_file(path: str, cfg: dict) -> str:
-    """The local file holding the task's evaluation split."""
+def data_file(path: str, cfg: dict, split: str | None = None) -> str:
+    """The local file holding the task's evaluation split (or `split`)."""
     if cfg.get("dataset_path") != "json":
         raise TaskError(f"{path}: dataset_path {cfg.get('dataset_path')!r} is not local; nothing is downloaded: use "
                         "dataset_path: json with dataset_kwargs: {data_files: {test: FILE.jsonl}}")
     files = (cfg.get("dataset_kwargs") or {}).get("data_files")
     if files is None:
         raise TaskError(f"{path}: dataset_kwargs.data_files is missing; name the local .jsonl file")
-    split = cfg.get("test_split") or cfg.get("validation_split")
+    split = split or cfg.get("test_split") or cfg.get("validation_split")
     if split is None:
         raise TaskError(f"{path}: neither test_split nor validation_split is set; name the split to evaluate")
     if not isinstance(files, dict):
@@ -232,8 +247,17 @@ def check_supported(path: str, cfg: dict) -> str:
         if cfg.get(key) is not None:
             raise TaskError(f"{path}: {key} is not supported (it needs the task's own Python code, few-shot "
                             "sampling or generation); remove it or pre-process the data file")
-    if (cfg.get("num_fewshot") or 0) != 0:
-        raise TaskError(f"{path}: num_fewshot {cfg['num_fewshot']}: only zero-shot is supported")
+    shots = cfg.get("num_fewshot")
+    if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
+        raise TaskError(f"{path}: num_fewshot {shots!r} must be a whole number >= 0")
+    fewshot = cfg.get("fewshot_config")
+    if fewshot is not None and not isinstance(fewshot, dict):
+        raise TaskError(f"{path}: fewshot_config must be a mapping of keys ({', '.join(FEWSHOT_KEYS)})")
+    for key in fewshot or {}:
+        if key not in FEWSHOT_KEYS:
+            raise TaskError(f"{path}: fewshot_config.{key} is not supported; supported: {', '.join(FEWSHOT_KEYS)}")
+    if (fewshot or {}).get("sampler", "default") not in ("default", "first_n"):
+        raise TaskError(f"{path}: fewshot_config.sampler {fewshot['sampler']!r}: lm-eval's are default and first_n")
     if (cfg.get("repeats") or 1) != 1:
         raise TaskError(f"{path}: repeats {cfg['repeats']}: only 1 is supported")
     if output_type == MULTIPLE_CHOICE and cfg.get("doc_to_choice") is None:
@@ -241,14 +265,15 @@ def check_supported(path: str, cfg: dict) -> str:
     return output_type
 
 
-def item(cfg: dict, output_type: str, doc: dict, where: str) -> task_types.Item:
+def item(cfg: dict, output_type: str, doc: dict, where: str, examples: str = "") -> task_types.Item:
+    """The scored item of `doc`; `examples`: its few-shot examples, as `fewshot_text` writes them."""
     if output_type == ROLLING:
         document = target(cfg, doc, where)
         if not isinstance(document, str):
             raise TaskError(f"{where}: doc_to_target gives {document!r}, not the text to score")
         return task_types.Document(document)
     description = cfg.get("description") or ""
-    context = (render(description, doc, where, "description") if description else "") + text(cfg, doc, where)
+    context = (render(description, doc, where, "description") if description else "") + examples + text(cfg, doc, where)
     if output_type == LOGLIKELIHOOD:
         continuation = target(cfg, doc, where)
         if not isinstance(continuation, str):
@@ -258,15 +283,106 @@ def item(cfg: dict, output_type: str, doc: dict, where: str) -> task_types.Item:
     return task_types.choice_item(where, context, choices(cfg, doc, where), target(cfg, doc, where), delimiter)
 
 
-def load(path: str, limit: int | None = None) -> task_types.Task:
+def fewshot_pool(path: str, cfg: dict) -> tuple[list[tuple[str, dict]], str | None]:
+    """(the docs few-shot examples are drawn from, the split lm-eval's FewshotConfig names or
+    None): fewshot_config's split, else its samples, else fewshot_split, else the training,
+    validation, test split (ConfigurableTask.fewshot_docs, Task.fewshot_docs)."""
+    own = cfg.get("fewshot_config") or {}
+    split = own.get("split", cfg.get("fewshot_split"))
+    if split is None and own.get("samples") is not None:
+        samples = own["samples"]
+        if not isinstance(samples, list) or not all(isinstance(d, dict) for d in samples):
+            raise TaskError(f"{path}: fewshot_config.samples must be a list of mappings (documents)")
+        return [(f"{path}: fewshot_config.samples[{i}]", d) for i, d in enumerate(samples)], None
+    fallback = cfg.get("training_split") or cfg.get("validation_split") or cfg.get("test_split")
+    return read_docs(data_file(path, cfg, split or fallback)), split
+
+
+def fewshot_text(cfg: dict, examples: list[tuple[str, dict]]) -> str:
+    """The examples as lm-eval's fewshot_context writes them (build_qa_turn, no gen_prefix): each
+    doc_to_text + target_delimiter + its answer + fewshot_delimiter."""
+    own = {**cfg, **(cfg.get("fewshot_config") or {})}
+    out = []
+    for where, doc in examples:
+        q = text(own, doc, where)
+        a = target(own, doc, where)
+        c = choices(own, doc, where) if own.get("doc_to_choice") is not None else None
+        if a is None or a == "":
+            out.append(q)
+            continue
+        answer = c[a] if (c and isinstance(a, int)) else a[0] if isinstance(a, list) else a
+        if not isinstance(answer, str):
+            raise TaskError(f"{where}: the few-shot example's answer is {answer!r}, not a string")
+        out.append(q + own.get("target_delimiter", " ") + answer + own.get("fewshot_delimiter", "\n\n"))
+    return "".join(out)
+
+
+def draw_examples(pool: list[tuple[str, dict]], n: int, eval_doc: dict | None, rnd: random.Random,
+                  first_n: bool) -> list[tuple[str, dict]]:
+    """lm-eval's ContextSampler.sample (or FirstNSampler's), over (where, doc) pairs."""
+    docs = [doc for _, doc in pool]
+    if first_n:
+        kept = [i for i, d in enumerate(docs) if eval_doc is None or d != eval_doc]
+        if n > len(kept):
+            raise TaskError(f"{pool[0][0] if pool else 'the few-shot split'}: {n} few-shot examples asked for, "
+                            f"{len(kept)} available")
+        return [pool[i] for i in kept[:n]]
+    index = list(range(len(docs)))
+    if eval_doc is None:
+        return [pool[i] for i in rnd.sample(index, n)]
+    drawn = [i for i in rnd.sample(index, n + 1) if docs[i] != eval_doc][:n]
+    if len(drawn) < n:  # the pool holds the scored doc more than once: draw again without any copy
+        drawn = rnd.sample([i for i in index if docs[i] != eval_doc], n)
+    return [pool[i] for i in drawn]
+
+
+def load(path: str, limit: int | None = None, num_fewshot: int | None = None) -> task_types.Task:
+    """The task of an lm-eval YAML; `num_fewshot` overrides its own (lm-eval's --num_fewshot)."""
     cfg = read_config(path)
+    if num_fewshot is not None:
+        cfg["num_fewshot"] = num_fewshot
     output_type = check_supported(path, cfg)
     reported = metrics(path, cfg, output_type)
     docs = read_docs(data_file(path, cfg))
     if not docs:
         raise TaskError(f"{path}: the task's data file has no items")
-    items = tuple(item(cfg, output_type, doc, where) for where, doc in docs[:limit])
+    shots = cfg.get("num_fewshot") or 0
+    examples = [""] * len(docs[:limit])
+    if shots and output_type != ROLLING:
+        pool, split = fewshot_pool(path, cfg)
+        # the scored doc is kept out only where the few-shot split is named and is the test split
+        exclude = split == cfg.get("test_split")
+        if len(pool) < shots + exclude:
+            raise TaskError(f"{path}: num_fewshot {shots} but the few-shot split has {len(pool)} documents")
+        rnd, first_n = random.Random(FEWSHOT_SEED), (cfg.get("fewshot_config") or {}).get("sampler") == "first_n"
+        examples = [fewshot_text(cfg, draw_examples(pool, shots, doc if exclude else None, rnd, first_n))
+                    for _, doc in docs[:limit]]
+    items = tuple(item(cfg, output_type, doc, where, shown) for (where, doc), shown in zip(docs[:limit], examples))
     name = cfg.get("task") or os.path.splitext(os.path.basename(path))[0]
     version = (cfg.get("metadata") or {}).get("version", "Yaml")  # lm-eval's ConfigurableTask.VERSION
     return task_types.Task(str(name), output_type, reported, items, str(version),
-                           tuple(where for where, _ in docs[:limit]))
+                           tuple(where for where, _ in docs[:limit]), shots)
+
+
+# A task of this project's JSONL schema read as the lm-eval YAML it is scored as (evaluation.tasks),
+# its few-shot examples drawn from its own file, each item's own left out (fewshot_split: test).
+JSONL_FIELDS = {MULTIPLE_CHOICE: {"doc_to_text": "context", "doc_to_choice": "choices", "doc_to_target": "gold"},
+                LOGLIKELIHOOD: {"doc_to_text": "context", "doc_to_target": "target"}}
+
+
+def with_examples(task: task_types.Task, path: str, shots: int) -> task_types.Task:
+    """A JSONL `task` (read from `path`, already checked) with `shots` examples before each item,
+    as lm-eval would give the YAML `JSONL_FIELDS` names with `fewshot_split: test`."""
+    if not shots or task.output_type == ROLLING:
+        return dataclasses.replace(task, num_fewshot=shots)
+    cfg = {**JSONL_FIELDS[task.output_type], "test_split": "test", "fewshot_split": "test"}
+    pool = read_docs(path)
+    if len(pool) < shots + 1:
+        raise TaskError(f"{path}: {shots} few-shot examples asked for, but the file has {len(pool)} items "
+                        "(each item's own is left out)")
+    rnd = random.Random(FEWSHOT_SEED)
+    items = []
+    for item, (_, doc) in zip(task.items, pool):
+        examples = fewshot_text(cfg, draw_examples(pool, shots, doc, rnd, first_n=False))
+        items.append(dataclasses.replace(item, context=examples + item.context))
+    return dataclasses.replace(task, items=tuple(items), num_fewshot=shots)

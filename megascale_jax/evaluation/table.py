@@ -21,7 +21,7 @@ def table_rows(results: Sequence[TaskResult]) -> list[list[str]]:
         for name in sorted(result.metrics):
             value, stderr = result.metrics[name]
             arrow = "↑" if HIGHER_IS_BETTER[name] else "↓"
-            rows.append([task, version, "none", "0", name, arrow, f"{value:.4f}", "±",
+            rows.append([task, version, "none", str(result.num_fewshot), name, arrow, f"{value:.4f}", "±",
                          "   N/A" if stderr is None else f"{stderr:.4f}"])
             task = version = ""
     return rows
@@ -47,7 +47,8 @@ def markdown(results: Sequence[TaskResult], max_length: int) -> str:
 
 def as_json(results: Sequence[TaskResult], max_length: int, step: int) -> dict:
     """lm-eval's results layout ("acc,none", "acc_stderr,none"), plus what it only logs."""
-    out = {"step": step, "max_length": max_length, "results": {}, "truncated": {}}
+    out = {"step": step, "max_length": max_length, "results": {}, "n-shot": {r.name: r.num_fewshot for r in results},
+           "truncated": {}}
     for r in results:
         entry = {"alias": r.name, "samples": r.items}
         for name, (value, stderr) in r.metrics.items():

@@ -98,7 +98,9 @@ def test_yaml_lambada_and_rolling(tmp_path):
     ("output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: '{{missing}}'\n",
      "t_data.jsonl:1: doc_to_target '{{missing}}': 'missing' is undefined"),
     ("output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: g\nnum_fewshot: 5\n",
-     "only zero-shot"),
+     "num_fewshot 5 but the few-shot split has 1 documents"),
+    ("output_type: multiple_choice\ndoc_to_text: q\ndoc_to_choice: c\ndoc_to_target: g\nnum_fewshot: 1\n"
+     "fewshot_config:\n  fewshot_indices: [0]\n", "fewshot_config.fewshot_indices is not supported"),
     ("output_type: [unclosed\n", r"t.yaml:\d+: not valid YAML"),
 ])
 def test_yaml_mistakes(tmp_path, body, message):
