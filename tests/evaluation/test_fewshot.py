@@ -90,36 +90,36 @@ def write_task(directory, name: str) -> str:
     return str(yaml)
 
 
+def their_requests(task, num_fewshot: int | None) -> list[list[tuple]]:
+    """lm-eval's requests for `task`, per doc: (context, continuation) each, as simple_evaluate
+    makes them (its num_fewshot set over the YAML's, its few-shot seed 1234)."""
+    if num_fewshot is not None:
+        task.set_config(key="num_fewshot", value=num_fewshot)
+    task.set_fewshot_seed(seed=1234)
+    task.build_all_requests(rank=0, world_size=1)
+    requests = {}
+    for instance in task.instances:
+        requests.setdefault(instance.doc_id, []).append(tuple(instance.arguments))
+    return [requests[i] for i in sorted(requests)]
+
+
 @pytest.fixture(scope="module")
 def their_tasks(tmp_path_factory):
-    """name -> (our task, lm-eval's requests: per doc, the (context, continuation) of each)."""
+    """name -> (our task, lm-eval's requests for the same file)."""
     directory = tmp_path_factory.mktemp("fewshot")
-    paths = {name: write_task(directory, name) for name in CASES}
+    yamls = {name: write_task(directory, name) for name in CASES}
+    jsonl = {name: write_jsonl_task(directory, name)[0] for name in JSONL}
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     from lm_eval.tasks import TaskManager, get_task_dict
 
-    jsonl = {name: write_jsonl_task(directory, name) for name in JSONL}
     tasks = get_task_dict([*CASES, *JSONL], TaskManager(include_path=str(directory)))
     out = {}
     for name, task in tasks.items():
         if name in JSONL:
-            task.set_fewshot_seed(seed=1234)
-            task.build_all_requests(rank=0, world_size=1)
-            requests = {}
-            for instance in task.instances:
-                requests.setdefault(instance.doc_id, []).append(tuple(instance.arguments))
-            ours = evaluator.load_task(jsonl[name][0], num_fewshot=JSONL[name][2])
-            out[name] = (ours, [requests[i] for i in sorted(requests)])
-            continue
-        override = CASES[name][2]
-        if override is not None:
-            task.set_config(key="num_fewshot", value=override)  # simple_evaluate's num_fewshot
-        task.set_fewshot_seed(seed=1234)
-        task.build_all_requests(rank=0, world_size=1)
-        requests = {}
-        for instance in task.instances:
-            requests.setdefault(instance.doc_id, []).append(tuple(instance.arguments))
-        out[name] = (lm_eval_yaml.load(paths[name], num_fewshot=override), [requests[i] for i in sorted(requests)])
+            out[name] = (evaluator.load_task(jsonl[name], num_fewshot=JSONL[name][2]), their_requests(task, None))
+        else:
+            override = CASES[name][2]
+            out[name] = (lm_eval_yaml.load(yamls[name], num_fewshot=override), their_requests(task, override))
     return out
 
 
