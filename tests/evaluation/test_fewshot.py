@@ -123,6 +123,8 @@ def their_tasks(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # lm-eval and datasets loading nine tasks: ~5 s once
+@pytest.mark.xdist_group("fewshot")  # one worker builds the fixture
 @pytest.mark.parametrize("name", sorted(CASES) + sorted(JSONL))
 def test_every_request_is_lm_evals_own(their_tasks, name):
     ours, theirs = their_tasks[name]
