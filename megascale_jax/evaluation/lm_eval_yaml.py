@@ -50,7 +50,7 @@ from megascale_jax.evaluation.tasks import LOGLIKELIHOOD, MULTIPLE_CHOICE, OUTPU
 AGGREGATION = {"acc": "mean", "acc_norm": "mean", "acc_bytes": "mean", "perplexity": "perplexity",
                "word_perplexity": "weighted_perplexity", "byte_perplexity": "weighted_perplexity",
                "bits_per_byte": "bits_per_byte"}
-# keys whose meaning needs the task's own Python, few-shot sampling or generation
+# keys whose meaning needs the task's own Python or generation
 UNSUPPORTED = ("process_docs", "process_results", "custom_dataset", "doc_to_image", "doc_to_audio", "gen_prefix",
                "use_prompt")
 FEWSHOT_SEED = 1234  # lm-eval's DEFAULT_OTHER_SEED, simple_evaluate's fewshot_random_seed
@@ -245,8 +245,8 @@ def check_supported(path: str, cfg: dict) -> str:
         raise TaskError(f"{path}: output_type {output_type!r} is not supported; supported: {', '.join(OUTPUT_TYPES)}")
     for key in UNSUPPORTED:
         if cfg.get(key) is not None:
-            raise TaskError(f"{path}: {key} is not supported (it needs the task's own Python code, few-shot "
-                            "sampling or generation); remove it or pre-process the data file")
+            raise TaskError(f"{path}: {key} is not supported (it needs the task's own Python code or "
+                            "generation); remove it or pre-process the data file")
     shots = cfg.get("num_fewshot")
     if shots is not None and (isinstance(shots, bool) or not isinstance(shots, int) or shots < 0):
         raise TaskError(f"{path}: num_fewshot {shots!r} must be a whole number >= 0")
@@ -319,20 +319,19 @@ def fewshot_text(cfg: dict, examples: list[tuple[str, dict]]) -> str:
 
 def draw_examples(pool: list[tuple[str, dict]], n: int, eval_doc: dict | None, rnd: random.Random,
                   first_n: bool) -> list[tuple[str, dict]]:
-    """lm-eval's ContextSampler.sample (or FirstNSampler's), over (where, doc) pairs."""
-    docs = [doc for _, doc in pool]
+    """lm-eval's ContextSampler.sample (or FirstNSampler's), over (where, doc) pairs: the same
+    draws, as `random.sample` picks by position."""
     if first_n:
-        kept = [i for i, d in enumerate(docs) if eval_doc is None or d != eval_doc]
+        kept = [pair for pair in pool if eval_doc is None or pair[1] != eval_doc]
         if n > len(kept):
             raise TaskError(f"{pool[0][0] if pool else 'the few-shot split'}: {n} few-shot examples asked for, "
                             f"{len(kept)} available")
-        return [pool[i] for i in kept[:n]]
-    index = list(range(len(docs)))
+        return kept[:n]
     if eval_doc is None:
-        return [pool[i] for i in rnd.sample(index, n)]
-    drawn = [i for i in rnd.sample(index, n + 1) if docs[i] != eval_doc][:n]
+        return [pool[i] for i in rnd.sample(range(len(pool)), n)]
+    drawn = [i for i in rnd.sample(range(len(pool)), n + 1) if pool[i][1] != eval_doc][:n]
     if len(drawn) < n:  # the pool holds the scored doc more than once: draw again without any copy
-        drawn = rnd.sample([i for i in index if docs[i] != eval_doc], n)
+        drawn = rnd.sample([i for i, (_, doc) in enumerate(pool) if doc != eval_doc], n)
     return [pool[i] for i in drawn]
 
 
@@ -382,7 +381,7 @@ def with_examples(task: task_types.Task, path: str, shots: int) -> task_types.Ta
                         "(each item's own is left out)")
     rnd = random.Random(FEWSHOT_SEED)
     items = []
-    for item, (_, doc) in zip(task.items, pool):
+    for scored, (_, doc) in zip(task.items, pool):
         examples = fewshot_text(cfg, draw_examples(pool, shots, doc, rnd, first_n=False))
-        items.append(dataclasses.replace(item, context=examples + item.context))
+        items.append(dataclasses.replace(scored, context=examples + scored.context))
     return dataclasses.replace(task, items=tuple(items), num_fewshot=shots)
