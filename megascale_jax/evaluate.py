@@ -40,7 +40,7 @@ def parse_args(argv):
     parser.add_argument("--limit", type=int, default=None, help="score only each task's first N items")
     parser.add_argument("--num-fewshot", type=int, default=None,
                         help="few-shot examples before each item, drawn as lm-eval draws them (default: each "
-                             "task's own num_fewshot; a .jsonl task only 0)")
+                             "task's own num_fewshot, 0 for a .jsonl task, whose examples come from its own items)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows of model.seq_len tokens a forward (default 8)")
     parser.add_argument("--bootstrap-iters", type=int, default=100_000,
                         help="resamples for perplexity's stderr, as lm-eval's (default 100000; 0: none)")

@@ -10,7 +10,9 @@ finds all of them, and nothing grows outside the run.
 A cache shared by runs. Where the user set JAX's own `JAX_COMPILATION_CACHE_DIR` (or
 `jax_compilation_cache_dir` before calling `main`), JAX's entries go there instead, so a new run
 of a program another run compiled loads it (tiny_cpu's first 6 steps: 7.3-7.8 s, then 5.4-5.8 s with
-every entry a hit; a gpt_1b step compiles for ~40 s on an H200). Not in a CPU job of several
+every entry a hit; gpt_1b's step takes 30-50 s to compile for an H200 on this project's 2-core CPU
+machine, tests/aot). A corrupt entry there discards every entry, as in the run's own directory
+(below). Not in a CPU job of several
 processes, whose entries serve process 0 only (below): it keeps the run's own directory. JAX's
 other settings of that directory stay the user's: with `JAX_COMPILATION_CACHE_MAX_SIZE` JAX evicts
 the least recently used entries past it and locks the directory around each read and write (every
