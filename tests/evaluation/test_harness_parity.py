@@ -4,7 +4,8 @@ exported with `export_hf`, scored by lm-eval's HFLM (in this process, CPU, float
 seeded RNG, contexts up to ~10x model.seq_len (left truncation), some ending in whitespace, one
 empty, choices with non-ASCII characters (acc_norm's characters vs bytes). Asserted: the same
 choice picked for every item, acc/acc_norm equal, every log-likelihood within 1e-4 relative, the
-aggregates and perplexity's bootstrap stderr equal to lm-eval's, truncation counted."""
+aggregates and perplexity's bootstrap stderr equal to lm-eval's, truncation counted; and the
+same again two-shot (`--num-fewshot 2` against lm-eval's `num_fewshot=2`)."""
 
 import json
 import os
@@ -109,7 +110,7 @@ def their_lls(theirs, task):
             for s in samples]
 
 
-def our_lls(cwd, task):
+def our_lls(cwd, task, num_fewshot=None):
     """Per item log-likelihoods from the library (the CLI prints only aggregates)."""
     from megascale_jax.evaluation import evaluator, requests, scoring
     from megascale_jax.training import trained
@@ -118,7 +119,8 @@ def our_lls(cwd, task):
     run = trained.load(str(cwd / "run"))
     tokenizer = run_tokenizer(str(cwd / "run"), run.cfg)
     encoder = requests.for_tokenizer(tokenizer, tokenizer.token_to_id(END_OF_TEXT))
-    prepared = evaluator.prepare(evaluator.load_task(str(cwd / "tasks" / f"{task}.yaml")), encoder, SEQ_LEN)
+    prepared = evaluator.prepare(evaluator.load_task(str(cwd / "tasks" / f"{task}.yaml"), num_fewshot=num_fewshot),
+                                 encoder, SEQ_LEN)
     result = evaluator.score(prepared, scoring.one_device_scorer(run.cfg.model, run.params), 8, SEQ_LEN, 0)
     return result.loglikelihoods, prepared
 
@@ -173,3 +175,30 @@ def test_requests_are_lm_evals_and_truncation_is_counted(scored):
         assert [(list(r.context), list(r.continuation)) for r in prepared.requests] == theirs
         longer = sum(len(c) + len(k) > hflm.max_length + 1 for c, k in theirs)
         assert ours["truncated"][task] == {"requests": len(theirs), "truncated": longer} and longer > 0
+
+
+def test_two_shot_scores_are_lm_evals(scored, run_main):
+    """`--num-fewshot 2` (lm-eval's `num_fewshot=2`): the same examples before every item
+    (tests/evaluation/test_fewshot.py holds the texts), so the same log-likelihoods within 1e-4,
+    the same choice picked, acc and acc_norm equal, on the multiple-choice and LAMBADA-style tasks."""
+    _, _, hflm, cwd = scored
+    tasks = ["par_mc", "par_lambada"]
+    code, out, err = run_main(evaluate.main, ["run", "--tasks", ",".join(f"tasks/{t}.yaml" for t in tasks), "--json",
+                                              "--num-fewshot", "2", "--bootstrap-iters", "0"], cwd)
+    assert code == 0, err
+    ours = json.loads(out)
+    from lm_eval.tasks import TaskManager
+
+    theirs = lm_eval.simple_evaluate(model=hflm, tasks=tasks, task_manager=TaskManager(include_path=str(cwd / "tasks")),
+                                     num_fewshot=2, log_samples=True, bootstrap_iters=0)
+    assert ours["n-shot"] == {t: 2 for t in tasks} and all(theirs["n-shot"][t] == 2 for t in tasks)
+    for task in tasks:
+        mine, prepared = our_lls(cwd, task, num_fewshot=2)
+        other = their_lls(theirs, task)
+        assert all("\n\n" in item.context for item in prepared.task.items)  # the examples are there
+        for a, b in zip(mine, other):
+            np.testing.assert_allclose(a, b[0] if task == "par_lambada" else b, rtol=1e-4)
+            if task == "par_mc":
+                assert np.argmax(a) == np.argmax(b)
+        for metric in ("acc", "acc_norm") if task == "par_mc" else ("acc",):
+            assert ours["results"][task][f"{metric},none"] == theirs["results"][task][f"{metric},none"]
