@@ -47,7 +47,8 @@ def load_task(path: str, limit: int | None = None, num_fewshot: int | None = Non
     if path.endswith((".yaml", ".yml")):
         return lm_eval_yaml.load(path, limit, num_fewshot)
     if path.endswith((".jsonl", ".json")):
-        return lm_eval_yaml.with_examples(tasks.load_jsonl(path, limit), path, num_fewshot or 0)
+        task = tasks.load_jsonl(path, limit)
+        return lm_eval_yaml.with_examples(task, path, num_fewshot) if num_fewshot else task
     raise tasks.TaskError(f"task file {path}: unknown format; pass a .jsonl task file or an lm-eval task .yaml/.yml")
 
 

@@ -370,9 +370,11 @@ JSONL_FIELDS = {MULTIPLE_CHOICE: {"doc_to_text": "context", "doc_to_choice": "ch
 
 
 def with_examples(task: task_types.Task, path: str, shots: int) -> task_types.Task:
-    """A JSONL `task` (read from `path`, already checked) with `shots` examples before each item,
-    as lm-eval would give the YAML `JSONL_FIELDS` names with `fewshot_split: test`."""
-    if not shots or task.output_type == ROLLING:
+    """A JSONL `task` (read from `path`, already checked) with `shots` (> 0) examples before each
+    item, as lm-eval would give the YAML `JSONL_FIELDS` names with `fewshot_split: test`. The file
+    is read again for its raw documents: the examples' answers are rendered from them, as lm-eval
+    renders them, not from the checked items."""
+    if task.output_type == ROLLING:  # a rolling document's score has no context to put them in
         return dataclasses.replace(task, num_fewshot=shots)
     cfg = {**JSONL_FIELDS[task.output_type], "test_split": "test", "fewshot_split": "test"}
     pool = read_docs(path)

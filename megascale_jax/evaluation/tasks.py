@@ -76,7 +76,7 @@ class Task:
     items: tuple[Item, ...]
     version: str | None = None
     locations: tuple[str, ...] = ()  # file:line of each item, for messages
-    num_fewshot: int = 0  # the examples already in each item's context (lm-eval YAML tasks)
+    num_fewshot: int = 0  # the few-shot examples already in each item's context (lm_eval_yaml)
 
     def where(self, i: int) -> str:
         return self.locations[i] if i < len(self.locations) else f"{self.name}: item {i + 1}"
